@@ -1,0 +1,131 @@
+"""Startup agreement: one exchange that tells every rank whether every rank is ready.
+
+[Note: startup agreement]
+A collective whose size or order differs between ranks corrupts one rank and hangs or
+crashes another. So before dlo issues its first weight collective, each rank prepares
+everything locally (layouts, manifest, host shards, pinning, slots), catching its own
+failure instead of raising, and then publishes one small record: whether it succeeded (and
+why not), the digest of its manifest, the ranks of its weight groups and the blocks it could
+not pin. Every rank reads every record and applies the same pure :func:`decide`, so every
+rank reaches the same verdict and either all proceed or all roll back locally and raise the
+same error. No weight collective is issued before the verdict.
+
+The exchange goes through the default process group's key-value store (a TCPStore under
+torchrun) rather than a collective: waiting on keys has a timeout and tells exactly which
+ranks never arrived, so a rank that never calls enable produces an error naming it instead
+of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from dlo.errors import OffloadError
+
+
+@dataclass
+class RankReport:
+    """What one rank says at the agreement."""
+
+    rank: int
+    ok: bool
+    error: str = ""
+    digest: str = ""
+    groups: tuple[tuple[int, ...], ...] = ()
+    unpinned_blocks: tuple[str, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    message: str
+    fallback_blocks: tuple[str, ...] = ()
+    """Blocks every rank keeps pageable (``whole_block_fallback``)."""
+
+
+def decide(reports: list[RankReport], *, pin_failure_policy: str) -> Verdict:
+    """The group-wide verdict (pure; every rank computes the same one)."""
+    failed = [r for r in reports if not r.ok]
+    if failed:
+        detail = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
+        return Verdict(False, f"enable failed on rank(s) {[r.rank for r in failed]}: {detail}")
+    digests = {r.digest for r in reports}
+    if len(digests) > 1:
+        by_digest: dict[str, list[int]] = {}
+        for r in reports:
+            by_digest.setdefault(r.digest, []).append(r.rank)
+        groups = sorted(by_digest.values())
+        return Verdict(
+            False,
+            "ranks built different block manifests (model weights' names, shapes, dtypes or "
+            f"order differ): ranks grouped by manifest {groups}",
+        )
+    layouts = {r.groups for r in reports}
+    if len(layouts) > 1:
+        return Verdict(
+            False,
+            "ranks disagree on dlo's weight groups: "
+            + "; ".join(f"rank {r.rank}: {list(r.groups)}" for r in reports),
+        )
+    unpinned = sorted({b for r in reports for b in r.unpinned_blocks})
+    if unpinned:
+        ranks = [r.rank for r in reports if r.unpinned_blocks]
+        if pin_failure_policy == "fail":
+            return Verdict(
+                False,
+                f"pinning failed or exceeded pin_budget_gb on rank(s) {ranks} for blocks "
+                f"{unpinned[:8]}{'...' if len(unpinned) > 8 else ''} (pin_failure_policy='fail';"
+                " set 'whole_block_fallback' to keep them pageable)",
+            )
+        return Verdict(True, "", tuple(unpinned))
+    return Verdict(True, "")
+
+
+_GENERATION = itertools.count()
+
+
+def exchange(
+    report: RankReport, *, rank: int, world_size: int, timeout_s: float
+) -> list[RankReport]:
+    """Publish ``report`` and read every rank's (see [Note: startup agreement]).
+
+    Raises:
+        OffloadError: some ranks did not publish within ``timeout_s`` (named).
+    """
+    if world_size == 1:
+        return [report]
+    store = _default_store()
+    prefix = f"dlo/agreement/{next(_GENERATION)}"
+    store.set(f"{prefix}/{rank}", pickle.dumps(report))
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as e:
+        missing = [r for r, k in enumerate(keys) if not _has_key(store, k)]
+        raise OffloadError(
+            f"enable agreement timed out after {timeout_s:g}s: rank(s) {missing} never "
+            "reached enable (every rank of the job must call enable with the same model)",
+            rank=rank,
+        ) from e
+    return [pickle.loads(store.get(k)) for k in keys]
+
+
+def _default_store() -> Any:
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise OffloadError("this torch exposes no default store for dlo's startup agreement")
+    return get()
+
+
+def _has_key(store: Any, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:
+        return False

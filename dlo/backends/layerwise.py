@@ -1,0 +1,534 @@
+"""The layerwise backend: the ring at any group size (``mode="layer"``).
+
+The single-rank ring and distributed layerwise offload are one code path: a stack with
+group size 1 (rank-local transfer, or no peers) is simply the degenerate case of the
+chunked AllGather transport (see :mod:`dlo.layout` and :mod:`dlo.transport`).
+
+Install sequence (every step journaled; see [Note: one journal for enable and disable]):
+
+1. resolve the plan (pure) and check the selected blocks (:mod:`dlo.blocks`);
+2. lay out every block for its stack's group size and digest the manifest;
+3. local preparation: one exact-size host region, filled block by block with this rank's
+   slices, pinned (budgeted); device slots. With group size 1 the pageable originals are
+   released as soon as their block is in the region (rollback rebuilds them from it);
+4. startup agreement when any stack has group size > 1 ([Note: startup agreement]);
+5. weight groups, non-block state and declared resident modules to the device, resident
+   blocks loaded once, rings and hooks installed, block 0 of each ring preloaded. With
+   group size > 1 the originals are released only here, after every rank agreed, because a
+   rank's host shard alone cannot rebuild them.
+
+[Note: what disable restores]
+``disable`` undoes the journal: hooks removed, slots and host memory freed, non-block
+tensors moved back to the device they came from. Streamed and resident blocks of group size
+1 get their original tensors back (same Parameter objects, shapes, strides, dtypes and
+bytes, on their original device). Blocks of an AllGather stack (group size > 1) cannot be
+rebuilt from one rank's 1/G shard without a collective, which disable never issues; their
+tensors stay empty placeholders and the model must be reloaded to be used without dlo.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo import faults
+from dlo.agreement import RankReport, Verdict, decide, exchange
+from dlo.blocks import check_blocks, non_block_tensors
+from dlo.config import OffloadConfig, ParallelConfig
+from dlo.errors import BackendPoisonedError, OffloadError
+from dlo.hooks import HookRegistry
+from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
+from dlo.layout import (
+    MIB,
+    BlockLayout,
+    build_manifest,
+    describe_module,
+    module_tensor_entries,
+    plan_block_layout,
+)
+from dlo.lifecycle import Journal, OffloadBackend, claim_components
+from dlo.parallel import World, current_world, group_of, weight_group
+from dlo.plan import BlockStack, ResolvedOffloadPlan, get_by_path, resolve_offload_plan
+from dlo.platform import Platform, process_peak_rss_bytes
+from dlo.ring import BlockRing, RingScheduler, StreamedBlock
+from dlo.slots import SlotPool
+from dlo.transport import BlockTransport, SequenceCheck, TransferCounters
+
+logger = logging.getLogger(__name__)
+
+HOOK_NAME = "dlo.ring"
+
+
+@dataclass(eq=False)
+class _Block:
+    """A selected block during install."""
+
+    name: str
+    module: nn.Module
+    stack: BlockStack
+    resident: bool
+    layout: BlockLayout
+    entries: list[tuple[str, str, torch.Tensor]]
+    region_index: int = -1
+    original_devices: list[torch.device] = field(default_factory=list)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, _, t in self.entries]
+
+
+class LayerwiseBackend(OffloadBackend):
+    """Streams the plan's block stacks through shared device slots (see module docstring).
+
+    Args:
+        config: the offload config (``mode="layer"``).
+        parallel: the job's parallel layout.
+        platform: device, streams, pinning.
+    """
+
+    name = "layer"
+
+    def __init__(self, config: OffloadConfig, parallel: ParallelConfig, platform: Platform) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        self.platform = platform
+        self.world: World = current_world()
+        self.plan: ResolvedOffloadPlan | None = None
+        self._poisoned: str | None = None
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self._blocks: list[_Block] = []
+        self._region: HostRegion | None = None
+        self._pool: SlotPool | None = None
+        self._scheduler: RingScheduler | None = None
+        self._counters = TransferCounters()
+        self._resident_nbytes = 0
+        self._placed_nbytes = 0
+        self._group_rank = 0
+        self._group_size = 1
+        self._enable_time_s = 0.0
+        self._enable_peak_rss = 0
+        self._fallback_blocks: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_can_enable(self) -> None:
+        if self._poisoned is not None:
+            raise BackendPoisonedError(
+                f"enable refused: {self._poisoned}; recreate the worker", rank=self.world.rank
+            )
+        super()._check_can_enable()
+
+    def disable(self) -> None:
+        super().disable()
+        self._reset_state()
+
+    def _install(self, pipeline: Any, journal: Journal) -> None:
+        t0 = time.perf_counter()
+        cfg, par, world = self.config, self.parallel, current_world()
+        self.world = world
+        if world.size > 1 or par.world_size > 1:
+            par.check_world_size(world.size)
+        plan = resolve_offload_plan(pipeline, cfg, par)
+        faults.check("config_validated")
+        if not plan.stacks or not any(s.block_paths for s in plan.stacks):
+            raise OffloadError(
+                "no blocks to stream: the pipeline declares no block stacks for the selected "
+                f"components (warnings: {list(plan.warnings) or 'none'})",
+                rank=world.rank,
+            )
+        self.plan = plan
+        claim_components(
+            [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)],
+            f"dlo {self.name} backend #{id(self):x}",
+            journal,
+            rank=world.rank,
+        )
+        for s in plan.stacks:
+            if s.transfer == "auto":
+                raise ValueError(
+                    f"transfer='auto' for {s.container_path!r} is not supported yet; choose "
+                    "'rank-local' or 'allgather'"
+                )
+        distributed = any(s.group_size > 1 for s in plan.stacks)
+        if distributed and not world.distributed:
+            raise OffloadError(
+                "an AllGather stack needs a process group: run under torchrun (or call "
+                "torch.distributed.init_process_group) with the ParallelConfig's world size",
+                rank=world.rank,
+            )
+        group_ranks = {
+            s.group_axis: group_of(par, s.group_axis, world.rank) if world.distributed else [0]
+            for s in plan.stacks
+        }
+
+        # 2-3: layouts, manifest, local preparation (failures caught for the agreement)
+        local_error: BaseException | None = None
+        report = RankReport(rank=world.rank, ok=True)
+        blocks: list[_Block] = []
+        try:
+            blocks = self._select_blocks(pipeline, plan)
+            self._blocks = blocks
+            components = [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)]
+            check_blocks([(b.name, b.module) for b in blocks], components, rank=world.rank)
+            faults.check("manifest_build")
+            manifest = build_manifest([b.layout for b in blocks])
+            report.digest = manifest.digest
+            report.groups = tuple(tuple(group_ranks[a]) for a in sorted(group_ranks))
+            self._prepare_host(blocks, journal, group_ranks)
+            assert self._region is not None
+            budget = int(cfg.pin_budget_gb * (1 << 30)) if cfg.pin_budget_gb is not None else None
+            pin = self._region.pin(self.platform, budget_nbytes=budget) if cfg.pin_memory else None
+            if pin is not None:
+                report.unpinned_blocks = tuple(blocks[i].name for i in pin.unpinned_blocks)
+            slot_nbytes = (
+                max(b.layout.padded_nbytes for b in blocks if not b.resident)
+                if any(not b.resident for b in blocks)
+                else 0
+            )
+            self._pool = SlotPool.allocate(self.platform, cfg.num_slots, slot_nbytes)
+            journal.record("device slots", self._release_slots)
+        except Exception as e:
+            if not distributed:
+                raise
+            local_error = e
+            report.ok, report.error = False, f"{type(e).__name__}: {e}"
+
+        # 4: agreement (a group of one agrees with itself)
+        if distributed:
+            faults.check("agreement")
+            reports = exchange(
+                report, rank=world.rank, world_size=world.size, timeout_s=cfg.collective_timeout_s
+            )
+        else:
+            reports = [report]
+        verdict = decide(reports, pin_failure_policy=cfg.pin_failure_policy)
+        if not verdict.ok:
+            if distributed:
+                self._poisoned = f"multi-rank startup failed ({verdict.message})"
+            raise OffloadError(verdict.message, rank=world.rank) from local_error
+        self._apply_fallback(verdict, blocks)
+
+        # 5: after agreement; failures here poison a multi-rank backend
+        try:
+            self._build_runtime(pipeline, plan, blocks, journal, world)
+            # 6: commit
+            faults.check("commit")
+        except BaseException as e:
+            if distributed:
+                self._poisoned = f"failure after startup agreement ({e!r})"
+            raise
+        self._enable_time_s = time.perf_counter() - t0
+        self._enable_peak_rss = process_peak_rss_bytes()
+        logger.info(
+            "dlo layer offload enabled: %d streamed + %d resident blocks, %d slots x %.1f MiB, "
+            "host %.1f MiB (pinned %.1f MiB), %.2fs",
+            sum(not b.resident for b in blocks),
+            sum(b.resident for b in blocks),
+            cfg.num_slots,
+            (self._pool.slot_nbytes if self._pool else 0) / MIB,
+            self._region.nbytes / MIB if self._region else 0,
+            self._region.pinned_nbytes / MIB if self._region else 0,
+            self._enable_time_s,
+        )
+
+    def _after_failed_enable(self) -> None:
+        self._reset_state()
+
+    # ------------------------------------------------------------------ steps
+    def _select_blocks(self, pipeline: Any, plan: ResolvedOffloadPlan) -> list[_Block]:
+        chunk = self.config.chunk_mb * MIB
+        out: list[_Block] = []
+        for stack in plan.stacks:
+            for i, path in enumerate(stack.block_paths):
+                module = get_by_path(pipeline, path)
+                layout = plan_block_layout(
+                    path, describe_module(module), group_size=stack.group_size, chunk_nbytes=chunk
+                )
+                out.append(
+                    _Block(
+                        path,
+                        module,
+                        stack,
+                        i < stack.num_resident,
+                        layout,
+                        module_tensor_entries(module),
+                    )
+                )
+        return out
+
+    def _prepare_host(
+        self, blocks: list[_Block], journal: Journal, group_ranks: dict[str, list[int]]
+    ) -> None:
+        region = HostRegion([b.layout.shard_nbytes for b in blocks])
+        self._region = region
+        journal.record("host region", self._close_region)
+        for i, b in enumerate(blocks):
+            b.region_index = i
+            rank = (
+                group_ranks[b.stack.group_axis].index(self.world.rank)
+                if self.world.distributed
+                else 0
+            )
+            faults.check("host_fill")
+            pack_shard(region.view(i), b.layout, rank, b.tensors)
+            if b.layout.group_size == 1:
+                # the region now holds every byte of this block: release the originals
+                self._release_originals(b)
+                journal.record(f"release {b.name}", functools.partial(self._restore_block, b))
+
+    def _release_originals(self, b: _Block) -> None:
+        b.original_devices = [t.device for t in b.tensors]
+        for t in b.tensors:
+            t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
+
+    def _restore_block(self, b: _Block) -> None:
+        assert self._region is not None
+        shard = self._region.view(b.region_index)
+        for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
+            t.data = unpack_tensor(shard, spec, dev)
+
+    def _close_region(self) -> None:
+        if self._region is not None:
+            self._region.close()
+
+    def _release_slots(self) -> None:
+        self.platform.synchronize()
+        if self._pool is not None:
+            self._pool.release()
+
+    def _apply_fallback(self, verdict: Verdict, blocks: list[_Block]) -> None:
+        self._fallback_blocks = verdict.fallback_blocks
+        if verdict.fallback_blocks:
+            logger.warning(
+                "dlo: %d blocks stay pageable (pin_failure_policy='whole_block_fallback'): %s",
+                len(verdict.fallback_blocks),
+                ", ".join(verdict.fallback_blocks[:8]),
+            )
+
+    def _build_runtime(
+        self,
+        pipeline: Any,
+        plan: ResolvedOffloadPlan,
+        blocks: list[_Block],
+        journal: Journal,
+        world: World,
+    ) -> None:
+        cfg, pf = self.config, self.platform
+        assert self._region is not None and self._pool is not None
+        copy_stream, comm_stream = pf.new_stream(), pf.new_stream()
+        transports: dict[str, BlockTransport] = {}
+        for stack in plan.stacks:
+            if stack.group_axis in transports:
+                continue
+            group, ranks = (None, [world.rank])
+            if stack.group_size > 1:
+                group, ranks = weight_group(
+                    self.parallel,
+                    stack.group_axis,
+                    rank=world.rank,
+                    timeout_s=cfg.collective_timeout_s,
+                )
+            max_chunks = max(
+                (b.layout.num_chunks for b in blocks if b.stack.group_axis == stack.group_axis),
+                default=0,
+            )
+            group_rank = ranks.index(world.rank)
+            check = None
+            if group is not None and cfg.verify_block_sequence:
+                check = SequenceCheck(pf, group, group_rank, len(ranks), [b.name for b in blocks])
+            transports[stack.group_axis] = BlockTransport(
+                pf,
+                group=group,
+                group_rank=group_rank,
+                group_size=len(ranks),
+                copy_stream=copy_stream,
+                comm_stream=comm_stream,
+                max_chunks=max_chunks,
+                counters=self._counters,
+                sequence_check=check,
+            )
+            if stack.component == "dit" or self._group_size == 1:
+                self._group_rank, self._group_size = ranks.index(world.rank), len(ranks)
+
+        self._place_non_block_state(pipeline, plan, blocks, journal)
+        faults.check("first_transfer")
+        self._load_resident(blocks, transports, journal)
+
+        scheduler = RingScheduler(pf, self._pool, rank=world.rank)
+        self._scheduler = scheduler
+        journal.record("rings", self._unbind_rings)
+        by_stack: dict[int, list[StreamedBlock]] = {}
+        for b in blocks:
+            if b.resident:
+                continue
+            sb = StreamedBlock(
+                name=b.name,
+                module=b.module,
+                layout=b.layout,
+                shard=self._region.view(b.region_index),
+                tensors=b.tensors,
+                transport=transports[b.stack.group_axis],
+                requires_grad=any(t.requires_grad for t in b.tensors),
+                index=b.region_index,
+            )
+            by_stack.setdefault(id(b.stack), []).append(sb)
+        for stack in plan.stacks:
+            sbs = by_stack.get(id(stack), [])
+            if sbs:
+                scheduler.add_ring(BlockRing(stack.container_path, sbs))
+
+        registry = HookRegistry(owner=f"dlo.layer#{id(self):x}")
+        journal.record("hooks", registry.remove_all)
+        faults.check("hook_install")
+        for ring in scheduler.rings:
+            for sb in ring.blocks:
+                registry.register(sb.module, HOOK_NAME, scheduler.hook_for(sb))
+                registry.register_state_dict_hook(
+                    sb.module, HOOK_NAME + ".state_dict", self._state_dict_hook_for(sb)
+                )
+                registry.register_load_state_dict_pre_hook(
+                    sb.module, HOOK_NAME + ".load_state_dict", self._refuse_load(sb.name)
+                )
+        for ring in scheduler.rings:
+            for sb in ring.blocks:
+                for t, ph in zip(sb.tensors, sb.placeholders):
+                    t.data = ph
+        scheduler.preload()
+        pf.synchronize()
+
+    def _place_non_block_state(
+        self, pipeline: Any, plan: ResolvedOffloadPlan, blocks: list[_Block], journal: Journal
+    ) -> None:
+        device = self.platform.device
+        block_ids = {id(t) for b in blocks for t in b.tensors}
+        targets: list[tuple[str, torch.Tensor]] = []
+        for path in _streamed_components(plan):
+            targets += non_block_tensors(get_by_path(pipeline, path), block_ids)
+        for path in plan.resident_modules:
+            targets += non_block_tensors(get_by_path(pipeline, path), block_ids)
+        seen: set[int] = set()
+        faults.check("device_placement")
+        for _name, t in targets:
+            if id(t) in seen or t.device == device:
+                continue
+            seen.add(id(t))
+            origin = t.device
+            t.data = t.data.to(device)
+            self._placed_nbytes += t.numel() * t.element_size()
+            journal.record("place", functools.partial(_move, t, origin))
+
+    def _load_resident(
+        self, blocks: list[_Block], transports: dict[str, BlockTransport], journal: Journal
+    ) -> None:
+        assert self._region is not None
+        pf = self.platform
+        for b in blocks:
+            if not b.resident:
+                continue
+            buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
+            transports[b.stack.group_axis].load(
+                b.layout,
+                self._region.view(b.region_index),
+                buffer,
+                free_event=pf.new_event(),
+                ready_event=pf.new_event(),
+                index=b.region_index,
+            )
+            for spec, t in zip(b.layout.tensors, b.tensors):
+                t.data = shard_view(buffer, spec)
+            self._resident_nbytes += b.layout.padded_nbytes
+            if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
+                journal.record(f"resident {b.name}", functools.partial(self._release_originals, b))
+        pf.synchronize()
+
+    def _unbind_rings(self) -> None:
+        self.platform.synchronize()
+        if self._scheduler is not None:
+            self._scheduler.unbind_all()
+
+    def _state_dict_hook_for(self, sb: StreamedBlock) -> Any:
+        layout, rank = sb.layout, self.world.rank
+
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+            if layout.group_size > 1:
+                raise OffloadError(
+                    "state_dict() of a block streamed with AllGather is not available: this "
+                    f"rank holds 1/{layout.group_size} of it; disable offload on a model copy "
+                    "or save from the checkpoint",
+                    rank=rank,
+                    block=sb.name,
+                )
+            for spec in layout.tensors:
+                key = prefix + spec.name
+                if key in state_dict:
+                    state_dict[key] = shard_view(sb.shard, spec)
+
+        return hook
+
+    def _refuse_load(self, name: str) -> Any:
+        rank = self.world.rank
+
+        def hook(*args: Any, **kwargs: Any) -> None:
+            raise OffloadError(
+                "load_state_dict() into a block dlo is streaming: disable offload first, load, "
+                "then enable again",
+                rank=rank,
+                block=name,
+            )
+
+        return hook
+
+    # ------------------------------------------------------------------ telemetry
+    def stats(self) -> dict[str, Any]:
+        """Plain-value statistics (DESIGN.md section 2); synchronizes the device."""
+        sched, region, pool = self._scheduler, self._region, self._pool
+        if sched is not None:
+            self.platform.synchronize()
+            sched.harvest_all()
+        streamed = [b for r in sched.rings for b in r.blocks] if sched else []
+        transfers = sorted({b.stack.transfer for b in self._blocks}) if self._blocks else []
+        return {
+            "enabled": self.is_enabled(),
+            "transfer": "allgather" if "allgather" in transfers else "rank-local",
+            "group_size": self._group_size,
+            "group_rank": self._group_rank,
+            "host_nbytes": sum(b.layout.shard_nbytes for b in self._blocks),
+            "host_region_nbytes": region.nbytes if region else 0,
+            "host_pinned_nbytes": region.pinned_nbytes if region else 0,
+            "device_slot_nbytes": pool.nbytes if pool else 0,
+            "device_resident_block_nbytes": self._resident_nbytes,
+            "device_non_block_nbytes": self._placed_nbytes,
+            "h2d_nbytes": self._counters.h2d_nbytes,
+            "allgather_nbytes": self._counters.allgather_nbytes,
+            "num_loads": self._counters.num_loads,
+            "exposed_wait_ms": sum(b.wait.total_ms for b in streamed if b.wait),
+            "block_wait_ms": {b.name: b.wait.total_ms for b in streamed if b.wait},
+            "dropped_wait_samples": sum(b.wait.dropped for b in streamed if b.wait),
+            "num_demand_loads": sum(b.num_demand_loads for b in streamed),
+            "num_streamed_blocks": len(streamed),
+            "num_resident_blocks": sum(b.resident for b in self._blocks),
+            "num_slots": len(pool.slots) if pool else 0,
+            "pageable_blocks": list(self._fallback_blocks),
+            "enable_time_s": self._enable_time_s,
+            "enable_peak_rss_nbytes": self._enable_peak_rss,
+        }
+
+
+def _move(t: torch.Tensor, device: torch.device) -> None:
+    t.data = t.data.to(device)
+
+
+def _streamed_components(plan: ResolvedOffloadPlan) -> list[str]:
+    out: list[str] = []
+    for s in plan.stacks:
+        if s.component_path not in out:
+            out.append(s.component_path)
+    return out

@@ -1,0 +1,295 @@
+"""Model-level swap (``mode="module"``): whole components take turns on the device.
+
+[Note: swap protocol]
+Only the executing component group is device resident. DiTs and encoders each get an
+exact-size host copy of all their tensors (one :class:`~dlo.host.HostRegion` entry per
+component, laid out like a block with group size 1, pinned when the platform can), and the
+pageable originals are released. Before a DiT's forward, its pre-forward hook evicts every
+encoder and every other DiT, then loads the DiT; before an encoder's forward, every DiT is
+evicted and the encoder loaded. VAEs stay on the device and out of the exclusion set.
+
+Loading allocates one device buffer of the component's padded size on the compute stream,
+makes the copy stream wait for the compute stream (earlier kernels may still read memory the
+allocator is about to hand out again), copies the host bytes on the copy stream, records
+``ready`` there, makes the compute stream wait on it, and rebinds every tensor to a view of
+the buffer (same Parameter objects). Evicting rebinds placeholders and drops the buffer; no
+device-to-host copy is made because the host copy stays authoritative (inference never
+writes weights). The buffer was allocated on the compute stream and every use of it is
+ordered on that stream, so the caching allocator may reuse it as soon as it is dropped.
+Components without tensors never transfer.
+
+Split models (one transformer with mutually exclusive phases) opt in by subclassing
+:class:`dlo.SupportsModelOffload`; the backend then delegates enable/disable to them, under
+the same journal.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo import faults
+from dlo.blocks import check_blocks
+from dlo.config import OffloadConfig, ParallelConfig
+from dlo.errors import OffloadError
+from dlo.hooks import HookRegistry, ModelHook
+from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
+from dlo.layout import MIB, BlockLayout, describe_module, module_tensor_entries, plan_block_layout
+from dlo.lifecycle import Journal, OffloadBackend, claim_components
+from dlo.plan import ResolvedOffloadPlan, SupportsModelOffload, get_by_path, resolve_offload_plan
+from dlo.platform import Platform, StreamTimer, nvtx_range
+
+logger = logging.getLogger(__name__)
+
+HOOK_NAME = "dlo.swap"
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One swappable component."""
+
+    path: str
+    kind: str  # "dit" | "encoder"
+    module: nn.Module
+    layout: BlockLayout
+    tensors: list[torch.Tensor]
+    region_index: int = -1
+    original_devices: list[torch.device] = field(default_factory=list)
+    placeholders: list[torch.Tensor] = field(default_factory=list)
+    buffer: torch.Tensor | None = None
+    num_loads: int = 0
+    timer: StreamTimer | None = None
+    """Compute-stream time spent waiting for this component's loads (all exposed)."""
+
+
+class _SwapHook(ModelHook):
+    def __init__(self, backend: ModelSwapBackend, unit: _Unit) -> None:
+        self.backend = backend
+        self.unit = unit
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.backend.activate(self.unit)
+        return None
+
+
+class ModelSwapBackend(OffloadBackend):
+    """Keeps only the executing component group on the device (see [Note: swap protocol])."""
+
+    name = "module"
+
+    def __init__(self, config: OffloadConfig, parallel: ParallelConfig, platform: Platform) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        self.platform = platform
+        self.plan: ResolvedOffloadPlan | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._units: list[_Unit] = []
+        self._region: HostRegion | None = None
+        self._delegate: SupportsModelOffload | None = None
+        self._copy_stream: Any = None
+        self._h2d_nbytes = 0
+        self._vae_nbytes = 0
+
+    def disable(self) -> None:
+        super().disable()
+        self._reset()
+
+    def _after_failed_enable(self) -> None:
+        self._reset()
+
+    # ------------------------------------------------------------------ install
+    def _install(self, pipeline: Any, journal: Journal) -> None:
+        t0 = time.perf_counter()
+        plan = resolve_offload_plan(pipeline, self.config, self.parallel)
+        self.plan = plan
+        owner = f"dlo {self.name} backend #{id(self):x}"
+        faults.check("config_validated")
+        if isinstance(pipeline, nn.Module) and SupportsModelOffload in type(pipeline).__mro__:
+            claim_components([("", pipeline)], owner, journal)
+            self._delegate_to(pipeline, journal)
+            return
+        units_paths = [(p, "dit") for p in plan.dits] + [(p, "encoder") for p in plan.encoders]
+        if not units_paths:
+            raise OffloadError("mode='module' found no DiT or encoder component to swap")
+        comps = [(p, get_by_path(pipeline, p)) for p, _ in units_paths]
+        claim_components(comps + [(p, get_by_path(pipeline, p)) for p in plan.vaes], owner, journal)
+        check_blocks(comps, [])
+        faults.check("manifest_build")
+        chunk = self.config.chunk_mb * MIB
+        for (path, kind), (_, module) in zip(units_paths, comps):
+            layout = plan_block_layout(
+                path, describe_module(module), group_size=1, chunk_nbytes=chunk
+            )
+            tensors = [t for _, _, t in module_tensor_entries(module)]
+            self._units.append(_Unit(path, kind, module, layout, tensors))
+        self._region = HostRegion([u.layout.shard_nbytes for u in self._units])
+        journal.record("host region", self._region.close)
+        for i, u in enumerate(self._units):
+            u.region_index = i
+            faults.check("host_fill")
+            pack_shard(self._region.view(i), u.layout, 0, u.tensors)
+            u.original_devices = [t.device for t in u.tensors]
+            u.placeholders = [
+                torch.empty(0, dtype=t.dtype, device=self.platform.device) for t in u.tensors
+            ]
+            self._rebind(u, u.placeholders)
+            journal.record(f"release {u.path}", functools.partial(self._restore, u))
+        if self.config.pin_memory:
+            report = self._region.pin(self.platform, budget_nbytes=self._budget())
+            if report.unpinned_blocks and self.config.pin_failure_policy == "fail":
+                names = [self._units[i].path for i in report.unpinned_blocks]
+                raise OffloadError(
+                    f"pinning failed or exceeded pin_budget_gb for components {names} "
+                    "(pin_failure_policy='fail')"
+                )
+        pf = self.platform
+        self._copy_stream = pf.new_stream()
+        for u in self._units:
+            u.timer = StreamTimer(pf)
+        faults.check("device_placement")
+        for path in plan.vaes:
+            self._place(get_by_path(pipeline, path), journal)
+        journal.record("evict all", self._evict_all)
+        registry = HookRegistry(owner=owner)
+        journal.record("hooks", registry.remove_all)
+        faults.check("hook_install")
+        for u in self._units:
+            registry.register(u.module, HOOK_NAME, _SwapHook(self, u))
+        faults.check("first_transfer")
+        for u in self._units:
+            if u.kind == "encoder":
+                self._load(u)
+        pf.synchronize()
+        faults.check("commit")
+        logger.info(
+            "dlo module swap enabled: %d DiTs, %d encoders, %d VAEs in %.2fs",
+            len(plan.dits),
+            len(plan.encoders),
+            len(plan.vaes),
+            time.perf_counter() - t0,
+        )
+
+    def _delegate_to(self, pipeline: Any, journal: Journal) -> None:
+        pipeline.enable_model_offload(
+            device=self.platform.device, pin_memory=self.config.pin_memory and self.platform.can_pin
+        )
+        self._delegate = pipeline
+        journal.record("delegate", pipeline.disable_model_offload)
+
+    def _budget(self) -> int | None:
+        gb = self.config.pin_budget_gb
+        return int(gb * (1 << 30)) if gb is not None else None
+
+    def _place(self, module: nn.Module, journal: Journal) -> None:
+        device = self.platform.device
+        for t in [p for p in module.parameters()] + [b for b in module.buffers()]:
+            if t.device != device:
+                origin = t.device
+                t.data = t.data.to(device)
+                self._vae_nbytes += t.numel() * t.element_size()
+                journal.record("place", functools.partial(_move, t, origin))
+
+    def _restore(self, u: _Unit) -> None:
+        assert self._region is not None
+        shard = self._region.view(u.region_index)
+        for spec, t, dev in zip(u.layout.tensors, u.tensors, u.original_devices):
+            t.data = unpack_tensor(shard, spec, dev)
+
+    # ------------------------------------------------------------------ hot path
+    def activate(self, unit: _Unit) -> None:
+        """Evict the other group, then make ``unit`` resident (see [Note: swap protocol])."""
+        for other in self._units:
+            if other is unit or other.buffer is None:
+                continue
+            if unit.kind == "encoder" and other.kind == "encoder":
+                continue  # encoders do not exclude each other
+            self._evict(other)
+        if unit.buffer is None:
+            self._load(unit)
+
+    def _load(self, u: _Unit) -> None:
+        assert self._region is not None
+        if u.layout.num_chunks == 0:
+            u.buffer = torch.empty(0, dtype=torch.uint8, device=self.platform.device)
+            return
+        pf = self.platform
+        compute = pf.current_stream()
+        buf = torch.empty(u.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
+        assert u.timer is not None
+        u.timer.begin(compute)
+        with nvtx_range("dlo::h2d"), pf.stream(self._copy_stream):
+            # producer: compute stream (earlier readers of recycled memory); consumer: copy
+            self._copy_stream.wait_stream(compute)
+            buf.copy_(self._region.view(u.region_index), non_blocking=True)
+        # producer: copy stream (the bytes); consumer: compute stream (the forward)
+        compute.wait_stream(self._copy_stream)
+        u.timer.end(compute)
+        u.buffer = buf
+        u.num_loads += 1
+        self._h2d_nbytes += u.layout.shard_nbytes
+        self._rebind(u, [shard_view(buf, spec) for spec in u.layout.tensors])
+
+    def _evict(self, u: _Unit) -> None:
+        self._rebind(u, u.placeholders)
+        u.buffer = None
+
+    def _evict_all(self) -> None:
+        self.platform.synchronize()
+        for u in self._units:
+            self._evict(u)
+
+    @staticmethod
+    def _rebind(u: _Unit, tensors: list[torch.Tensor]) -> None:
+        for t, new in zip(u.tensors, tensors):
+            t.data = new
+
+    # ------------------------------------------------------------------ telemetry
+    def stats(self) -> dict[str, Any]:
+        self.platform.synchronize()
+        region = self._region
+        per: dict[str, dict[str, Any]] = {}
+        for u in self._units:
+            assert u.timer is not None
+            u.timer.harvest(block_host=True)
+            per[u.path] = {
+                "kind": u.kind,
+                "nbytes": u.layout.nbytes,
+                "num_loads": u.num_loads,
+                "resident": u.buffer is not None,
+                "load_ms": u.timer.total_ms,
+                "timed_loads": u.timer.count,
+            }
+        return {
+            "enabled": self.is_enabled(),
+            "transfer": "swap",
+            "group_size": 1,
+            "group_rank": 0,
+            "delegated": self._delegate is not None,
+            "host_nbytes": sum(u.layout.shard_nbytes for u in self._units),
+            "host_region_nbytes": region.nbytes if region else 0,
+            "host_pinned_nbytes": region.pinned_nbytes if region else 0,
+            "device_slot_nbytes": 0,
+            "device_component_nbytes": sum(
+                u.layout.padded_nbytes for u in self._units if u.buffer is not None
+            ),
+            "device_vae_nbytes": self._vae_nbytes,
+            "h2d_nbytes": self._h2d_nbytes,
+            "allgather_nbytes": 0,
+            "exposed_wait_ms": sum(u.timer.total_ms for u in self._units if u.timer),
+            "num_streamed_blocks": 0,
+            "num_resident_blocks": 0,
+            "components": per,
+        }
+
+
+def _move(t: torch.Tensor, device: torch.device) -> None:
+    t.data = t.data.to(device)

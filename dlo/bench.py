@@ -1,0 +1,388 @@
+"""``dlo bench``: every method on one model and one set of inputs, against the physical limits.
+
+Methods (those that can run on the platform and world size at hand):
+
+* ``resident`` -- the DiT fully on the device (the compute floor);
+* ``dlo-ring`` -- dlo's ring, rank-local (group of one);
+* ``dlo-allgather`` -- dlo's AllGather transfer over all ranks (N > 1);
+* ``fsdp2-offload`` -- FSDP2 ``fully_shard`` per block and at the root with
+  ``CPUOffloadPolicy(pin_memory=True)`` (N > 1), the peer with the same memory promise;
+* limits measured on the spot: pinned and pageable host-to-device bandwidth (this rank alone
+  and all ranks at once), AllGather bandwidth of one block, resident time per block.
+
+Times are device-side (CUDA events around each forward), medians over repeated forwards
+after warm-up; every rank runs the same shapes in lock step and the report keeps the slowest
+rank. Results go to JSON and a markdown table with each time also as a ratio to its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dlo.backends.factory import get_offload_backend
+from dlo.config import OffloadConfig, ParallelConfig
+from dlo.host import HostRegion
+from dlo.models import build_pipeline, get_preset
+from dlo.parallel import current_world
+from dlo.platform import Platform, get_platform, process_rss_bytes
+from dlo.transport import all_gather_into
+
+logger = logging.getLogger(__name__)
+
+GB = 1e9
+
+
+# ----------------------------------------------------------------------------- timing
+def time_forward(
+    fn: Callable[[], Any], platform: Platform, *, warmup: int, reps: int
+) -> dict[str, float]:
+    """Median/min device time of ``fn`` in ms (wall time on the CPU platform)."""
+    for _ in range(warmup):
+        fn()
+    _barrier()
+    times = []
+    for _ in range(reps):
+        if platform.has_streams:
+            s, e = platform.new_event(timing=True), platform.new_event(timing=True)
+            s.record(platform.current_stream())
+            fn()
+            e.record(platform.current_stream())
+            e.synchronize()
+            times.append(float(s.elapsed_time(e)))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _over_ranks(value: float) -> list[float]:
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
+
+
+def _max_over_ranks(value: float) -> float:
+    return max(_over_ranks(value))
+
+
+def _bandwidths(platform: Platform, nbytes: int) -> dict[str, float]:
+    """Pinned H2D alone (each rank in turn, the slowest link) and with every rank copying
+    at once (the slowest rank), and pageable H2D alone, in GB/s."""
+    world = current_world()
+    alone, pageable = 0.0, 0.0
+    for r in range(world.size):
+        _barrier()
+        if r == world.rank:
+            alone = h2d_bandwidth(platform, nbytes, pinned=True) / GB
+            pageable = h2d_bandwidth(platform, nbytes, pinned=False) / GB
+    _barrier()
+    concurrent = h2d_bandwidth(platform, nbytes, pinned=True) / GB
+    return {
+        "h2d_pinned_alone_GBps": min(_over_ranks(alone)),
+        "h2d_pinned_concurrent_GBps": min(_over_ranks(concurrent)),
+        "h2d_pageable_GBps": min(_over_ranks(pageable)),
+    }
+
+
+# ----------------------------------------------------------------------------- limits
+def h2d_bandwidth(platform: Platform, nbytes: int, *, pinned: bool, reps: int = 5) -> float:
+    """Host-to-device bandwidth in bytes/s from an exact-size (registered) host buffer."""
+    if not platform.has_streams:
+        return 0.0
+    region = HostRegion([nbytes])
+    try:
+        if pinned:
+            region.pin(platform)
+        src = region.view(0)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
+        dst.copy_(src, non_blocking=True)
+        platform.synchronize()
+        times = []
+        for _ in range(reps):
+            s, e = platform.new_event(timing=True), platform.new_event(timing=True)
+            s.record(platform.current_stream())
+            dst.copy_(src, non_blocking=True)
+            e.record(platform.current_stream())
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        del dst, src
+        return nbytes / statistics.median(times)
+    finally:
+        region.close()
+
+
+def allgather_bandwidth(platform: Platform, nbytes: int, reps: int = 5) -> float:
+    """AllGather "bus" bandwidth (output bytes / time) over the default group."""
+    if not dist.is_initialized() or not platform.has_streams:
+        return 0.0
+    world = dist.get_world_size()
+    nbytes -= nbytes % (world * 256)
+    out = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
+    mine = out[dist.get_rank() * (nbytes // world) : (dist.get_rank() + 1) * (nbytes // world)]
+    all_gather_into(out, mine, None)
+    platform.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = platform.new_event(timing=True), platform.new_event(timing=True)
+        s.record(platform.current_stream())
+        all_gather_into(out, mine, None)
+        e.record(platform.current_stream())
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    return nbytes / statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- methods
+def _inputs(preset: str, tokens: int, device: torch.device, dtype: torch.dtype) -> tuple[Any, ...]:
+    p = get_preset(preset)
+    g = torch.Generator().manual_seed(1234 + tokens)
+    latents = torch.randn(1, tokens, p.latent_channels, generator=g).to(device, dtype)
+    text = torch.randn(1, p.text_len, p.text_dim, generator=g).to(device, dtype)
+    t = torch.full((1,), 500.0, device=device)
+    return latents, t, text
+
+
+def _build_dit(preset: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    return build_pipeline(preset, dtype=dtype, device=device).transformer
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every requested method; returns the report (rank 0's view, slowest rank)."""
+    world = current_world()
+    platform = get_platform(None)
+    dtype = getattr(torch, args.dtype)
+    preset = get_preset(args.preset)
+    tokens_list = [int(t) for t in str(args.tokens).split(",")]
+    methods = args.methods.split(",")
+    block_nbytes = preset.block_nbytes(dtype)
+    report: dict[str, Any] = {
+        "preset": preset.name,
+        "dtype": args.dtype,
+        "world_size": world.size,
+        "device": torch.cuda.get_device_name(platform.device) if platform.has_streams else "cpu",
+        "torch": torch.__version__,
+        "num_blocks": preset.num_blocks,
+        "block_nbytes": block_nbytes,
+        "date": time.strftime("%Y-%m-%d"),
+        "chunk_mb": args.chunk_mb,
+        "num_slots": args.num_slots,
+        "limits": {},
+        "results": [],
+    }
+    lim = report["limits"]
+    lim.update(_bandwidths(platform, block_nbytes))
+    lim["allgather_GBps"] = allgather_bandwidth(platform, block_nbytes) / GB
+    logger.info("limits: %s", lim)
+
+    def record(method: str, tokens: int, timing: dict[str, float], extra: dict[str, Any]) -> None:
+        row = {
+            "method": method,
+            "tokens": tokens,
+            "median_ms": _max_over_ranks(timing["median_ms"]),
+            "min_ms": _max_over_ranks(timing["min_ms"]),
+            **extra,
+        }
+        report["results"].append(row)
+        if world.rank == 0:
+            logger.warning("%-16s tokens=%-6d %.2f ms", method, tokens, row["median_ms"])
+
+    streamed_bytes = preset.num_blocks * block_nbytes
+    if "resident" in methods:
+        dit = _build_dit(preset.name, platform.device, dtype)
+        for tokens in tokens_list:
+            inp = _inputs(preset.name, tokens, platform.device, dtype)
+            fwd = _fwd(dit, inp)
+            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
+            record("resident", tokens, t, {"peak_device_nbytes": _peak(platform)})
+        del dit
+        _clean(platform)
+
+    cpu_dit: nn.Module | None = None
+    # group-1 first: its disable restores the model; AllGather's disable consumes it
+    dlo_methods = ["dlo-ring"] if world.size == 1 else ["dlo-rank-local", "dlo-allgather"]
+    for method in dlo_methods:
+        if method not in methods and not (method == "dlo-ring" and "dlo-rank-local" in methods):
+            continue
+        transfer = "allgather" if method == "dlo-allgather" else "rank-local"
+        cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
+        rss0 = process_rss_bytes()
+        cfg = OffloadConfig(
+            mode="layer", transfer=transfer, num_slots=args.num_slots, chunk_mb=args.chunk_mb
+        )
+        backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
+        assert backend is not None
+        platform.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        backend.enable(cpu_dit)
+        enable_s = time.perf_counter() - t0
+        bw = lim["h2d_pinned_concurrent_GBps" if world.size > 1 else "h2d_pinned_alone_GBps"]
+        for tokens in tokens_list:
+            inp = _inputs(preset.name, tokens, platform.device, dtype)
+            st0 = backend.stats()
+            t = time_forward(_fwd(cpu_dit, inp), platform, warmup=args.warmup, reps=args.reps)
+            st = backend.stats()
+            # every streamed block crosses this rank's link once per forward (its shard)
+            limit_ms = st["host_nbytes"] / (bw * GB) * 1e3 if bw else 0.0
+            record(
+                method,
+                tokens,
+                t,
+                {
+                    "h2d_limit_ms": limit_ms,
+                    "exposed_wait_ms_per_fwd": (st["exposed_wait_ms"] - st0["exposed_wait_ms"])
+                    / (args.reps + args.warmup),
+                    "peak_device_nbytes": _peak(platform),
+                    "device_slot_nbytes": st["device_slot_nbytes"],
+                    "device_non_block_nbytes": st["device_non_block_nbytes"],
+                    "host_pinned_nbytes": st["host_pinned_nbytes"],
+                    "host_nbytes": st["host_nbytes"],
+                    "rss_delta_nbytes": process_rss_bytes() - rss0,
+                    "enable_s": enable_s,
+                },
+            )
+        backend.disable()
+        if transfer == "allgather":
+            cpu_dit = None  # its streamed tensors are gone (see [Note: what disable restores])
+        _clean(platform)
+
+    if "fsdp2-offload" in methods and world.size > 1 and platform.has_streams:
+        del cpu_dit
+        cpu_dit = None
+        _clean(platform)
+        dit = _build_dit(preset.name, "cpu", dtype)
+        _fsdp2(dit, world.size, platform)
+        for tokens in tokens_list:
+            inp = _inputs(preset.name, tokens, platform.device, dtype)
+            platform.reset_peak_memory_stats()
+            t = time_forward(_fwd(dit, inp), platform, warmup=args.warmup, reps=args.reps)
+            record("fsdp2-offload", tokens, t, {"peak_device_nbytes": _peak(platform)})
+        del dit
+        _clean(platform)
+
+    _ratios(report, streamed_bytes)
+    return report
+
+
+def _fsdp2(dit: nn.Module, world_size: int, platform: Platform) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    mesh = init_device_mesh("cuda", (world_size,))
+    policy = CPUOffloadPolicy(pin_memory=True)
+    for blk in dit.blocks:  # type: ignore[union-attr]
+        fully_shard(blk, mesh=mesh, offload_policy=policy)
+    fully_shard(dit, mesh=mesh, offload_policy=policy)
+
+
+def _fwd(model: nn.Module, inp: tuple[Any, ...]) -> Callable[[], Any]:
+    def fn() -> Any:
+        with torch.no_grad():
+            return model(*inp)
+
+    return fn
+
+
+def _peak(platform: Platform) -> int:
+    return int(_max_over_ranks(platform.max_memory_allocated()))
+
+
+def _clean(platform: Platform) -> None:
+    gc.collect()
+    platform.synchronize()
+    platform.empty_cache()
+    platform.reset_peak_memory_stats()
+
+
+def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
+    resident = {r["tokens"]: r["median_ms"] for r in report["results"] if r["method"] == "resident"}
+    for r in report["results"]:
+        base = resident.get(r["tokens"])
+        r["x_resident"] = r["median_ms"] / base if base else None
+        lim = r.get("h2d_limit_ms")
+        r["x_h2d_limit"] = r["median_ms"] / lim if lim else None
+    best_peer: dict[int, float] = {}
+    for r in report["results"]:
+        if r["method"].startswith("fsdp2"):
+            best_peer[r["tokens"]] = min(best_peer.get(r["tokens"], float("inf")), r["median_ms"])
+    for r in report["results"]:
+        peer = best_peer.get(r["tokens"])
+        r["x_best_peer"] = r["median_ms"] / peer if peer else None
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as a markdown table."""
+    lim = report["limits"]
+    lines = [
+        f"{report['preset']} ({report['num_blocks']} blocks x {report['block_nbytes'] / 1e6:.0f} MB,"
+        f" {report['dtype']}), {report['world_size']} x {report['device']}, torch "
+        f"{report['torch']}, {report['date']}; chunk {report['chunk_mb']} MiB, "
+        f"{report['num_slots']} slots",
+        "",
+        f"Limits: pinned H2D {lim['h2d_pinned_alone_GBps']:.1f} GB/s alone, "
+        f"{lim['h2d_pinned_concurrent_GBps']:.1f} GB/s per rank with all ranks copying; pageable "
+        f"{lim['h2d_pageable_GBps']:.1f} GB/s; AllGather {lim['allgather_GBps']:.1f} GB/s.",
+        "",
+        "| method | tokens | ms / forward | x resident | x H2D limit | x FSDP2 | peak HBM GB |"
+        " pinned host GB / rank |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v: Any, fmt: str = "{:.3f}") -> str:
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    for r in report["results"]:
+        lines.append(
+            f"| {r['method']} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
+            f"{f(r['x_h2d_limit'])} | {f(r['x_best_peer'])} | "
+            f"{r['peak_device_nbytes'] / GB:.2f} | {f(r.get('host_pinned_nbytes', 0) / GB, '{:.2f}')} |"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--methods", default="resident,dlo-ring,dlo-allgather,dlo-rank-local,fsdp2-offload"
+    )
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--num-slots", type=int, default=2)
+    p.add_argument("--chunk-mb", type=int, default=64)
+    p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", default=None, help="write the markdown table here")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_bench(args)
+    if current_world().rank == 0:
+        text = markdown(report)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=2)
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write(text + "\n")
+    return 0

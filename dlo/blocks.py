@@ -1,0 +1,108 @@
+"""Checks on the modules a plan selected, before anything is mutated.
+
+Everything here reads module structure and tensor metadata only; it raises a clear error
+for every case of FAULTS.md section A that dlo refuses: meta tensors (listing every name),
+tensor-subclass parameters (DTensor and friends), parameters shared between two blocks or
+between a block and a non-block module, and modules managed by another offloader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from dlo.errors import OffloadError
+from dlo.hooks import find_foreign_offloaders
+from dlo.layout import module_tensor_entries
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def check_blocks(
+    blocks: Sequence[tuple[str, nn.Module]],
+    components: Sequence[tuple[str, nn.Module]],
+    *,
+    rank: int = 0,
+) -> None:
+    """Refuse blocks dlo cannot stream; ``components`` are the modules that own them.
+
+    Raises:
+        OffloadError: naming every offending tensor or module.
+    """
+    foreign = [
+        (f"{name}.{sub}" if sub else name, mech)
+        for name, mod in blocks
+        for sub, mech in find_foreign_offloaders(mod)
+    ]
+    if foreign:
+        listed = ", ".join(f"{p} ({m})" for p, m in foreign)
+        raise OffloadError(
+            f"blocks already managed by another mechanism: {listed}; remove it first "
+            "(dlo owns streamed blocks alone)",
+            rank=rank,
+        )
+    meta: list[str] = []
+    subclass: list[str] = []
+    owner: dict[int, str] = {}
+    for bname, mod in blocks:
+        for tname, _kind, t in module_tensor_entries(mod):
+            full = f"{bname}.{tname}"
+            if t.is_meta:
+                meta.append(full)
+            if type(t) not in _PLAIN or type(t.data) is not torch.Tensor:
+                subclass.append(f"{full} ({type(t).__name__})")
+            other = owner.get(id(t))
+            if other is not None:
+                raise OffloadError(
+                    f"tensor shared between blocks: {other} and {full}; dlo streams each "
+                    "block's tensors on their own (untie them or keep these blocks resident)",
+                    rank=rank,
+                )
+            owner[id(t)] = full
+    if meta:
+        raise OffloadError(
+            f"{len(meta)} tensors are on the meta device (model not materialized): "
+            + ", ".join(meta),
+            rank=rank,
+        )
+    if subclass:
+        raise OffloadError(
+            "tensor-subclass parameters cannot be streamed (dlo moves plain dense tensors "
+            "as bytes): " + ", ".join(subclass),
+            rank=rank,
+        )
+    for cname, comp in components:
+        for tname, t in _all_named_tensors(comp):
+            other = owner.get(id(t))
+            if other is not None and not _is_inside(f"{cname}.{tname}" if cname else tname, blocks):
+                raise OffloadError(
+                    f"tensor shared between block tensor {other} and non-block "
+                    f"{cname + '.' if cname else ''}{tname}; dlo cannot keep one copy in both "
+                    "places (untie them or keep the block resident)",
+                    rank=rank,
+                )
+
+
+def _all_named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from ((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None)
+
+
+def _is_inside(path: str, blocks: Sequence[tuple[str, nn.Module]]) -> bool:
+    return any(path.startswith(bname + ".") for bname, _ in blocks)
+
+
+def non_block_tensors(
+    component: nn.Module, block_tensor_ids: set[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers of ``component`` that belong to no selected block."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, t in _all_named_tensors(component):
+        if id(t) in block_tensor_ids or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out

@@ -1,0 +1,218 @@
+"""The ``dlo`` command: ``dlo run`` (the main job) and ``dlo bench``.
+
+``dlo run`` runs a denoising loop of the embedded default pipeline (:mod:`dlo.models`)
+under a chosen strategy, on one process or under ``torchrun`` (data-parallel ranks run
+different seeds of the same shapes, in lock step). Rank 0 prints a progress bar and a
+summary; ``--check`` compares every rank's output bit for bit with a fully resident run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlo.config import MODES, TRANSFERS, OffloadConfig, ParallelConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one clear line, no traceback, exit 2
+        raise _UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="dlo", description="Distributed layerwise offload for DiTs.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="run the embedded default pipeline under a strategy")
+    r.add_argument("--preset", default="tiny", help="tiny | medium | wan14b-like")
+    r.add_argument("--mode", default="layer", choices=MODES)
+    r.add_argument(
+        "--transfer", default="rank-local", choices=[t for t in TRANSFERS if t != "auto"]
+    )
+    r.add_argument("--resident-layers", type=int, default=0)
+    r.add_argument("--num-slots", type=int, default=2)
+    r.add_argument("--chunk-mb", type=int, default=64)
+    r.add_argument("--no-pin", action="store_true", help="keep host storage pageable")
+    r.add_argument("--steps", type=int, default=8)
+    r.add_argument("--tokens", type=int, default=None, help="latent tokens (default: preset)")
+    r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--check", action="store_true", help="bitwise parity against a resident run")
+    r.add_argument("--json", action="store_true", help="print a machine-readable report")
+    r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: auto)")
+    b = sub.add_parser("bench", help="benchmark dlo against peers and the physical limits")
+    from dlo.bench import add_arguments
+
+    add_arguments(b)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "bench":
+            from dlo.bench import main as bench_main
+            from dlo.parallel import init
+
+            init()
+            return bench_main(args)
+        return run(args)
+    except _UsageError as e:
+        print(str(e), file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        print(f"dlo: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _config(args: argparse.Namespace) -> OffloadConfig:
+    if args.mode != "layer":
+        return OffloadConfig(mode=args.mode, pin_memory=not args.no_pin)
+    return OffloadConfig(
+        mode="layer",
+        transfer=args.transfer,
+        resident_layers=args.resident_layers,
+        num_slots=args.num_slots,
+        chunk_mb=args.chunk_mb,
+        pin_memory=not args.no_pin,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """``dlo run``: see the module docstring."""
+    from dlo.backends.factory import get_offload_backend
+    from dlo.models import build_pipeline, get_preset, make_inputs
+    from dlo.parallel import init
+    from dlo.platform import default_device, get_platform, process_peak_rss_bytes
+
+    cfg = _config(args)  # bad flag values fail here, before any work
+    for name in ("steps", "seed"):
+        if getattr(args, name) < (1 if name == "steps" else 0):
+            raise ValueError(f"--{name}={getattr(args, name)} is out of range")
+    if args.tokens is not None and args.tokens < 1:
+        raise ValueError(f"--tokens={args.tokens} must be >= 1")
+    preset = get_preset(args.preset)
+    dtype = getattr(torch, args.dtype)
+    world = init()
+    device = torch.device(args.device) if args.device else default_device()
+    platform = get_platform(device)
+    rank0 = world.rank == 0
+    seed = args.seed + world.rank  # DP ranks: different requests, same shapes
+
+    pipe = build_pipeline(preset, dtype=dtype, device="cpu" if cfg.enabled else device)
+    ids, latents = make_inputs(preset, tokens=args.tokens, seed=seed, device=device, dtype=dtype)
+    backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size), device)
+    t0 = time.perf_counter()
+    if backend is not None:
+        if cfg.mode == "layer":
+            pipe.vae.to(device)  # the layer backend streams DiT and encoder blocks only
+        backend.enable(pipe)
+    enable_s = time.perf_counter() - t0
+    platform.reset_peak_memory_stats()
+
+    step_events: list[Any] = []
+
+    def on_step(i: int) -> None:
+        if platform.has_streams:
+            ev = platform.new_event(timing=True)
+            ev.record(platform.current_stream())
+            step_events.append(ev)
+        else:
+            step_events.append(time.perf_counter())
+        if rank0 and not args.json:
+            done = i + 1
+            bar = "#" * (20 * done // args.steps)
+            print(f"\r[{bar:<20}] step {done}/{args.steps}", end="", file=sys.stderr, flush=True)
+
+    t_start: Any
+    with torch.inference_mode():
+        if platform.has_streams:
+            t_start = platform.new_event(timing=True)
+            t_start.record(platform.current_stream())
+        else:
+            t_start = time.perf_counter()
+        wall0 = time.perf_counter()
+        text = pipe.encode(ids)
+        out = pipe.decode(pipe.denoise(latents, text, args.steps, on_step=on_step))
+        platform.synchronize()
+        wall = time.perf_counter() - wall0
+    if rank0 and not args.json:
+        print(file=sys.stderr)
+    marks = [t_start, *step_events]
+    if platform.has_streams:
+        step_ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
+    else:
+        step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    stats = backend.stats() if backend is not None else {}
+    parity: bool | None = None
+    if backend is not None:
+        backend.disable()  # frees host and device memory before the reference run
+    if args.check:
+        ref = build_pipeline(preset, dtype=dtype, device=device)
+        parity = bool(torch.equal(ref.generate(ids, latents, args.steps), out))
+        del ref
+    report = {
+        "rank": world.rank,
+        "world_size": world.size,
+        "preset": preset.name,
+        "mode": cfg.mode,
+        "transfer": stats.get("transfer", "-"),
+        "steps": args.steps,
+        "tokens": latents.shape[1],
+        "device": str(device),
+        "step_ms_median": sorted(step_ms[1:] or step_ms)[len(step_ms[1:] or step_ms) // 2],
+        "first_step_ms": step_ms[0],
+        "wall_s": wall,
+        "enable_s": enable_s,
+        "hbm_peak_nbytes": platform.max_memory_allocated(),
+        "device_slot_nbytes": stats.get("device_slot_nbytes", 0),
+        "host_nbytes": stats.get("host_nbytes", 0),
+        "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
+        "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
+        "peak_rss_nbytes": process_peak_rss_bytes(),
+        "parity": parity,
+        "output_finite": bool(torch.isfinite(out.float()).all()),
+    }
+    reports = [report]
+    if dist.is_initialized():
+        reports = [None] * world.size  # type: ignore[list-item]
+        dist.all_gather_object(reports, report)
+    if rank0:
+        print(json.dumps(reports, indent=2) if args.json else _summary(reports))
+    ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+    return 0 if ok else 1
+
+
+def _summary(reports: list[dict[str, Any]]) -> str:
+    r0 = reports[0]
+    gib = float(1 << 30)
+    lines = [
+        f"dlo run: preset={r0['preset']} mode={r0['mode']} transfer={r0['transfer']} "
+        f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']}",
+        "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | pinned host "
+        "GiB | exposed wait ms | enable s | parity |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        parity = {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[r["parity"]]
+        lines.append(
+            f"| {r['rank']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f} | "
+            f"{r['hbm_peak_nbytes'] / gib:.2f} | {r['device_slot_nbytes'] / gib:.3f} | "
+            f"{r['host_pinned_nbytes'] / gib:.3f} | {r['exposed_wait_ms']:.1f} | "
+            f"{r['enable_s']:.2f} | {parity} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,477 @@
+"""Configuration: what to offload and how (:class:`OffloadConfig`), and the parallel layout
+of the job (:class:`ParallelConfig`).
+
+Both are frozen, keyword-only dataclasses validated once, in ``__post_init__``; every bad
+value raises ``TypeError``/``ValueError`` naming the field and the value. The derived
+strategy and the size of the weight-collective group are pure functions of the two configs;
+nothing here reads a live process group.
+
+[Note: config precedence]
+``OffloadConfig.from_flags`` accepts the historical boolean flags. Their priority is fixed:
+distributed layerwise > layerwise > model-level, so enabling several picks the first.
+``OffloadConfig.from_dict`` accepts the compact form (``mode``, ``components``,
+``layer_options``, ``pin_memory`` and the tuning fields); a dict holding only legacy keys is
+read with ``from_flags``; a dict mixing both is accepted only when the legacy flags select the
+same strategy and leave every legacy DLO tuning at its default, otherwise it is an error.
+
+[Note: resident layers with AllGather]
+Resident leading blocks are supported with both transfers. With AllGather they are gathered
+once at enable into their own device storage and never streamed again; their host shards stay
+(1/G of their bytes per rank) so the model can be rebuilt on disable without a collective
+from a single rank's view of its own data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MODES = ("none", "module", "layer")
+COMPONENTS = ("dit", "encoder")
+TRANSFERS = ("rank-local", "allgather", "auto")
+PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")
+WEIGHT_AXES = ("auto", "shard", "data", "sequence", "local")
+
+# legacy flag -> default value (see [Note: config precedence])
+LEGACY_FLAG_DEFAULTS: dict[str, Any] = {
+    "enable_cpu_offload": False,
+    "enable_layerwise_offload": False,
+    "enable_distributed_layerwise_offload": False,
+    "dlo_use_allgather": True,
+    "dlo_resident_layers": 0,
+    "dlo_num_slots": 2,
+    "dlo_chunk_mb": 64,
+    "pin_cpu_memory": True,
+}
+_LEGACY_DLO_TUNING = ("dlo_use_allgather", "dlo_resident_layers", "dlo_num_slots", "dlo_chunk_mb")
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    # bool is an int subclass: True where a count is expected is a bug, not a 1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+# ----------------------------------------------------------------------------- layer options
+@dataclass(frozen=True, kw_only=True)
+class LayerOptions:
+    """Per-component overrides of the layerwise settings."""
+
+    weight_transfer: str | None = None
+    """Transfer for this component's blocks (``"rank-local"``, ``"allgather"``, ``"auto"``);
+    None inherits :attr:`OffloadConfig.transfer`."""
+    resident_layers: int | None = None
+    """Leading blocks kept on the device (DiT only); None inherits
+    :attr:`OffloadConfig.resident_layers`."""
+
+    def __post_init__(self) -> None:
+        if self.weight_transfer is not None:
+            _check_choice("layer_options.weight_transfer", self.weight_transfer, TRANSFERS)
+        if self.resident_layers is not None:
+            _check_int("layer_options.resident_layers", self.resident_layers, minimum=0)
+
+    @classmethod
+    def from_dict(cls, component: str, data: Any) -> LayerOptions:
+        if isinstance(data, LayerOptions):
+            return data
+        if not isinstance(data, Mapping):
+            raise TypeError(
+                f"layer_options[{component!r}] must be a mapping, got {data!r} "
+                f"({type(data).__name__})"
+            )
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"layer_options[{component!r}] has unknown keys {unknown}; known: {sorted(known)}"
+            )
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"layer_options[{component!r}]: {e}") from None
+
+
+# ----------------------------------------------------------------------------- parallel
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The parallel layout of the job. Sizes multiply to the world size.
+
+    ``data_parallel_size * sequence_parallel_size * tensor_parallel_size`` is the world size.
+    HSDP (on when either HSDP size is > 1) shards weights over the same ranks:
+    ``hsdp_replicate_size * hsdp_shard_size`` must equal that world size.
+    """
+
+    data_parallel_size: int = 1
+    """Ranks running different requests of the same shapes, in lock step."""
+    sequence_parallel_size: int = 1
+    """Ranks splitting one request's sequence."""
+    tensor_parallel_size: int = 1
+    """Ranks splitting each weight; never a weight-collective axis for dlo."""
+    hsdp_replicate_size: int = 1
+    """HSDP replicate axis (outer; typically across nodes)."""
+    hsdp_shard_size: int = 1
+    """HSDP shard axis (inner; typically within a node). dlo's AllGather runs on it."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_int(f.name, getattr(self, f.name), minimum=1)
+        if self.use_hsdp and self.hsdp_replicate_size * self.hsdp_shard_size != self.world_size:
+            raise ValueError(
+                f"hsdp_replicate_size={self.hsdp_replicate_size} x hsdp_shard_size="
+                f"{self.hsdp_shard_size} must equal the world size data_parallel_size="
+                f"{self.data_parallel_size} x sequence_parallel_size="
+                f"{self.sequence_parallel_size} x tensor_parallel_size="
+                f"{self.tensor_parallel_size} = {self.world_size}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel_size * self.sequence_parallel_size * self.tensor_parallel_size
+
+    @property
+    def use_hsdp(self) -> bool:
+        return self.hsdp_shard_size > 1 or self.hsdp_replicate_size > 1
+
+    @classmethod
+    def for_world(cls, world_size: int) -> ParallelConfig:
+        """Pure data parallelism over ``world_size`` ranks (the default under torchrun)."""
+        return cls(data_parallel_size=world_size)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise if the configured sizes do not multiply to the live ``world_size``."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"ParallelConfig sizes multiply to {self.world_size} (data_parallel_size="
+                f"{self.data_parallel_size}, sequence_parallel_size={self.sequence_parallel_size},"
+                f" tensor_parallel_size={self.tensor_parallel_size}) but WORLD_SIZE={world_size}"
+            )
+
+
+# ----------------------------------------------------------------------------- offload
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """What dlo offloads and how.
+
+    Example:
+        >>> cfg = OffloadConfig(mode="layer", transfer="allgather", num_slots=2)
+        >>> cfg.strategy
+        'layer'
+    """
+
+    mode: str = "layer"
+    """``"layer"`` streams blocks through device slots (the ring, any group size);
+    ``"module"`` swaps whole components (DiTs vs encoders); ``"none"`` disables offload."""
+    components: tuple[str, ...] | None = None
+    """Component kinds whose blocks stream (``"dit"``, ``"encoder"``), mode ``"layer"`` only.
+    None is the compatibility topology: every DiT, plus encoders whose block stacks are
+    declared; declaration problems warn and skip. An explicit tuple turns them into errors."""
+    transfer: str = "rank-local"
+    """Default weight transfer: ``"rank-local"`` (each rank holds whole blocks),
+    ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"auto"``."""
+    resident_layers: int = 0
+    """Leading DiT blocks kept on the device instead of streamed."""
+    layer_options: Mapping[str, LayerOptions] = field(default_factory=dict)
+    """Per-component overrides, keyed by component kind."""
+    pin_memory: bool = True
+    """Page-lock host storage where the platform can (never on CPU-only torch)."""
+    num_slots: int = 2
+    """Device slots shared by every ring; the prefetch depth is ``num_slots - 1``."""
+    chunk_mb: int = 64
+    """Transfer chunk in MiB: a block moves as chunks; with AllGather each chunk's gather
+    starts as soon as this rank's slice of it has landed."""
+    pin_budget_gb: float | None = None
+    """Cap on pinned host bytes per rank (GiB); None is unlimited."""
+    pin_failure_policy: str = "fail"
+    """On a failed or over-budget pin: ``"fail"`` the enable, or keep the affected blocks
+    pageable (``"whole_block_fallback"``), decided group-wide."""
+    weight_axis: str = "auto"
+    """Group of the weight collective: ``"auto"`` (HSDP shard axis, else DP, else SP, else
+    local), or one of ``"shard"``, ``"data"``, ``"sequence"``, ``"local"``."""
+    collective_timeout_s: float = 300.0
+    """Bound on every dlo collective; a diverging or missing rank fails within it."""
+    verify_block_sequence: bool = True
+    """With AllGather, check that every rank of the group gathers the same block (lock step)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("mode", self.mode, MODES)
+        if self.components is not None:
+            if isinstance(self.components, str) or not isinstance(self.components, (tuple, list)):
+                raise TypeError(f"components must be a tuple of str, got {self.components!r}")
+            for c in self.components:
+                _check_choice("components", c, COMPONENTS)
+            if len(set(self.components)) != len(self.components):
+                raise ValueError(f"components={self.components!r} has duplicates")
+            if not self.components:
+                raise ValueError("components=() selects nothing; use mode='none' to disable")
+            object.__setattr__(self, "components", tuple(self.components))
+        _check_choice("transfer", self.transfer, TRANSFERS)
+        _check_int("resident_layers", self.resident_layers, minimum=0)
+        _check_bool("pin_memory", self.pin_memory)
+        _check_int("num_slots", self.num_slots, minimum=1)
+        _check_int("chunk_mb", self.chunk_mb, minimum=1)
+        if self.pin_budget_gb is not None:
+            _check_positive_number("pin_budget_gb", self.pin_budget_gb)
+        _check_choice("pin_failure_policy", self.pin_failure_policy, PIN_FAILURE_POLICIES)
+        _check_choice("weight_axis", self.weight_axis, WEIGHT_AXES)
+        _check_positive_number("collective_timeout_s", self.collective_timeout_s)
+        _check_bool("verify_block_sequence", self.verify_block_sequence)
+        self._validate_layer_options()
+        if self.mode == "module":
+            layer_only = {"transfer": "rank-local", "resident_layers": 0, "weight_axis": "auto"}
+            for name, default in layer_only.items():
+                if getattr(self, name) != default:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} applies to mode='layer' only "
+                        "(mode='module' swaps whole components)"
+                    )
+        if (
+            self.components is not None
+            and "dit" not in self.components
+            and self.resident_layers_for("dit")
+        ):
+            raise ValueError(
+                f"resident_layers={self.resident_layers_for('dit')} applies to DiT blocks but "
+                f"components={self.components!r} does not select 'dit'"
+            )
+        if self.mode == "module" and self.components is not None:
+            raise ValueError(
+                f"components={self.components!r} applies to mode='layer' only; mode='module' "
+                "swaps every discovered DiT and encoder"
+            )
+
+    def _validate_layer_options(self) -> None:
+        if not isinstance(self.layer_options, Mapping):
+            raise TypeError(f"layer_options must be a mapping, got {self.layer_options!r}")
+        opts: dict[str, LayerOptions] = {}
+        for key, value in self.layer_options.items():
+            _check_choice("layer_options key", key, COMPONENTS)
+            opts[key] = LayerOptions.from_dict(key, value)
+        if opts and self.mode != "layer":
+            raise ValueError(
+                f"layer_options={sorted(opts)} given with mode={self.mode!r}; they apply to "
+                "mode='layer' only"
+            )
+        for key, o in opts.items():
+            if key != "dit" and o.resident_layers:
+                raise ValueError(
+                    f"layer_options[{key!r}].resident_layers={o.resident_layers}: resident "
+                    "layers apply to DiT components only"
+                )
+            if self.components is not None and key not in self.components:
+                raise ValueError(
+                    f"layer_options[{key!r}] given but components={self.components!r} does "
+                    "not select it"
+                )
+        object.__setattr__(self, "layer_options", types.MappingProxyType(opts))
+
+    # ------------------------------------------------------------------ derived (pure)
+    @property
+    def strategy(self) -> str:
+        """``"none"``, ``"module"`` or ``"layer"``."""
+        return self.mode
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def transfer_for(self, component: str) -> str:
+        """Effective transfer of a component kind."""
+        o = self.layer_options.get(component)
+        return o.weight_transfer if o is not None and o.weight_transfer else self.transfer
+
+    def resident_layers_for(self, component: str) -> int:
+        """Effective resident leading blocks of a component kind (0 for non-DiTs)."""
+        if component != "dit":
+            return 0
+        o = self.layer_options.get(component)
+        if o is not None and o.resident_layers is not None:
+            return o.resident_layers
+        return self.resident_layers
+
+    def weight_group(self, par: ParallelConfig, component: str = "dit") -> tuple[str, int]:
+        """The (axis, size) of the weight-collective group for ``component``.
+
+        Rank-local transfer is always ``("local", 1)``. Otherwise the axis is
+        :attr:`weight_axis`, resolved as DESIGN.md section 3 says when ``"auto"``.
+        """
+        if self.mode != "layer" or self.transfer_for(component) == "rank-local":
+            return ("local", 1)
+        axis = self.weight_axis
+        if axis == "auto":
+            if par.use_hsdp:
+                axis = "shard"
+            elif par.data_parallel_size > 1:
+                axis = "data"
+            elif par.sequence_parallel_size > 1:
+                axis = "sequence"
+            else:
+                axis = "local"
+        if axis == "shard":
+            if not par.use_hsdp:
+                raise ValueError("weight_axis='shard' requires HSDP (hsdp_shard_size > 1)")
+            return ("shard", par.hsdp_shard_size)
+        if axis == "data":
+            return ("data", par.data_parallel_size)
+        if axis == "sequence":
+            return ("sequence", par.sequence_parallel_size)
+        return ("local", 1)
+
+    def weight_group_size(self, par: ParallelConfig, component: str = "dit") -> int:
+        return self.weight_group(par, component)[1]
+
+    def replace(self, **changes: Any) -> OffloadConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_flags(cls, **flags: Any) -> OffloadConfig:
+        """Build from the historical boolean flags (see [Note: config precedence]).
+
+        Args:
+            enable_cpu_offload: model-level swap.
+            enable_layerwise_offload: single-rank layerwise ring.
+            enable_distributed_layerwise_offload: distributed layerwise offload.
+            dlo_use_allgather: DLO rebuilds blocks with AllGather (default True).
+            dlo_resident_layers: DLO resident leading blocks (default 0).
+            dlo_num_slots, dlo_chunk_mb: DLO slots and chunk size.
+            pin_cpu_memory: pin host storage (default True).
+        Raises:
+            ValueError / TypeError: unknown flag, wrong type, or DLO tuning without DLO.
+        """
+        unknown = sorted(set(flags) - set(LEGACY_FLAG_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"unknown legacy offload flags {unknown}; known: {sorted(LEGACY_FLAG_DEFAULTS)}"
+            )
+        f = {**LEGACY_FLAG_DEFAULTS, **flags}
+        for name in (
+            "enable_cpu_offload",
+            "enable_layerwise_offload",
+            "enable_distributed_layerwise_offload",
+            "dlo_use_allgather",
+            "pin_cpu_memory",
+        ):
+            _check_bool(name, f[name])
+        _check_int("dlo_resident_layers", f["dlo_resident_layers"], minimum=0)
+        _check_int("dlo_num_slots", f["dlo_num_slots"], minimum=1)
+        _check_int("dlo_chunk_mb", f["dlo_chunk_mb"], minimum=1)
+        if not f["enable_distributed_layerwise_offload"]:
+            for name in _LEGACY_DLO_TUNING:
+                if f[name] != LEGACY_FLAG_DEFAULTS[name]:
+                    raise ValueError(
+                        f"{name}={f[name]!r} requires enable_distributed_layerwise_offload=True"
+                    )
+        pin = f["pin_cpu_memory"]
+        if f["enable_distributed_layerwise_offload"]:
+            return cls(
+                mode="layer",
+                transfer="allgather" if f["dlo_use_allgather"] else "rank-local",
+                resident_layers=f["dlo_resident_layers"],
+                num_slots=f["dlo_num_slots"],
+                chunk_mb=f["dlo_chunk_mb"],
+                pin_memory=pin,
+            )
+        if f["enable_layerwise_offload"]:
+            return cls(mode="layer", transfer="rank-local", pin_memory=pin)
+        if f["enable_cpu_offload"]:
+            return cls(mode="module", pin_memory=pin)
+        return cls(mode="none", pin_memory=pin)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> OffloadConfig:
+        """Build from the compact form, legacy flags, or both when they agree.
+
+        Example:
+            >>> OffloadConfig.from_dict({"mode": "layer", "components": ["dit"],
+            ...     "layer_options": {"dit": {"weight_transfer": "allgather"}}}).transfer_for("dit")
+            'allgather'
+        """
+        if not isinstance(data, Mapping):
+            raise TypeError(f"offload config must be a mapping, got {type(data).__name__}")
+        compact_keys = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - compact_keys - set(LEGACY_FLAG_DEFAULTS))
+        if unknown:
+            raise ValueError(
+                f"unknown offload config keys {unknown}; compact keys: {sorted(compact_keys)}, "
+                f"legacy flags: {sorted(LEGACY_FLAG_DEFAULTS)}"
+            )
+        legacy = {k: v for k, v in data.items() if k in LEGACY_FLAG_DEFAULTS}
+        compact = {k: v for k, v in data.items() if k in compact_keys}
+        if not compact:
+            return cls.from_flags(**legacy)
+        if "components" in compact and isinstance(compact["components"], list):
+            compact["components"] = tuple(compact["components"])
+        cfg = cls(**compact)
+        if legacy:
+            _check_legacy_agrees(cfg, legacy)
+        return cfg
+
+
+def _seed_strategy(cfg: OffloadConfig) -> str:
+    """The historical strategy name a config amounts to (used to compare with legacy flags)."""
+    if cfg.mode != "layer":
+        return cfg.mode
+    kinds = cfg.components or COMPONENTS
+    if any(cfg.transfer_for(k) != "rank-local" for k in kinds) or cfg.resident_layers_for("dit"):
+        return "distributed_layerwise"
+    return "layerwise"
+
+
+def _check_legacy_agrees(cfg: OffloadConfig, legacy: Mapping[str, Any]) -> None:
+    for name in _LEGACY_DLO_TUNING:
+        if name in legacy and legacy[name] != LEGACY_FLAG_DEFAULTS[name]:
+            raise ValueError(
+                f"legacy tuning {name}={legacy[name]!r} conflicts with the compact config; "
+                "set the compact field instead"
+            )
+    if "pin_cpu_memory" in legacy and legacy["pin_cpu_memory"] != cfg.pin_memory:
+        raise ValueError(
+            f"legacy pin_cpu_memory={legacy['pin_cpu_memory']!r} conflicts with "
+            f"pin_memory={cfg.pin_memory!r}"
+        )
+    enabled = [
+        k
+        for k in (
+            "enable_distributed_layerwise_offload",
+            "enable_layerwise_offload",
+            "enable_cpu_offload",
+        )
+        if legacy.get(k)
+    ]
+    if not enabled:
+        return  # legacy keys at their defaults select nothing to conflict with
+    legacy_strategy = _seed_strategy(OffloadConfig.from_flags(**legacy))
+    if legacy_strategy != _seed_strategy(cfg):
+        raise ValueError(
+            f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
+            f"resident_layers={cfg.resident_layers_for('dit')}) selects "
+            f"{_seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
+            f"{legacy_strategy!r}"
+        )

@@ -1,0 +1,38 @@
+"""Exception types of dlo.
+
+Bad user input (config fields, declarations) raises the built-in ``ValueError`` or
+``TypeError`` naming the field and the value. Failures of the offload runtime itself raise
+:class:`OffloadError`, which carries the rank and, where one is involved, the block.
+"""
+
+from __future__ import annotations
+
+
+class OffloadError(RuntimeError):
+    """A runtime offload failure (enable, transfer, agreement, hook misuse).
+
+    Attributes:
+        rank: global rank of the process that raised (0 without a process group).
+        block: dotted path of the block involved, or ``None``.
+    """
+
+    def __init__(self, message: str, *, rank: int = 0, block: str | None = None) -> None:
+        self.rank = rank
+        self.block = block
+        where = f"[dlo rank {rank}]" + (f" block {block!r}:" if block else "")
+        super().__init__(f"{where} {message}")
+
+
+class BackendPoisonedError(OffloadError):
+    """Raised when a backend whose multi-rank state failed after agreement is used again.
+
+    The worker must be discarded (recreated); no recovery collective is attempted.
+    """
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a test-armed fault point (see :mod:`dlo.faults`)."""
+
+    def __init__(self, point: str) -> None:
+        self.point = point
+        super().__init__(f"injected fault at {point!r}")

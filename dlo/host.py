@@ -1,0 +1,204 @@
+"""Host storage: one exact-size region per rank holding its shards of every block.
+
+[Note: exact pinned bytes]
+``Tensor.pin_memory()`` goes through the caching host allocator, which rounds every request
+up to a power of two: pinning a 340 MB block costs 512 MB. dlo instead maps one anonymous,
+page-aligned region sized to the sum of this rank's shards (each block's shard starting on
+a page boundary), and page-locks each block's exact byte range in place with the platform's
+``register_host`` (``cudaHostRegister``). dlo's own :data:`LEDGER` counts registered bytes,
+because ``torch.cuda.host_memory_stats()`` does not see registered memory.
+
+Pinning is per block so that a budget or a failed registration can leave some blocks
+pageable (``pin_failure_policy="whole_block_fallback"``): those blocks are still correct,
+only their host-to-device copies are slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dlo import faults
+from dlo.layout import BlockLayout, TensorSpec, extent_numel, round_up
+from dlo.platform import Platform, page_size
+
+logger = logging.getLogger(__name__)
+
+
+class PinLedger:
+    """Process-wide count of host bytes dlo holds, and of those pinned (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.host_nbytes = 0
+        self.pinned_nbytes = 0
+
+    def add(self, *, host: int = 0, pinned: int = 0) -> None:
+        with self._lock:
+            self.host_nbytes += host
+            self.pinned_nbytes += pinned
+            assert self.host_nbytes >= 0 and self.pinned_nbytes >= 0, "ledger underflow"
+
+
+LEDGER = PinLedger()
+"""The ledger of this process; tests read it to prove nothing is left pinned."""
+
+
+@dataclass
+class PinReport:
+    """What happened when a region was pinned."""
+
+    requested_blocks: int = 0
+    pinned_blocks: list[int] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)
+    over_budget_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def unpinned_blocks(self) -> list[int]:
+        return sorted(self.failed_blocks + self.over_budget_blocks)
+
+
+class HostRegion:
+    """Page-aligned host memory holding one byte range per block.
+
+    Args:
+        nbytes: bytes of each block's shard on this rank (exact; 0 allowed).
+    """
+
+    def __init__(self, nbytes: Sequence[int]) -> None:
+        faults.check("host_allocation")
+        page = page_size()
+        self.block_nbytes = [int(n) for n in nbytes]
+        self.block_offsets: list[int] = []
+        total = 0
+        for n in self.block_nbytes:
+            self.block_offsets.append(total)
+            total += round_up(n, page)
+        self.nbytes = total
+        self._mmap: mmap.mmap | None = mmap.mmap(-1, total) if total else None
+        self._buffer: torch.Tensor | None = (
+            torch.frombuffer(self._mmap, dtype=torch.uint8)
+            if self._mmap is not None
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        self._platform: Platform | None = None
+        self._pinned: list[bool] = [False] * len(self.block_nbytes)
+        LEDGER.add(host=self.nbytes)
+
+    # ------------------------------------------------------------------ access
+    def view(self, index: int) -> torch.Tensor:
+        """The uint8 tensor over block ``index``'s shard (a view of the region)."""
+        assert self._buffer is not None, "host region already released"
+        start = self.block_offsets[index]
+        return self._buffer[start : start + self.block_nbytes[index]]
+
+    def is_pinned(self, index: int) -> bool:
+        return self._pinned[index]
+
+    @property
+    def pinned_nbytes(self) -> int:
+        return sum(n for n, p in zip(self.block_nbytes, self._pinned) if p)
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    # ------------------------------------------------------------------ pinning
+    def pin(self, platform: Platform, *, budget_nbytes: int | None = None) -> PinReport:
+        """Page-lock every block's range, in block order, until the budget is used.
+
+        Blocks that do not fit the budget or whose registration fails stay pageable and are
+        listed in the report; the caller decides (alone or group-wide) what that means.
+        """
+        report = PinReport(requested_blocks=len(self.block_nbytes))
+        if not platform.can_pin:
+            return report
+        self._platform = platform
+        used = 0
+        for i, n in enumerate(self.block_nbytes):
+            if n == 0 or self._pinned[i]:
+                continue
+            if budget_nbytes is not None and used + n > budget_nbytes:
+                report.over_budget_blocks.append(i)
+                continue
+            faults.check("pin_allocation")
+            if platform.register_host(self.view(i)):
+                self._pinned[i] = True
+                used += n
+                LEDGER.add(pinned=n)
+                report.pinned_blocks.append(i)
+            else:
+                report.failed_blocks.append(i)
+        return report
+
+    def unpin(self) -> None:
+        """Unregister every pinned block (idempotent)."""
+        for i, pinned in enumerate(self._pinned):
+            if pinned:
+                assert self._platform is not None
+                self._platform.unregister_host(self.view(i))
+                self._pinned[i] = False
+                LEDGER.add(pinned=-self.block_nbytes[i])
+
+    def close(self) -> None:
+        """Unpin and release the region (idempotent). Views handed out must be dropped."""
+        if self._buffer is None:
+            return
+        self.unpin()
+        self._buffer = None
+        LEDGER.add(host=-self.nbytes)
+        if self._mmap is not None:
+            try:
+                self._mmap.close()
+            except BufferError:
+                # a view is still referenced somewhere; the mapping goes with its last view
+                logger.debug("host region views still referenced; unmapped when they die")
+            self._mmap = None
+
+
+# ----------------------------------------------------------------------------- packing
+def span_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of the memory a tensor addresses, from its first to its last element."""
+    t = tensor.detach()
+    n = extent_numel(tuple(t.shape), tuple(t.stride()))
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return torch.as_strided(t, (n,), (1,), t.storage_offset()).view(torch.uint8)
+
+
+def pack_shard(
+    dst: torch.Tensor, layout: BlockLayout, rank: int, sources: Sequence[torch.Tensor]
+) -> None:
+    """Copy ``rank``'s slices of a block from its source tensors into ``dst`` (its shard).
+
+    Only the bytes of this rank's slices are read, so no rank builds a full block. Padding
+    and alignment gaps stay as they are in ``dst`` (zero in a fresh region).
+    """
+    assert dst.numel() == layout.shard_nbytes and len(sources) == len(layout.tensors)
+    spans = [span_bytes(s) for s in sources]
+    for block_start, block_end, shard_off in layout.shard_ranges(rank):
+        for spec, src in zip(layout.tensors, spans):
+            lo, hi = max(block_start, spec.offset), min(block_end, spec.end)
+            if lo >= hi:
+                continue
+            dst[shard_off + lo - block_start : shard_off + hi - block_start].copy_(
+                src[lo - spec.offset : hi - spec.offset]
+            )
+
+
+def unpack_tensor(shard: torch.Tensor, spec: TensorSpec, device: torch.device) -> torch.Tensor:
+    """Rebuild one tensor (same shape, strides, dtype, bytes) from a full-block shard."""
+    base = torch.empty(spec.extent_numel, dtype=spec.dtype, device=device)
+    base.view(torch.uint8).copy_(shard[spec.offset : spec.end])
+    return base.as_strided(spec.shape, spec.stride)
+
+
+def shard_view(shard: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    """A tensor of ``spec``'s shape/strides/dtype aliasing a full-block byte buffer."""
+    flat = shard[spec.offset : spec.end].view(spec.dtype)
+    return flat.as_strided(spec.shape, spec.stride)

@@ -1,0 +1,423 @@
+"""The one place that knows about the accelerator and the process environment.
+
+Everything that picks a device, creates a stream or an event, synchronizes, registers
+(pins) host memory or reads ``os.environ`` goes through here, so the rest of dlo is written
+once against :class:`Platform` and runs unchanged on CUDA and on a CPU-only torch.
+
+Two implementations exist:
+
+* :class:`CudaPlatform` -- real streams and timing events; host memory is page-locked with
+  ``cudaHostRegister`` on exact-size regions (the caching host allocator behind
+  ``Tensor.pin_memory()`` rounds every request up to a power of two, which would break dlo's
+  exact pinned-bytes contract).
+* :class:`CpuPlatform` -- the "device" is the CPU; streams and events are no-ops (every
+  operation is already ordered on the host) and pinning is never requested, because a
+  CPU-only torch raises on any pinning call.
+
+The generic ``torch.accelerator`` API is used to detect the accelerator where torch has it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- environment
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """What torchrun (or SLURM through torchrun) told this process about its place."""
+
+    rank: int
+    """Global rank (``RANK``), 0 when unset."""
+    world_size: int
+    """Number of processes (``WORLD_SIZE``), 1 when unset."""
+    local_rank: int
+    """Rank on this node (``LOCAL_RANK``), 0 when unset; picks the GPU."""
+    local_world_size: int
+    """Processes on this node (``LOCAL_WORLD_SIZE``), 1 when unset."""
+    master_addr: str | None
+    """Rendezvous address (``MASTER_ADDR``), or None."""
+    master_port: int | None
+    """Rendezvous port (``MASTER_PORT``), or None."""
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def torchrun_env() -> TorchrunEnv:
+    """Read torchrun's environment variables (all optional)."""
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    if world < 1:
+        raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
+    if not 0 <= rank < world:
+        raise ValueError(f"environment variable RANK={rank} must be in [0, WORLD_SIZE={world})")
+    port = os.environ.get("MASTER_PORT")
+    return TorchrunEnv(
+        rank=rank,
+        world_size=world,
+        local_rank=_env_int("LOCAL_RANK", 0),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        master_addr=os.environ.get("MASTER_ADDR"),
+        master_port=int(port) if port else None,
+    )
+
+
+def env_str(name: str, default: str | None = None) -> str | None:
+    """Read one environment variable (the only ``os.environ`` access outside this module)."""
+    return os.environ.get(name, default)
+
+
+def set_env_default(name: str, value: str) -> None:
+    """Set an environment variable unless the user already did (used before NCCL init)."""
+    os.environ.setdefault(name, value)
+
+
+# ----------------------------------------------------------------------------- CPU stand-ins
+class NullStream:
+    """A stream on a device whose operations are already ordered on the host."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class NullEvent:
+    """An event on such a device: always complete, zero elapsed time."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
+
+
+# ----------------------------------------------------------------------------- platforms
+class Platform:
+    """Device, streams, events, synchronization and host-memory pinning for one device."""
+
+    device: torch.device
+    can_pin: bool = False
+    has_streams: bool = False
+
+    # streams and events
+    def new_stream(self) -> Any:
+        raise NotImplementedError
+
+    def current_stream(self) -> Any:
+        raise NotImplementedError
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context manager making ``stream`` current for the enclosed enqueues."""
+        raise NotImplementedError
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    # host memory
+    def register_host(self, tensor: torch.Tensor) -> bool:
+        """Page-lock a CPU tensor's memory in place; False when the platform refused."""
+        return False
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        return None
+
+    # memory statistics
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        return None
+
+    def num_allocs(self) -> int:
+        """Cumulative count of device allocator allocations (0 where not tracked)."""
+        return 0
+
+    def empty_cache(self) -> None:
+        return None
+
+    @property
+    def dist_backend(self) -> str:
+        """The process-group backend that serves this device."""
+        raise NotImplementedError
+
+
+class CpuPlatform(Platform):
+    """CPU as the device: no streams, no events, no pinning."""
+
+    has_streams = False
+    can_pin = False
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def new_stream(self) -> NullStream:
+        return NullStream()
+
+    def current_stream(self) -> NullStream:
+        return NullStream()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(stream)
+
+    def new_event(self, *, timing: bool = False) -> NullEvent:
+        return NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    @property
+    def dist_backend(self) -> str:
+        return "gloo"
+
+
+class CudaPlatform(Platform):
+    """One CUDA device with real streams, timing events and cudaHostRegister pinning."""
+
+    has_streams = True
+    can_pin = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"device={device} is not a CUDA device")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, *, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def register_host(self, tensor: torch.Tensor) -> bool:
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
+        if tensor.numel() == 0:
+            return True
+        err = torch.cuda.cudart().cudaHostRegister(
+            tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0
+        )
+        code = _cuda_error_code(err)
+        if code != 0:
+            logger.warning("cudaHostRegister of %d bytes failed (error %d)", tensor.nbytes, code)
+            _clear_cuda_error()
+            return False
+        return True
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() == 0:
+            return
+        err = torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        code = _cuda_error_code(err)
+        if code != 0:
+            logger.warning("cudaHostUnregister failed (error %d)", code)
+            _clear_cuda_error()
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def num_allocs(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("allocation.all.allocated", 0))
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl"
+
+
+def _cuda_error_code(err: Any) -> int:
+    if isinstance(err, int):
+        return err
+    value = getattr(err, "value", None)
+    if isinstance(value, int):
+        return value
+    return int(err)
+
+
+def _clear_cuda_error() -> None:
+    # cudaHostRegister failures are sticky in cudaGetLastError; clear them so that an
+    # unrelated later kernel launch check does not report them.
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaGetLastError()
+
+
+# ----------------------------------------------------------------------------- timing
+class StreamTimer:
+    """Accumulates the device time between two points of one stream, without host syncs.
+
+    ``begin``/``end`` record a pair of timing events; the elapsed time is collected later,
+    by the next ``begin`` when the pair has completed (a non-blocking ``query``), or by
+    ``harvest(block_host=True)`` on a setup/statistics path. A pair still running when it
+    is needed again is dropped and counted, never waited for. On platforms without streams
+    the timer reads zero.
+    """
+
+    def __init__(self, platform: Platform) -> None:
+        self._events = (
+            (platform.new_event(timing=True), platform.new_event(timing=True))
+            if platform.has_streams
+            else None
+        )
+        self._pending = False
+        self.total_ms = 0.0
+        self.count = 0
+        self.dropped = 0
+
+    def begin(self, stream: Any) -> None:
+        if self._events is not None:
+            self.harvest()
+            self._events[0].record(stream)
+
+    def end(self, stream: Any) -> None:
+        if self._events is not None:
+            self._events[1].record(stream)
+            self._pending = True
+
+    def harvest(self, *, block_host: bool = False) -> None:
+        if not self._pending or self._events is None:
+            return
+        start, end = self._events
+        if block_host:
+            end.synchronize()
+        elif not end.query():
+            self.dropped += 1
+            self._pending = False
+            return
+        self.total_ms += start.elapsed_time(end)
+        self.count += 1
+        self._pending = False
+
+
+# ----------------------------------------------------------------------------- selection
+def accelerator_available() -> bool:
+    """True when torch sees a usable accelerator of a kind dlo supports (CUDA today)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        if not acc.is_available():
+            return False
+        current = acc.current_accelerator()
+        return current is not None and current.type == "cuda"
+    return torch.cuda.is_available()
+
+
+def default_device(local_rank: int | None = None) -> torch.device:
+    """The device a process should compute on: its local GPU, else the CPU."""
+    if accelerator_available():
+        index = local_rank if local_rank is not None else torchrun_env().local_rank
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"LOCAL_RANK={index} but only {count} CUDA devices are visible")
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def get_platform(device: torch.device | str | None = None) -> Platform:
+    """Return the platform that serves ``device`` (default: :func:`default_device`)."""
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cpu":
+        return CpuPlatform()
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={dev} requested but this torch has no usable CUDA")
+        return CudaPlatform(dev)
+    raise ValueError(f"device={dev}: dlo supports 'cuda' and 'cpu' devices")
+
+
+# ----------------------------------------------------------------------------- host memory
+def page_size() -> int:
+    """Size of a host memory page (the alignment of pinned regions)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 4096
+
+
+def process_rss_bytes() -> int:
+    """Resident set size of this process, from /proc (0 where unavailable)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page_size()
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def process_peak_rss_bytes() -> int:
+    """Peak resident set size of this process (VmHWM), 0 where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def trim_host_heap() -> None:
+    """Ask glibc to give freed heap pages back to the OS (best effort, Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    """Profiler range with a stable label (``dlo::h2d``, ``dlo::allgather``, ``dlo::wait``)."""
+    with torch.profiler.record_function(name):
+        yield

@@ -1,0 +1,314 @@
+"""The ring: streamed blocks taking turns in a few shared device slots.
+
+[Note: ring protocol]
+Each stack of streamed blocks is a ring (the block after the last is the first). All rings
+of a pipeline share one :class:`~dlo.slots.SlotPool` and one pair of streams. A block is
+IDLE (its tensors are empty placeholders; its bytes live only in host shards), LOADED (a
+slot holds it, or a load into that slot is enqueued) or RUNNING (its forward is executing
+with its tensors rebound to views of the slot).
+
+``enter(block)``, from the block's pre-forward hook:
+  1. if IDLE, take a slot (a free one, else evict the least recently loaded LOADED block)
+     and enqueue its load (a demand load: the producer that should have prefetched it was
+     skipped, or this is the first block after a different ring ran);
+  2. the compute stream waits on the slot's ``ready`` event (bracketed by two timing events
+     on the compute stream: the gap is the exposed wait, measured without a host sync);
+  3. the block's Parameters and buffers are rebound to views of the slot (``.data``
+     assignment: the same Python objects, new storage);
+  4. prefetch: the next ``num_slots - 1`` blocks of the same ring are loaded into free (or
+     evictable) slots, never evicting the running block or the window itself.
+
+``exit(block)``, from the post-forward hook (also called when forward raised):
+  rebind placeholders, record the slot's ``free`` event on the compute stream, release the
+  slot. The copy stream waits on ``free`` before overwriting the slot, so a slot is never
+  reused while kernels reading it are queued.
+
+Every decision depends only on the sequence of hook calls, so ranks that run the same block
+sequence issue the same loads (and collectives) in the same order. No step waits on the
+host: hooks only enqueue work and make streams wait on events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.errors import BackendPoisonedError, OffloadError
+from dlo.hooks import ModelHook
+from dlo.layout import BlockLayout
+from dlo.platform import Platform, StreamTimer, nvtx_range
+from dlo.slots import Slot, SlotPool
+from dlo.transport import BlockTransport
+
+logger = logging.getLogger(__name__)
+
+IDLE, LOADED, RUNNING = "idle", "loaded", "running"
+
+
+@dataclass(eq=False)
+class StreamedBlock:
+    """One block of a ring and everything needed to bind it to any slot."""
+
+    name: str
+    module: nn.Module
+    layout: BlockLayout
+    shard: torch.Tensor
+    """This rank's host shard of the block (uint8)."""
+    tensors: list[torch.Tensor]
+    """The block's Parameter and buffer objects, in layout order."""
+    transport: BlockTransport
+    requires_grad: bool
+    index: int = -1
+    """Position in the manifest (identifies the block in the lock-step check)."""
+    placeholders: list[torch.Tensor] = field(default_factory=list)
+    views: list[list[torch.Tensor]] = field(default_factory=list)
+    """``views[slot.index][i]``: tensor i as a view of that slot."""
+    ring: BlockRing | None = None
+    position: int = 0
+    state: str = IDLE
+    slot: Slot | None = None
+    wait: StreamTimer | None = None
+    """Exposed wait of this block: compute-stream time spent waiting on ``ready``."""
+    num_runs: int = 0
+    num_demand_loads: int = 0
+
+
+@dataclass(eq=False)
+class BlockRing:
+    """The ordered streamed blocks of one stack."""
+
+    name: str
+    blocks: list[StreamedBlock]
+
+    def __post_init__(self) -> None:
+        for i, b in enumerate(self.blocks):
+            b.ring, b.position = self, i
+
+
+class _BlockHook(ModelHook):
+    def __init__(self, scheduler: RingScheduler, block: StreamedBlock) -> None:
+        self.scheduler = scheduler
+        self.block = block
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.scheduler.enter(self.block, args, kwargs)
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        self.scheduler.exit(self.block)
+        return output
+
+
+class RingScheduler:
+    """Runs the ring protocol for every ring of one backend (see [Note: ring protocol])."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        pool: SlotPool,
+        *,
+        rank: int,
+    ) -> None:
+        self.platform = platform
+        self.pool = pool
+        self.rank = rank
+        self.rings: list[BlockRing] = []
+        self._running: StreamedBlock | None = None
+        self._running_thread: int | None = None
+        self._clock = 0
+        self.poisoned: str | None = None
+
+    # ------------------------------------------------------------------ setup
+    def add_ring(self, ring: BlockRing) -> None:
+        for b in ring.blocks:
+            b.views = [self._views(b, slot) for slot in self.pool.slots]
+            b.placeholders = [
+                torch.empty(0, dtype=t.dtype, device=self.platform.device) for t in b.tensors
+            ]
+            b.wait = StreamTimer(self.platform)
+        self.rings.append(ring)
+
+    def _views(self, block: StreamedBlock, slot: Slot) -> list[torch.Tensor]:
+        from dlo.host import shard_view
+
+        return [shard_view(slot.buffer, spec) for spec in block.layout.tensors]
+
+    def hook_for(self, block: StreamedBlock) -> ModelHook:
+        return _BlockHook(self, block)
+
+    def preload(self) -> None:
+        """Load the first block of each ring while free slots last (block 0 is on the
+        device before the first forward)."""
+        for ring in self.rings:
+            if not ring.blocks:
+                continue
+            first = ring.blocks[0]
+            slot = self._free_slot()
+            if slot is None:
+                break
+            if first.state == IDLE:
+                self._load(first, slot)
+
+    def unbind_all(self) -> None:
+        """Return every block to IDLE with placeholders (teardown; device synchronized)."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                if b.state == RUNNING:
+                    self._rebind(b, b.placeholders)
+                b.state, b.slot = IDLE, None
+        for s in self.pool.slots:
+            s.owner = None
+        self._running = None
+
+    # ------------------------------------------------------------------ hot path
+    def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        if self.poisoned is not None:
+            raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
+        if self._running is not None:
+            same = self._running_thread == threading.get_ident()
+            raise OffloadError(
+                f"forward of this block started while block {self._running.name!r} is still "
+                f"running ({'re-entrant call' if same else 'another thread'}); dlo's ring serves "
+                "one forward at a time",
+                rank=self.rank,
+                block=block.name,
+            )
+        self._check_inputs(block, args, kwargs)
+        compute = self.platform.current_stream()
+        try:
+            if block.state == IDLE:
+                block.num_demand_loads += 1
+                slot = self._acquire(block, protect=())
+                assert slot is not None, "no slot to evict while nothing runs"
+                self._load(block, slot)
+            slot = block.slot
+            assert slot is not None
+            self._wait(block, slot, compute)
+            self._rebind(block, block.views[slot.index])
+            block.state = RUNNING
+            block.num_runs += 1
+            self._running, self._running_thread = block, threading.get_ident()
+            self._prefetch(block)
+        except Exception as e:
+            if block.transport.group_size > 1:
+                # the group may be misaligned now: no further weight collective is safe
+                self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
+            if isinstance(e, OffloadError):
+                raise
+            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def exit(self, block: StreamedBlock) -> None:
+        if self._running is not block or self._running_thread != threading.get_ident():
+            return  # this call's enter refused or never ran
+        self._rebind(block, block.placeholders)
+        slot = block.slot
+        assert slot is not None
+        # [free] producer: compute stream, after the block's kernels; consumer: copy stream
+        slot.free.record(self.platform.current_stream())
+        self._clock += 1
+        slot.owner, slot.stamp = None, self._clock
+        block.slot, block.state = None, IDLE
+        self._running = self._running_thread = None
+
+    # ------------------------------------------------------------------ internals
+    def _check_inputs(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if torch.is_grad_enabled() and (
+            block.requires_grad or any(t.requires_grad for t in tensors)
+        ):
+            raise OffloadError(
+                "forward with autograd enabled: dlo is an inference runtime (slots are reused, "
+                "so saved weights would be overwritten before backward); run under "
+                "torch.no_grad() or torch.inference_mode()",
+                rank=self.rank,
+                block=block.name,
+            )
+        want = self.platform.device
+        for t in tensors:
+            if t.device != want:
+                raise OffloadError(
+                    f"input on {t.device} but dlo streams this block to {want}",
+                    rank=self.rank,
+                    block=block.name,
+                )
+
+    def _rebind(self, block: StreamedBlock, tensors: list[torch.Tensor]) -> None:
+        for t, new in zip(block.tensors, tensors):
+            t.data = new
+
+    def _wait(self, block: StreamedBlock, slot: Slot, compute: Any) -> None:
+        assert block.wait is not None
+        block.wait.begin(compute)
+        with nvtx_range("dlo::wait"):
+            # [ready] producer: transport writer stream; consumer: compute stream
+            compute.wait_event(slot.ready)
+        block.wait.end(compute)
+
+    def harvest_all(self) -> None:
+        """Collect every pending wait measurement (setup/stats path: may block)."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                assert b.wait is not None
+                b.wait.harvest(block_host=True)
+
+    def _free_slot(self) -> Slot | None:
+        free = [s for s in self.pool.slots if s.owner is None]
+        return min(free, key=lambda s: s.stamp) if free else None
+
+    def _acquire(self, block: StreamedBlock, protect: tuple[StreamedBlock, ...]) -> Slot | None:
+        slot = self._free_slot()
+        if slot is not None:
+            return slot
+        victims = [
+            s
+            for s in self.pool.slots
+            if s.owner is not None and s.owner.state == LOADED and s.owner not in protect
+        ]
+        if not victims:
+            return None
+        slot = min(victims, key=lambda s: s.stamp)
+        evicted: StreamedBlock = slot.owner
+        logger.debug("evict %s from slot %d for %s", evicted.name, slot.index, block.name)
+        # [free] producer: the evicted load's writer stream; consumer: the next load
+        slot.free.record(evicted.transport.writer_stream)
+        evicted.state, evicted.slot = IDLE, None
+        slot.owner = None
+        return slot
+
+    def _load(self, block: StreamedBlock, slot: Slot) -> None:
+        self._clock += 1
+        slot.owner, slot.stamp = block, self._clock
+        block.slot, block.state = slot, LOADED
+        block.transport.load(
+            block.layout,
+            block.shard,
+            slot.buffer,
+            free_event=slot.free,
+            ready_event=slot.ready,
+            index=block.index,
+        )
+
+    def _prefetch(self, block: StreamedBlock) -> None:
+        ring = block.ring
+        assert ring is not None
+        n = len(ring.blocks)
+        window: list[StreamedBlock] = []
+        for j in range(1, len(self.pool.slots)):
+            nxt = ring.blocks[(block.position + j) % n]
+            if nxt is block:
+                break
+            window.append(nxt)
+        protect = (block, *window)
+        for nxt in window:
+            if nxt.state != IDLE:
+                continue
+            slot = self._acquire(nxt, protect)
+            if slot is None:
+                return
+            self._load(nxt, slot)

@@ -1,0 +1,62 @@
+"""Device slots: the preallocated device buffers streamed blocks are loaded into.
+
+``num_slots`` buffers, each sized to the largest padded block of every ring, allocated once
+at enable and shared by every ring of the pipeline; the steady state allocates nothing.
+Each slot carries two events (see [Note: chunk pipeline] in :mod:`dlo.transport`):
+``ready`` (its block is whole; recorded by the transport's writer stream, waited on by the
+compute stream) and ``free`` (the last reader is done; recorded by the compute stream,
+waited on by the copy stream before the next load).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dlo import faults
+from dlo.platform import Platform
+
+
+@dataclass(eq=False)
+class Slot:
+    index: int
+    buffer: torch.Tensor
+    ready: Any
+    free: Any
+    owner: Any = None
+    """The block occupying the slot (loading, loaded or running), or None."""
+    stamp: int = 0
+    """When the owner was assigned (for least-recently-loaded eviction)."""
+
+
+@dataclass(eq=False)
+class SlotPool:
+    platform: Platform
+    slots: list[Slot] = field(default_factory=list)
+    slot_nbytes: int = 0
+
+    @classmethod
+    def allocate(cls, platform: Platform, num_slots: int, slot_nbytes: int) -> SlotPool:
+        pool = cls(platform)
+        pool.slot_nbytes = slot_nbytes
+        try:
+            for i in range(num_slots):
+                faults.check("slot_allocation")
+                buf = torch.empty(slot_nbytes, dtype=torch.uint8, device=platform.device)
+                pool.slots.append(Slot(i, buf, platform.new_event(), platform.new_event()))
+        except BaseException:
+            pool.release()
+            raise
+        return pool
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot_nbytes * len(self.slots)
+
+    def release(self) -> None:
+        """Drop every buffer (the caller synchronized the device first)."""
+        for s in self.slots:
+            s.owner = None
+        self.slots.clear()

@@ -1,0 +1,229 @@
+"""Moving a block's bytes: host-to-device copies and the AllGather that rebuilds it.
+
+The only dlo module that calls collectives. Everything here only *enqueues* work on the
+streams it is given; nothing waits on the host.
+
+[Note: chunk pipeline]
+For a block with layout L loaded into device slot S by rank r of a group of G:
+
+    copy_stream:  wait(S.free); for k: copy host slice k -> S[L.slice_range(k, r)];
+                  record(chunk_event[k])
+    comm_stream:  for k: wait(chunk_event[k]); all_gather(S[L.chunk_range(k)],
+                  input=S[L.slice_range(k, r)]); then record(S.ready)
+
+Producer/consumer pairs: ``S.free`` is recorded by the compute stream after the last block
+that read S (consumer) and waited on by the copy stream before the first byte is written
+(producer); ``chunk_event[k]`` hands slice k from the copy stream to the comm stream;
+``S.ready`` hands the whole block from the comm stream to the compute stream. The gather of
+chunk k overlaps the copy of chunk k+1. The gather's input is rank r's own range of the
+slot, so the gather writes in place and the block needs no staging buffer. With G == 1 the
+shard is the whole padded block: one copy, no collective, ``S.ready`` on the copy stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlo.errors import OffloadError
+from dlo.layout import BlockLayout
+from dlo.platform import Platform, nvtx_range
+
+logger = logging.getLogger(__name__)
+
+_all_gather_single = getattr(dist, "all_gather_single", None)
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: Any) -> None:
+    """AllGather ``input`` of every rank into ``output`` (``all_gather_single`` where torch
+    has it, else ``all_gather_into_tensor``; no deprecation warning on either)."""
+    if _all_gather_single is not None:
+        _all_gather_single(output, input, group=group)
+    else:
+        dist.all_gather_into_tensor(output, input, group=group)
+
+
+def all_gather_objects(obj: Any, group: Any) -> list[Any]:
+    """Gather one picklable object from every rank of ``group`` (setup path only)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class SequenceCheck:
+    """Checks that every rank of a group gathers the same block at the same time.
+
+    [Note: lock-step check]
+    AllGather rebuilds a block from the slices of every rank, so every rank must load the
+    same block sequence. Before the chunk gathers of a block, the group gathers each rank's
+    block index (one int64 per rank, on the comm stream). On a host-ordered device (CPU,
+    gloo) the result is compared at once. On CUDA the comparison must not stall the host:
+    the gathered indices are copied to pinned host memory with an event, and checked at a
+    later load once the event has completed (non-blocking ``query``), so a divergence is
+    reported, naming the block and what every rank was loading, one or two blocks after it
+    happened. When the diverging blocks also differ in size, the gathers themselves no
+    longer match and only the collective timeout ends the run (see docs/design.md).
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        group: Any,
+        group_rank: int,
+        group_size: int,
+        names: Sequence[str],
+        *,
+        depth: int = 8,
+    ) -> None:
+        self.platform = platform
+        self.group = group
+        self.group_rank = group_rank
+        self.names = list(names)
+        dev = platform.device
+        self._mine = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._free: deque[tuple[torch.Tensor, torch.Tensor, Any]] = deque()
+        self._pending: deque[tuple[torch.Tensor, torch.Tensor, Any, int]] = deque()
+        pin = platform.has_streams
+        for _ in range(depth if pin else 1):
+            gathered = torch.zeros(group_size, dtype=torch.int64, device=dev)
+            host = torch.zeros(group_size, dtype=torch.int64, pin_memory=pin)
+            self._free.append((gathered, host, platform.new_event()))
+
+    def issue(self, index: int, stream: Any) -> None:
+        """Gather ``index`` from every rank on ``stream`` (the comm stream)."""
+        self.poll()
+        if not self._free:
+            self.poll(block_host=True)
+        gathered, host, event = self._free.popleft()
+        with self.platform.stream(stream):
+            self._mine.fill_(index)
+            all_gather_into(gathered, self._mine, self.group)
+            host.copy_(gathered, non_blocking=True)
+            event.record(stream)
+        self._pending.append((gathered, host, event, index))
+        if not self.platform.has_streams:
+            self.poll()
+
+    def poll(self, *, block_host: bool = False) -> None:
+        """Check every completed gather (the oldest one waits if ``block_host``)."""
+        while self._pending:
+            gathered, host, event, index = self._pending[0]
+            if block_host:
+                event.synchronize()
+                block_host = False
+            elif not event.query():
+                return
+            self._pending.popleft()
+            self._free.append((gathered, host, event))
+            seen = host.tolist()
+            if any(v != index for v in seen):
+                loading = ", ".join(
+                    f"rank {r}: {self.names[v] if 0 <= v < len(self.names) else v}"
+                    for r, v in enumerate(seen)
+                )
+                raise OffloadError(
+                    "ranks of an AllGather group loaded different blocks (they must run the "
+                    f"same block sequence in lock step): {loading}",
+                    rank=self.group_rank,
+                    block=self.names[index],
+                )
+
+
+@dataclass
+class TransferCounters:
+    h2d_nbytes: int = 0
+    allgather_nbytes: int = 0
+    num_loads: int = 0
+
+
+class BlockTransport:
+    """Loads blocks of one group size into device slots (see [Note: chunk pipeline]).
+
+    Args:
+        platform: device, streams and events.
+        group: the weight-collective process group (None when ``group_size == 1``).
+        group_rank, group_size: this rank's place in ``group``.
+        copy_stream, comm_stream: the streams owned by the ring.
+        max_chunks: the largest ``num_chunks`` of the blocks this transport loads.
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        group: Any,
+        group_rank: int,
+        group_size: int,
+        copy_stream: Any,
+        comm_stream: Any,
+        max_chunks: int,
+        counters: TransferCounters,
+        sequence_check: SequenceCheck | None = None,
+    ) -> None:
+        assert (group is None) == (group_size == 1)
+        self.platform = platform
+        self.group = group
+        self.group_rank = group_rank
+        self.group_size = group_size
+        self.copy_stream = copy_stream
+        self.comm_stream = comm_stream
+        self.counters = counters
+        self.sequence_check = sequence_check
+        self._chunk_events = [
+            platform.new_event() for _ in range(max_chunks if group_size > 1 else 0)
+        ]
+
+    @property
+    def writer_stream(self) -> Any:
+        """The stream that performs the last write of a load."""
+        return self.comm_stream if self.group_size > 1 else self.copy_stream
+
+    def load(
+        self,
+        layout: BlockLayout,
+        shard: torch.Tensor,
+        slot: torch.Tensor,
+        *,
+        free_event: Any,
+        ready_event: Any,
+        index: int = -1,
+    ) -> None:
+        """Enqueue the load of block ``index`` into ``slot`` and record ``ready_event``."""
+        assert layout.group_size == self.group_size
+        if layout.num_chunks == 0:  # a block without tensors: nothing moves on any rank
+            ready_event.record(self.copy_stream)
+            return
+        pf = self.platform
+        if self.group_size == 1:
+            with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
+                self.copy_stream.wait_event(free_event)
+                slot[: layout.padded_nbytes].copy_(shard, non_blocking=True)
+                ready_event.record(self.copy_stream)
+            self.counters.h2d_nbytes += layout.shard_nbytes
+            self.counters.num_loads += 1
+            return
+        r = self.group_rank
+        if self.sequence_check is not None:
+            self.sequence_check.issue(index, self.comm_stream)
+        with pf.stream(self.copy_stream):
+            self.copy_stream.wait_event(free_event)
+        for k, (start, end, shard_off) in enumerate(layout.shard_ranges(r)):
+            mine = slot[start:end]
+            with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
+                mine.copy_(shard[shard_off : shard_off + layout.slice_nbytes], non_blocking=True)
+                self._chunk_events[k].record(self.copy_stream)
+            c0, c1 = layout.chunk_range(k)
+            with nvtx_range("dlo::allgather"), pf.stream(self.comm_stream):
+                self.comm_stream.wait_event(self._chunk_events[k])
+                all_gather_into(slot[c0:c1], mine, self.group)
+        with pf.stream(self.comm_stream):
+            ready_event.record(self.comm_stream)
+        self.counters.h2d_nbytes += layout.shard_nbytes
+        self.counters.allgather_nbytes += layout.padded_nbytes
+        self.counters.num_loads += 1

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
+# on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
+# Usage: launch/gpu_suite.sh OUTDIR [tests|run|bench1|bench2|sweep]...   (default: all)
+set -uo pipefail
+out=${1:?usage: launch/gpu_suite.sh OUTDIR [steps...]}
+shift
+steps=${*:-"tests run bench1 bench2"}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
+ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+preset=${DLO_SUITE_PRESET:-medium}
+status=0
+step() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "== $name: $*" | tee -a "$out/suite.log"
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc" | tee -a "$out/suite.log"
+  tail -n 30 "$out/$name.log"
+  [ "$rc" -eq 0 ] || status=1
+}
+for s in $steps; do
+  case $s in
+    tests) step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/multigpu ;;
+    run)
+      step run_1gpu 240 python3 -m dlo run --preset "$preset" --steps 4 --tokens 4096 --check
+      [ "$ngpu" -ge 2 ] && step run_ngpu 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
+        --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --check ;;
+    bench1) step bench_1gpu 420 python3 -m dlo bench --preset "$preset" \
+        --methods resident,dlo-ring --json "$out/bench_1gpu.json" --markdown "$out/bench_1gpu.md" ;;
+    bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
+        --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" ;;
+    sweep) for c in 16 32 128; do
+        [ "$ngpu" -ge 2 ] && step "sweep_chunk$c" 300 torchrun --nproc-per-node="$ngpu" -m dlo bench \
+          --preset "$preset" --methods dlo-allgather --tokens 4096 --chunk-mb "$c" \
+          --json "$out/sweep_chunk$c.json"
+      done ;;
+  esac
+done
+exit $status

@@ -1,0 +1,205 @@
+"""Model-level swap on the CPU platform: mutual exclusion, parity, identity, rollback."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import dlo
+from dlo import faults
+from dlo.backends.model_swap import ModelSwapBackend
+from dlo.errors import InjectedFault, OffloadError
+from dlo.hooks import HookRegistry
+from dlo.host import LEDGER
+from dlo.platform import CpuPlatform
+from tests.toys import ToyDiT, ToyEncoder, assert_same, clone, snapshot
+
+
+class Vae(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x)
+
+
+class SwapPipeline(nn.Module):
+    _dit_modules: ClassVar[list[str]] = ["transformer", "transformer_2"]
+    _encoder_modules: ClassVar[list[str]] = ["text_encoder", "empty_encoder"]
+    _vae_modules: ClassVar[list[str]] = ["vae"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text_encoder = ToyEncoder()
+        self.empty_encoder = nn.Identity()  # parameterless: never transfers
+        self.transformer = ToyDiT(3, seed=1)
+        self.transformer_2 = ToyDiT(2, seed=2)
+        self.vae = Vae()
+        self.trace: list[tuple[str, tuple[str, ...]]] = []
+
+    def resident(self) -> tuple[str, ...]:
+        names = ("text_encoder", "transformer", "transformer_2")
+        return tuple(n for n in names if all(p.numel() for p in getattr(self, n).parameters()))
+
+    def forward(self, x: torch.Tensor, steps: int = 4) -> torch.Tensor:
+        self.trace.clear()
+
+        def mark(name: str) -> Any:
+            def hook(module: nn.Module, args: tuple) -> None:
+                self.trace.append((name, self.resident()))
+
+            return hook
+
+        handles = [
+            getattr(self, n).register_forward_pre_hook(mark(n))
+            for n in ("text_encoder", "transformer", "transformer_2")
+        ]
+        try:
+            cond = self.text_encoder(self.empty_encoder(x))
+            h = x
+            for s in range(steps):
+                dit = self.transformer if s < steps // 2 else self.transformer_2
+                h = h + 0.1 * dit(h + cond)
+            return self.vae(h)
+        finally:
+            for hd in handles:
+                hd.remove()
+
+
+def _enable(pipe: nn.Module, **kw: Any) -> ModelSwapBackend:
+    b = dlo.enable_offload(pipe, dlo.OffloadConfig(mode="module", **kw), device="cpu")
+    assert isinstance(b, ModelSwapBackend)
+    return b
+
+
+def test_mutual_exclusion_observed_at_every_call_and_parity() -> None:
+    pipe = SwapPipeline()
+    ref = clone(pipe)
+    before = snapshot(pipe)
+    backend = _enable(pipe)
+    assert pipe.resident() == ("text_encoder",)  # encoders start resident, DiTs on host
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            want = ref(x)
+            got = pipe(x)
+            assert torch.equal(want, got)
+            assert pipe.trace == [
+                ("text_encoder", ("text_encoder",)),
+                ("transformer", ("transformer",)),
+                ("transformer", ("transformer",)),
+                ("transformer_2", ("transformer_2",)),
+                ("transformer_2", ("transformer_2",)),
+            ]
+    st = backend.stats()
+    assert st["components"]["transformer"]["num_loads"] == 2
+    assert st["components"]["empty_encoder"]["nbytes"] == 0
+    assert st["host_nbytes"] > 0 and st["h2d_nbytes"] > 0
+    backend.disable()
+    backend.disable()
+    assert_same(before, pipe)
+    assert LEDGER.host_nbytes == 0
+    assert all(not HookRegistry.owners_on(m) for m in pipe.modules())
+
+
+@pytest.mark.parametrize(
+    "point",
+    [
+        "manifest_build",
+        "host_allocation",
+        "host_fill",
+        "device_placement",
+        "hook_install",
+        "first_transfer",
+        "commit",
+    ],
+)
+def test_rollback_on_injected_failure(point: str) -> None:
+    pipe = SwapPipeline()
+    before = snapshot(pipe)
+    with faults.inject(point), pytest.raises(InjectedFault):
+        _enable(pipe)
+    assert_same(before, pipe)
+    assert LEDGER.host_nbytes == 0
+    assert all(not HookRegistry.owners_on(m) for m in pipe.modules())
+    _enable(pipe).disable()
+    assert_same(before, pipe)
+
+
+def test_second_strategy_refused_and_idempotence() -> None:
+    pipe = SwapPipeline()
+    backend = _enable(pipe)
+    with pytest.raises(OffloadError, match="already enabled"):
+        backend.enable(pipe)
+    layer = dlo.get_offload_backend(dlo.OffloadConfig(mode="layer"), device="cpu")
+    assert layer is not None
+    with pytest.raises(OffloadError, match="at most one strategy"):
+        layer.enable(pipe)
+    backend.disable()
+    layer.enable(pipe)  # after disable the pipeline is free again
+    layer.disable()
+
+
+class SplitModel(nn.Module, dlo.SupportsModelOffload):
+    """One transformer with two mutually exclusive phases, offloading itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reasoner = nn.Linear(16, 16)
+        self.generator = ToyDiT(2)
+        self.calls: list[tuple[str, Any]] = []
+        self.active: str | None = None
+        self._device: torch.device | None = None
+
+    def enable_model_offload(self, *, device: torch.device, pin_memory: bool) -> None:
+        if self._device is not None:
+            return  # idempotent
+        self.calls.append(("enable", (device, pin_memory)))
+        self._device = device
+
+    def disable_model_offload(self) -> None:
+        if self._device is None:
+            return
+        self.calls.append(("disable", None))
+        self._device = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.active = "reasoner"
+        h = self.reasoner(x)
+        self.active = "generator"
+        return self.generator(h)
+
+
+def test_split_model_delegates_through_the_protocol() -> None:
+    model = SplitModel()
+    backend = ModelSwapBackend(
+        dlo.OffloadConfig(mode="module"), dlo.ParallelConfig(), CpuPlatform()
+    )
+    backend.enable(model)
+    assert model.calls == [("enable", (torch.device("cpu"), False))]
+    assert backend.stats()["delegated"]
+    with pytest.raises(OffloadError, match="already enabled"):
+        backend.enable(model)
+    backend.disable()
+    backend.disable()
+    assert model.calls[-1] == ("disable", None) and len(model.calls) == 2
+
+
+def test_duck_typed_split_model_is_not_delegated() -> None:
+    class Duck(nn.Module):
+        _dit_modules: ClassVar[list[str]] = ["dit"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.dit = ToyDiT(2)
+
+        def enable_model_offload(self, **kw: Any) -> None:
+            raise AssertionError("must not be called: not a declared SupportsModelOffload")
+
+    backend = _enable(Duck())
+    assert not backend.stats()["delegated"]
+    backend.disable()

@@ -1,0 +1,225 @@
+"""The single-rank ring on the CPU platform: parity, identity, rollback, failure paths."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import dlo
+from dlo import faults
+from dlo.errors import InjectedFault, OffloadError
+from dlo.hooks import HookRegistry
+from dlo.host import LEDGER
+from tests.toys import ToyDiT, ToyPipeline, TwoStackDiT, assert_same, clone, snapshot
+
+
+def _x(seed: int = 0, dim: int = 16) -> torch.Tensor:
+    return torch.randn(2, 5, dim, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model: torch.nn.Module, steps: int = 3, *, mode: str = "no_grad") -> list[torch.Tensor]:
+    outs = []
+    for s in range(steps):
+        ctx = (
+            torch.inference_mode()
+            if (mode == "inference" or (mode == "alt" and s % 2))
+            else torch.no_grad()
+        )
+        with ctx:
+            outs.append(model(_x(s)).clone())
+    return outs
+
+
+def _enable(model: torch.nn.Module, **kw: object) -> dlo.OffloadBackend:
+    cfg = dlo.OffloadConfig(mode="layer", **kw)  # type: ignore[arg-type]
+    backend = dlo.enable_offload(model, cfg, device="cpu")
+    assert backend is not None
+    return backend
+
+
+def _no_dlo_hooks(model: torch.nn.Module) -> bool:
+    return all(not HookRegistry.owners_on(m) for m in model.modules())
+
+
+@pytest.mark.parametrize("num_blocks", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("num_slots", [1, 2, 3])
+def test_parity_identity_and_restore(num_blocks: int, num_slots: int) -> None:
+    model = ToyDiT(num_blocks)
+    ref = _run(clone(model), 4, mode="alt")
+    before = snapshot(model)
+    backend = _enable(model, num_slots=num_slots)
+    assert LEDGER.host_nbytes > 0
+    out = _run(model, 4, mode="alt")
+    for a, b in zip(ref, out):
+        assert torch.equal(a, b)
+    st = backend.stats()
+    assert st["num_streamed_blocks"] == num_blocks and st["num_slots"] == num_slots
+    assert st["group_size"] == 1 and st["transfer"] == "rank-local"
+    assert st["h2d_nbytes"] > 0 and st["allgather_nbytes"] == 0
+    assert st["host_pinned_nbytes"] == 0  # CPU platform never pins
+    backend.disable()
+    backend.disable()
+    assert_same(before, model)
+    assert LEDGER.host_nbytes == 0 and LEDGER.pinned_nbytes == 0
+    assert _no_dlo_hooks(model)
+    for a, b in zip(ref, _run(model, 4, mode="alt")):
+        assert torch.equal(a, b)
+
+
+def test_two_containers_resident_and_skipped_blocks() -> None:
+    model = TwoStackDiT(5, num_blocks2=3)
+    ref_model = clone(model)
+    backend = _enable(model, resident_layers=2, num_slots=2)
+    st = backend.stats()
+    assert st["num_resident_blocks"] == 2 and st["num_streamed_blocks"] == 6
+    for skip in ({3}, {2, 4}, set(), {4}):  # producer of a block skipped, last block skipped
+        model.skip = ref_model.skip = skip
+        for a, b in zip(_run(ref_model, 2), _run(model, 2)):
+            assert torch.equal(a, b)
+    assert backend.stats()["num_demand_loads"] > 0
+    backend.disable()
+
+
+def test_pipeline_with_two_dits_and_encoder_ring_sharing_slots() -> None:
+    pipe = ToyPipeline()
+    ref = clone(pipe)
+    before = snapshot(pipe)
+    backend = _enable(pipe, num_slots=2)
+    assert backend.stats()["num_streamed_blocks"] == 4 + 3 + 3
+    x = _x(3)
+    with torch.no_grad():
+        for steps in (3, 4, 1):
+            assert torch.equal(ref(x, steps), pipe(x, steps))
+    backend.disable()
+    assert_same(before, pipe)
+
+
+def test_exception_in_block_reraised_unchanged_and_next_forward_correct() -> None:
+    model = ToyDiT(4)
+    ref = _run(clone(model), 2)
+    backend = _enable(model)
+    err = RuntimeError("user bug")
+
+    def boom(module: torch.nn.Module, args: tuple) -> None:
+        raise err
+
+    h = model.blocks[2].register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError) as info, torch.no_grad():
+        model(_x(0))
+    assert info.value is err
+    h.remove()
+    for a, b in zip(ref, _run(model, 2)):
+        assert torch.equal(a, b)
+    backend.disable()
+
+
+def test_reentrant_forward_refused_and_ring_intact() -> None:
+    model = ToyDiT(3)
+    ref = _run(clone(model), 2)
+    backend = _enable(model)
+    inner = model.blocks[0]
+
+    def reenter(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        inner(args[0])
+
+    h = model.blocks[1].register_forward_pre_hook(reenter, with_kwargs=True)
+    with pytest.raises(OffloadError, match="still running"), torch.no_grad():
+        model(_x(0))
+    h.remove()
+    for a, b in zip(ref, _run(model, 2)):
+        assert torch.equal(a, b)
+    backend.disable()
+
+
+def test_grad_enabled_forward_is_refused() -> None:
+    model = ToyDiT(2)
+    backend = _enable(model)
+    with pytest.raises(OffloadError, match="inference runtime"):
+        model(_x(0))
+    backend.disable()
+
+
+def test_state_dict_is_real_and_load_is_refused() -> None:
+    model = ToyDiT(3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = _enable(model)
+    got = model.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    with pytest.raises(OffloadError, match="load_state_dict"):
+        model.load_state_dict(want)
+    backend.disable()
+
+
+def test_enable_twice_and_second_backend_refused() -> None:
+    model = ToyDiT(2)
+    backend = _enable(model)
+    with pytest.raises(OffloadError, match="already enabled"):
+        backend.enable(model)
+    other = dlo.get_offload_backend(dlo.OffloadConfig(mode="layer"), device="cpu")
+    assert other is not None
+    before_hooks = [HookRegistry.owners_on(m) for m in model.modules()]
+    with pytest.raises(OffloadError, match="one strategy"):
+        other.enable(model)
+    assert [HookRegistry.owners_on(m) for m in model.modules()] == before_hooks
+    backend.disable()
+
+
+def test_no_blocks_and_meta_models_refused_with_nothing_installed() -> None:
+    plain = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises((OffloadError, ValueError)):
+        _enable(plain, components=("dit",))
+    with torch.device("meta"):
+        meta = ToyDiT(3)
+    with pytest.raises(OffloadError, match="meta") as info:
+        _enable(meta)
+    assert "blocks.0.lin.weight" in str(info.value) and "blocks.2.rope" in str(info.value)
+    assert _no_dlo_hooks(meta) and LEDGER.host_nbytes == 0
+
+
+def _points_of_enable() -> dict[str, int]:
+    with faults.count_points() as seen:
+        b = _enable(ToyPipeline(), resident_layers=1)
+        b.disable()
+    return dict(seen)
+
+
+def test_rollback_at_every_fault_point_leaves_model_exactly_as_before() -> None:
+    points = _points_of_enable()
+    assert {
+        "host_allocation",
+        "host_fill",
+        "slot_allocation",
+        "hook_install",
+        "device_placement",
+        "first_transfer",
+        "commit",
+    } <= set(points)
+    for point, count in points.items():
+        for after in sorted({0, count - 1}):
+            pipe = ToyPipeline()
+            before = snapshot(pipe)
+            with faults.inject(point, after=after), pytest.raises(InjectedFault):
+                _enable(pipe, resident_layers=1)
+            assert_same(before, pipe)
+            assert LEDGER.host_nbytes == 0 and LEDGER.pinned_nbytes == 0, point
+            assert _no_dlo_hooks(pipe), point
+            # and it can be retried
+            b = _enable(pipe, resident_layers=1)
+            b.disable()
+            assert_same(before, pipe)
+
+
+def test_backend_is_collected_after_disable() -> None:
+    model = ToyDiT(3)
+    backend = _enable(model)
+    _run(model, 1)
+    ref = weakref.ref(backend)
+    backend.disable()
+    del backend
+    gc.collect()
+    assert ref() is None

@@ -1,0 +1,13 @@
+import pytest
+import torch
+
+collect_ignore_glob: list[str] = []
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath):
+            item.add_marker(skip)

@@ -1,0 +1,158 @@
+"""A small multi-process harness: real process groups, per-rank outcomes, a bound on time.
+
+``run_ranks(fn, world_size, timeout_s=...)`` starts ``world_size`` processes (forkserver,
+torch preloaded), initializes a process group in each (gloo on CPU, NCCL when ``backend``
+says so, one GPU per rank), calls ``fn(rank, world_size, *args)`` and returns one
+:class:`Outcome` per rank: the value returned, or the exception (type name and message), or
+the exit code of a process that died, or ``timed_out``. A process still running at the
+bound is killed, so a hang fails the test instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "dlo"])
+
+
+@dataclass
+class Outcome:
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None and not self.timed_out and self.exitcode in (0, None)
+
+    def __repr__(self) -> str:
+        if self.ok:
+            return f"Outcome(rank={self.rank}, value={self.value!r})"
+        return (
+            f"Outcome(rank={self.rank}, error={self.error_type}: {self.error}, "
+            f"exitcode={self.exitcode}, timed_out={self.timed_out})\n{self.traceback or ''}"
+        )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    backend: str,
+    pg_timeout_s: float,
+    env: dict[str, str],
+    args: tuple,
+    out: Any,
+) -> None:
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            **env,
+        }
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    kwargs: dict[str, Any] = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+        **kwargs,
+    )
+    try:
+        value = fn(rank, world, *args)
+        out.put((rank, "ok", value, None, None))
+    except BaseException as e:  # report, never run collective cleanup on a failure path
+        out.put((rank, "err", type(e).__name__, str(e), traceback.format_exc()))
+        os._exit(0)
+    try:
+        dist.destroy_process_group()
+    finally:
+        os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 60.0,
+    backend: str = "gloo",
+    pg_timeout_s: float = 30.0,
+    env: dict[str, str] | None = None,
+) -> list[Outcome]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes (see module doc)."""
+    out = _CTX.Queue()
+    port = free_port()
+    procs = [
+        _CTX.Process(
+            target=_child,
+            args=(fn, r, world_size, port, backend, pg_timeout_s, env or {}, args, out),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Outcome] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) < world_size and time.monotonic() < deadline:
+        try:
+            rank, kind, a, b, c = out.get(timeout=0.2)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+            continue
+        results[rank] = (
+            Outcome(rank, value=a)
+            if kind == "ok"
+            else Outcome(rank, error_type=a, error=b, traceback=c)
+        )
+    for r, p in enumerate(procs):
+        p.join(timeout=max(0.0, deadline - time.monotonic()) if r not in results else 5.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            results.setdefault(r, Outcome(r, timed_out=True))
+        results.setdefault(
+            r, Outcome(r, exitcode=p.exitcode, error_type="died", error=f"exit code {p.exitcode}")
+        )
+    return [results[r] for r in range(world_size)]
+
+
+def assert_all_ok(outcomes: list[Outcome]) -> list[Any]:
+    bad = [o for o in outcomes if not o.ok]
+    assert not bad, "\n".join(repr(o) for o in bad)
+    return [o.value for o in outcomes]

@@ -1,0 +1,126 @@
+"""DLO on two CUDA GPUs with NCCL: parity, per-rank H2D bytes, no steady-state allocation,
+delayed copy stream, lock-step check, one-rank failure bounded in time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dlo
+from dlo.backends.layerwise import LayerwiseBackend
+from dlo.host import LEDGER
+from dlo.platform import CudaPlatform
+from tests.harness import assert_all_ok, run_ranks
+from tests.toys import ToyDiT, clone
+
+NCCL_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "20",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+
+def _x(rank: int, step: int, dim: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(2, 64, dim, generator=g).to(torch.device("cuda", rank))
+
+
+def _backend(rank: int, world: int, **kw: Any) -> LayerwiseBackend:
+    kw.setdefault("collective_timeout_s", 30.0)
+    cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", **kw)
+    return LayerwiseBackend(
+        cfg, dlo.ParallelConfig(data_parallel_size=world), CudaPlatform(torch.device("cuda", rank))
+    )
+
+
+def _steps(model: torch.nn.Module, rank: int, n: int, dim: int) -> list[torch.Tensor]:
+    out = []
+    for s in range(n):
+        with torch.inference_mode() if s % 2 else torch.no_grad():
+            out.append(model(_x(rank, s, dim)).clone())
+    return out
+
+
+def _parity(rank: int, world: int, delayed: bool) -> dict[str, Any]:
+    dev = torch.device("cuda", rank)
+    dim = 256
+    model = ToyDiT(7, dim=dim)
+    ref = _steps(clone(model).to(dev), rank, 4, dim)
+    if delayed:
+        from dlo.transport import BlockTransport
+
+        load = BlockTransport.load
+
+        def slow(self: BlockTransport, *a: Any, **k: Any) -> None:
+            with torch.cuda.stream(self.copy_stream):
+                torch.cuda._sleep(20_000_000)
+            load(self, *a, **k)
+
+        BlockTransport.load = slow  # type: ignore[method-assign]
+    b = _backend(rank, world, chunk_mb=1)
+    b.enable(model)
+    got = _steps(model, rank, 4, dim)
+    torch.cuda.synchronize()
+    a0 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
+    more = _steps(model, rank, 3, dim)
+    torch.cuda.synchronize()
+    a1 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
+    st = b.stats()
+    shard = sum(x.layout.shard_nbytes for x in b._blocks)
+    padded = sum(x.layout.padded_nbytes for x in b._blocks)
+    b.disable()
+    return {
+        "same": all(torch.equal(x, y) for x, y in zip(ref, got))
+        and all(
+            torch.equal(x, y)
+            for x, y in zip(_steps(clone(ToyDiT(7, dim=dim)).to(dev), rank, 3, dim), more)
+        ),
+        "h2d": st["h2d_nbytes"],
+        "gathered": st["allgather_nbytes"],
+        "loads": st["num_loads"],
+        "shard": shard,
+        "padded": padded,
+        "pinned": st["host_pinned_nbytes"],
+        "new_segments": a1 - a0,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+def test_nccl_parity_half_bytes_no_alloc() -> None:
+    res = assert_all_ok(run_ranks(_parity, 2, False, backend="nccl", timeout_s=240, env=NCCL_ENV))
+    for r in res:
+        assert r["same"]
+        assert r["shard"] * 2 == r["padded"] and r["pinned"] == r["shard"]
+        assert r["h2d"] * 2 == r["gathered"]  # each rank moved half of what it gathered
+        assert r["new_segments"] == 0 and r["ledger"] == (0, 0)
+
+
+def test_nccl_delayed_copy_stream_parity() -> None:
+    res = assert_all_ok(run_ranks(_parity, 2, True, backend="nccl", timeout_s=240, env=NCCL_ENV))
+    assert all(r["same"] for r in res)
+
+
+def _diverge(rank: int, world: int) -> str:
+    model = ToyDiT(6, dim=64)
+    b = _backend(rank, world, num_slots=1)
+    b.enable(model)
+    if rank == 1:
+        model.skip = {2}
+    try:
+        for s in range(3):
+            with torch.no_grad():
+                model(_x(rank, s, 64))
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            model(_x(rank, 9, 64))
+    except dlo.OffloadError as e:
+        return str(e)
+    return "no error"
+
+
+def test_nccl_diverging_sequence_reported() -> None:
+    outs = run_ranks(_diverge, 2, backend="nccl", timeout_s=120, env=NCCL_ENV)
+    values = [o.value for o in outs if o.ok]
+    assert values and all("different blocks" in v for v in values), outs
