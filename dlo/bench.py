@@ -213,7 +213,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             fwd = _fwd(dit, inp)
             t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
             record("resident", tokens, t, {"peak_device_nbytes": _peak(platform)})
-        del dit
+            del fwd, inp
+        del dit  # nothing may keep the resident model alive into the next method's peak
         _clean(platform)
 
     cpu_dit: nn.Module | None = None
