@@ -21,7 +21,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -39,7 +39,6 @@ class RankReport:
     digest: str = ""
     groups: tuple[tuple[int, ...], ...] = ()
     unpinned_blocks: tuple[str, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

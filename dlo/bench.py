@@ -279,8 +279,57 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         del dit
         _clean(platform)
 
+    if "dlo-swap" in methods and world.size == 1:
+        report["swap"] = _bench_swap(
+            preset.name, platform, dtype, lim["h2d_pinned_alone_GBps"], reps=args.reps
+        )
+        _clean(platform)
+
     _ratios(report, streamed_bytes)
     return report
+
+
+def _bench_swap(
+    preset: str, platform: Platform, dtype: torch.dtype, bw_gbps: float, *, reps: int
+) -> list[dict[str, Any]]:
+    """Model-level swap: time of each component's load against bytes / pinned H2D bandwidth."""
+    from dlo.models import make_inputs
+
+    pipe = build_pipeline(preset, dtype=dtype, device="cpu")
+    backend = get_offload_backend(OffloadConfig(mode="module"), ParallelConfig())
+    assert backend is not None
+    backend.enable(pipe)
+    ids, latents = make_inputs(preset, tokens=256, device=platform.device, dtype=dtype)
+    t = torch.full((1,), 500.0, device=platform.device)
+    with torch.inference_mode():
+        for _ in range(reps + 1):  # each round loads the encoder, then the DiT
+            text = pipe.encode(ids)
+            pipe.transformer(latents, t, text)
+    st = backend.stats()["components"]
+    backend.disable()
+    rows = []
+    for path, c in st.items():
+        if not c["timed_loads"]:
+            continue
+        ms = c["load_ms"] / c["timed_loads"]
+        limit = c["nbytes"] / (bw_gbps * GB) * 1e3 if bw_gbps else 0.0
+        rows.append(
+            {
+                "component": path,
+                "nbytes": c["nbytes"],
+                "load_ms": ms,
+                "h2d_limit_ms": limit,
+                "x_h2d_limit": ms / limit if limit else None,
+            }
+        )
+        logger.warning(
+            "dlo-swap %-14s %.1f MB in %.2f ms (x%.3f of the H2D limit)",
+            path,
+            c["nbytes"] / 1e6,
+            ms,
+            ms / limit if limit else float("nan"),
+        )
+    return rows
 
 
 def _fsdp2(dit: nn.Module, world_size: int, platform: Platform) -> None:
@@ -356,6 +405,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{f(r['x_h2d_limit'])} | {f(r['x_best_peer'])} | "
             f"{r['peak_device_nbytes'] / GB:.2f} | {f(r.get('host_pinned_nbytes', 0) / GB, '{:.2f}')} |"
         )
+    if report.get("swap"):
+        lines += ["", "| swap component | MB | load ms | x H2D limit |", "|---|---|---|---|"]
+        for r in report["swap"]:
+            lines.append(
+                f"| {r['component']} | {r['nbytes'] / 1e6:.1f} | {r['load_ms']:.2f} | "
+                f"{f(r['x_h2d_limit'])} |"
+            )
     return "\n".join(lines)
 
 

@@ -196,7 +196,7 @@ class OffloadConfig:
     ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"auto"``."""
     resident_layers: int = 0
     """Leading DiT blocks kept on the device instead of streamed."""
-    layer_options: Mapping[str, LayerOptions] = field(default_factory=dict)
+    layer_options: Mapping[str, LayerOptions] = field(default_factory=dict, hash=False)
     """Per-component overrides, keyed by component kind."""
     pin_memory: bool = True
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
@@ -272,7 +272,7 @@ class OffloadConfig:
         for key, value in self.layer_options.items():
             _check_choice("layer_options key", key, COMPONENTS)
             opts[key] = LayerOptions.from_dict(key, value)
-        if opts and self.mode != "layer":
+        if opts and self.mode == "module":
             raise ValueError(
                 f"layer_options={sorted(opts)} given with mode={self.mode!r}; they apply to "
                 "mode='layer' only"
@@ -371,17 +371,7 @@ class OffloadConfig:
                 f"unknown legacy offload flags {unknown}; known: {sorted(LEGACY_FLAG_DEFAULTS)}"
             )
         f = {**LEGACY_FLAG_DEFAULTS, **flags}
-        for name in (
-            "enable_cpu_offload",
-            "enable_layerwise_offload",
-            "enable_distributed_layerwise_offload",
-            "dlo_use_allgather",
-            "pin_cpu_memory",
-        ):
-            _check_bool(name, f[name])
-        _check_int("dlo_resident_layers", f["dlo_resident_layers"], minimum=0)
-        _check_int("dlo_num_slots", f["dlo_num_slots"], minimum=1)
-        _check_int("dlo_chunk_mb", f["dlo_chunk_mb"], minimum=1)
+        _check_legacy_types(f)
         if not f["enable_distributed_layerwise_offload"]:
             for name in _LEGACY_DLO_TUNING:
                 if f[name] != LEGACY_FLAG_DEFAULTS[name]:
@@ -407,6 +397,9 @@ class OffloadConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OffloadConfig:
         """Build from the compact form, legacy flags, or both when they agree.
+
+        A dict without compact keys is read as legacy flags, so ``{}`` (no flag enabled)
+        gives ``mode="none"``.
 
         Example:
             >>> OffloadConfig.from_dict({"mode": "layer", "components": ["dit"],
@@ -434,6 +427,15 @@ class OffloadConfig:
         return cfg
 
 
+def _check_legacy_types(flags: Mapping[str, Any]) -> None:
+    minimums = {"dlo_resident_layers": 0, "dlo_num_slots": 1, "dlo_chunk_mb": 1}
+    for name, value in flags.items():
+        if name in minimums:
+            _check_int(name, value, minimum=minimums[name])
+        else:
+            _check_bool(name, value)
+
+
 def _seed_strategy(cfg: OffloadConfig) -> str:
     """The historical strategy name a config amounts to (used to compare with legacy flags)."""
     if cfg.mode != "layer":
@@ -445,6 +447,7 @@ def _seed_strategy(cfg: OffloadConfig) -> str:
 
 
 def _check_legacy_agrees(cfg: OffloadConfig, legacy: Mapping[str, Any]) -> None:
+    _check_legacy_types(legacy)
     for name in _LEGACY_DLO_TUNING:
         if name in legacy and legacy[name] != LEGACY_FLAG_DEFAULTS[name]:
             raise ValueError(
@@ -467,8 +470,11 @@ def _check_legacy_agrees(cfg: OffloadConfig, legacy: Mapping[str, Any]) -> None:
     ]
     if not enabled:
         return  # legacy keys at their defaults select nothing to conflict with
-    legacy_strategy = _seed_strategy(OffloadConfig.from_flags(**legacy))
-    if legacy_strategy != _seed_strategy(cfg):
+    from_legacy = OffloadConfig.from_flags(**legacy)
+    legacy_strategy = _seed_strategy(from_legacy)
+    if legacy_strategy != _seed_strategy(cfg) or (
+        cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit")
+    ):
         raise ValueError(
             f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
             f"resident_layers={cfg.resident_layers_for('dit')}) selects "

@@ -232,14 +232,18 @@ def module_tensor_entries(
     return out
 
 
+def describe_entries(
+    entries: Sequence[tuple[str, str, torch.Tensor]],
+) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    """The layout input of :func:`module_tensor_entries` (metadata only)."""
+    return [(n, kind, tuple(t.shape), tuple(t.stride()), t.dtype) for n, kind, t in entries]
+
+
 def describe_module(
     module: nn.Module,
 ) -> list[tuple[str, str, tuple[int, ...], tuple[int, ...], torch.dtype]]:
     """The layout input of a block module (metadata only)."""
-    return [
-        (n, kind, tuple(t.shape), tuple(t.stride()), t.dtype)
-        for n, kind, t in module_tensor_entries(module)
-    ]
+    return describe_entries(module_tensor_entries(module))
 
 
 def build_manifest(blocks: Sequence[BlockLayout]) -> Manifest:

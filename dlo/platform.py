@@ -73,14 +73,21 @@ def torchrun_env() -> TorchrunEnv:
         raise ValueError(f"environment variable WORLD_SIZE={world} must be >= 1")
     if not 0 <= rank < world:
         raise ValueError(f"environment variable RANK={rank} must be in [0, WORLD_SIZE={world})")
-    port = os.environ.get("MASTER_PORT")
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", 1)
+    if local_world < 1 or not 0 <= local_rank < local_world:
+        raise ValueError(
+            f"environment variables LOCAL_RANK={local_rank} and LOCAL_WORLD_SIZE={local_world} "
+            "must satisfy 0 <= LOCAL_RANK < LOCAL_WORLD_SIZE"
+        )
+    port = _env_int("MASTER_PORT", -1)
     return TorchrunEnv(
         rank=rank,
         world_size=world,
-        local_rank=_env_int("LOCAL_RANK", 0),
-        local_world_size=_env_int("LOCAL_WORLD_SIZE", 1),
+        local_rank=local_rank,
+        local_world_size=local_world,
         master_addr=os.environ.get("MASTER_ADDR"),
-        master_port=int(port) if port else None,
+        master_port=port if port >= 0 else None,
     )
 
 

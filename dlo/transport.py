@@ -79,7 +79,7 @@ class SequenceCheck:
         group_size: int,
         names: Sequence[str],
         *,
-        depth: int = 8,
+        depth: int = 64,
     ) -> None:
         self.platform = platform
         self.group = group

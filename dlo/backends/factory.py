@@ -29,16 +29,19 @@ def get_offload_backend(
         The backend, or None when offload is disabled or the device's platform cannot
         serve it (logged).
     Raises:
-        ValueError / TypeError: a configuration that cannot work.
+        ValueError / TypeError: a configuration that cannot work, or a requested device
+            this torch cannot use (``device="cuda"`` without CUDA).
 
     Example:
         >>> backend = get_offload_backend(OffloadConfig(mode="layer"), device="cpu")
         >>> backend.enable(pipeline)
     """
-    if config is None or not config.enabled:
+    if config is None:
         return None
     if not isinstance(config, OffloadConfig):
         raise TypeError(f"config must be an OffloadConfig, got {type(config).__name__}")
+    if not config.enabled:
+        return None
     if parallel is None:
         parallel = ParallelConfig.for_world(torchrun_env().world_size)
     elif not isinstance(parallel, ParallelConfig):

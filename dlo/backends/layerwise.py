@@ -48,7 +48,7 @@ from dlo.layout import (
     MIB,
     BlockLayout,
     build_manifest,
-    describe_module,
+    describe_entries,
     module_tensor_entries,
     plan_block_layout,
 )
@@ -249,19 +249,14 @@ class LayerwiseBackend(OffloadBackend):
         for stack in plan.stacks:
             for i, path in enumerate(stack.block_paths):
                 module = get_by_path(pipeline, path)
+                entries = module_tensor_entries(module)
                 layout = plan_block_layout(
-                    path, describe_module(module), group_size=stack.group_size, chunk_nbytes=chunk
+                    path,
+                    describe_entries(entries),
+                    group_size=stack.group_size,
+                    chunk_nbytes=chunk,
                 )
-                out.append(
-                    _Block(
-                        path,
-                        module,
-                        stack,
-                        i < stack.num_resident,
-                        layout,
-                        module_tensor_entries(module),
-                    )
-                )
+                out.append(_Block(path, module, stack, i < stack.num_resident, layout, entries))
         return out
 
     def _prepare_host(

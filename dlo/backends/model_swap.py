@@ -40,7 +40,7 @@ from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
 from dlo.hooks import HookRegistry, ModelHook
 from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
-from dlo.layout import MIB, BlockLayout, describe_module, module_tensor_entries, plan_block_layout
+from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
 from dlo.plan import ResolvedOffloadPlan, SupportsModelOffload, get_by_path, resolve_offload_plan
 from dlo.platform import Platform, StreamTimer, nvtx_range
@@ -126,10 +126,11 @@ class ModelSwapBackend(OffloadBackend):
         faults.check("manifest_build")
         chunk = self.config.chunk_mb * MIB
         for (path, kind), (_, module) in zip(units_paths, comps):
+            entries = module_tensor_entries(module)
             layout = plan_block_layout(
-                path, describe_module(module), group_size=1, chunk_nbytes=chunk
+                path, describe_entries(entries), group_size=1, chunk_nbytes=chunk
             )
-            tensors = [t for _, _, t in module_tensor_entries(module)]
+            tensors = [t for _, _, t in entries]
             self._units.append(_Unit(path, kind, module, layout, tensors))
         self._region = HostRegion([u.layout.shard_nbytes for u in self._units])
         journal.record("host region", self._region.close)

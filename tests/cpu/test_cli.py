@@ -1,0 +1,127 @@
+"""`dlo run` and `dlo bench` on the CPU: in process, and under torchrun with 2 processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dlo.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env.pop("WORLD_SIZE", None)
+    env.pop("RANK", None)
+    return env
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--mode", "layer", "--resident-layers", "1", "--num-slots", "3"],
+        ["--mode", "module"],
+        ["--mode", "none"],
+    ],
+)
+def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["run", "--steps", "3", "--check", "--json", "--device", "cpu", *flags])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (report,) = json.loads(out)
+    assert report["parity"] is True and report["output_finite"]
+    assert report["steps"] == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--num-slots", "0"], "num_slots must be >= 1, got 0"),
+        (["run", "--mode", "bogus"], "invalid choice: 'bogus'"),
+        (["run", "--preset", "huge"], "huge"),
+        (["run", "--steps", "0"], "--steps=0"),
+        (["run", "--resident-layers", "-1"], "resident_layers must be >= 0, got -1"),
+    ],
+)
+def test_bad_flags_are_one_clear_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err and "Traceback" not in err
+
+
+def test_bench_smoke_json(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    rc = main(
+        [
+            "bench",
+            "--preset",
+            "tiny",
+            "--tokens",
+            "32,64",
+            "--warmup",
+            "1",
+            "--reps",
+            "2",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    report = json.loads(path.read_text())
+    methods = {r["method"] for r in report["results"]}
+    assert methods == {"resident", "dlo-ring"}
+    assert all(r["median_ms"] > 0 for r in report["results"])
+
+
+def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--standalone",
+        "-m",
+        "dlo",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT
+    )
+
+
+def test_torchrun_run_allgather_check_two_cpu_ranks() -> None:
+    proc = _torchrun("run", "--transfer", "allgather", "--steps", "3", "--check", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout[proc.stdout.index("[") :])
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["parity"] is True and r["transfer"] == "allgather" for r in reports)
+    assert reports[0]["host_nbytes"] == reports[1]["host_nbytes"] > 0
+
+
+def test_torchrun_bench_two_cpu_ranks(tmp_path: Path) -> None:
+    path = tmp_path / "b.json"
+    proc = _torchrun(
+        "bench",
+        "--preset",
+        "tiny",
+        "--tokens",
+        "32",
+        "--warmup",
+        "1",
+        "--reps",
+        "2",
+        "--json",
+        str(path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    methods = {r["method"] for r in json.loads(path.read_text())["results"]}
+    assert methods == {"resident", "dlo-rank-local", "dlo-allgather"}
