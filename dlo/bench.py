@@ -173,6 +173,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     preset = get_preset(args.preset)
     tokens_list = [int(t) for t in str(args.tokens).split(",")]
     methods = args.methods.split(",")
+    known = {"resident", "dlo-ring", "dlo-rank-local", "dlo-allgather", "fsdp2-offload", "dlo-swap"}
+    unknown = sorted(set(methods) - known)
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; known: {sorted(known)}")
+    if {"dlo-ring", "dlo-rank-local"} & set(methods):
+        methods += ["dlo-ring", "dlo-rank-local"]  # the group-of-one ring at any world size
     block_nbytes = preset.block_nbytes(dtype)
     report: dict[str, Any] = {
         "preset": preset.name,
@@ -221,13 +227,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # group-1 first: its disable restores the model; AllGather's disable consumes it
     dlo_methods = ["dlo-ring"] if world.size == 1 else ["dlo-rank-local", "dlo-allgather"]
     for method in dlo_methods:
-        if method not in methods and not (method == "dlo-ring" and "dlo-rank-local" in methods):
+        if method not in methods:
             continue
         transfer = "allgather" if method == "dlo-allgather" else "rank-local"
         cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
         rss0 = process_rss_bytes()
         cfg = OffloadConfig(
-            mode="layer", transfer=transfer, num_slots=args.num_slots, chunk_mb=args.chunk_mb
+            mode="layer",
+            transfer=transfer,
+            num_slots=args.num_slots,
+            chunk_mb=args.chunk_mb,
+            verify_block_sequence=not args.no_verify,
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None

@@ -80,10 +80,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _config(args: argparse.Namespace) -> OffloadConfig:
-    if args.mode != "layer":
-        return OffloadConfig(mode=args.mode, pin_memory=not args.no_pin)
+    # every flag goes to the config, which refuses layer-only settings with --mode module
     return OffloadConfig(
-        mode="layer",
+        mode=args.mode,
         transfer=args.transfer,
         resident_layers=args.resident_layers,
         num_slots=args.num_slots,
@@ -107,8 +106,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens={args.tokens} must be >= 1")
     preset = get_preset(args.preset)
     dtype = getattr(torch, args.dtype)
-    world = init()
     device = torch.device(args.device) if args.device else default_device()
+    world = init(device=device)
     platform = get_platform(device)
     rank0 = world.rank == 0
     seed = args.seed + world.rank  # DP ranks: different requests, same shapes

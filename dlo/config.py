@@ -243,7 +243,12 @@ class OffloadConfig:
         _check_bool("verify_block_sequence", self.verify_block_sequence)
         self._validate_layer_options()
         if self.mode == "module":
-            layer_only = {"transfer": "rank-local", "resident_layers": 0, "weight_axis": "auto"}
+            layer_only = {
+                "transfer": "rank-local",
+                "resident_layers": 0,
+                "weight_axis": "auto",
+                "num_slots": 2,
+            }
             for name, default in layer_only.items():
                 if getattr(self, name) != default:
                     raise ValueError(

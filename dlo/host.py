@@ -136,29 +136,27 @@ class HostRegion:
                 report.failed_blocks.append(i)
         return report
 
-    def unpin(self) -> None:
-        """Unregister every pinned block (idempotent)."""
+    def unpin(self, blocks: Sequence[int] | None = None) -> None:
+        """Unregister the pinned ``blocks`` (default: all); idempotent."""
         for i, pinned in enumerate(self._pinned):
-            if pinned:
+            if pinned and (blocks is None or i in blocks):
                 assert self._platform is not None
                 self._platform.unregister_host(self.view(i))
                 self._pinned[i] = False
                 LEDGER.add(pinned=-self.block_nbytes[i])
 
     def close(self) -> None:
-        """Unpin and release the region (idempotent). Views handed out must be dropped."""
+        """Unpin and release the region (idempotent); the memory is returned once the last
+        view of it is gone."""
         if self._buffer is None:
             return
         self.unpin()
         self._buffer = None
         LEDGER.add(host=-self.nbytes)
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                # a view is still referenced somewhere; the mapping goes with its last view
-                logger.debug("host region views still referenced; unmapped when they die")
-            self._mmap = None
+        # No explicit munmap: every view (a ring's shard, a state_dict entry handed to the
+        # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
+        # go back to the OS when the last view dies. Closing here would leave views dangling.
+        self._mmap = None
 
 
 # ----------------------------------------------------------------------------- packing

@@ -106,12 +106,18 @@ def weight_group(
     return cached[tuple(mine)], mine
 
 
-def init(par: ParallelConfig | None = None, *, timeout_s: float = 600.0) -> World:
+def init(
+    par: ParallelConfig | None = None,
+    *,
+    device: Any = None,
+    timeout_s: float = 600.0,
+) -> World:
     """Initialize the default process group from torchrun's environment.
 
     NCCL with one GPU per local rank when CUDA is available, gloo on CPU; nothing (a world of
     one) when ``WORLD_SIZE`` is 1 or unset. ``par`` (default: data parallel over the world)
-    is checked against the world size.
+    is checked against the world size. ``device`` (default: this rank's GPU, else the CPU)
+    decides the backend: NCCL for CUDA, gloo for the CPU.
 
     Raises:
         ValueError: ``par``'s sizes do not multiply to ``WORLD_SIZE`` (naming the fields).
@@ -123,11 +129,11 @@ def init(par: ParallelConfig | None = None, *, timeout_s: float = 600.0) -> Worl
     par.check_world_size(env.world_size)
     if env.world_size == 1 or dist.is_initialized():
         return current_world()
-    device = default_device(env.local_rank)
+    import torch
+
+    device = torch.device(device) if device is not None else default_device(env.local_rank)
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
-        import torch
-
         set_env_default("NCCL_NVLS_ENABLE", "0")
         set_env_default("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)

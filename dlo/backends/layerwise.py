@@ -39,6 +39,7 @@ from torch import nn
 
 from dlo import faults
 from dlo.agreement import RankReport, Verdict, decide, exchange
+from dlo.backends.common import check_not_released, install_state_dict_hooks, mark_released
 from dlo.blocks import check_blocks, non_block_tensors
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
@@ -127,6 +128,9 @@ class LayerwiseBackend(OffloadBackend):
         super()._check_can_enable()
 
     def disable(self) -> None:
+        sched = self._scheduler
+        if sched is not None and sched.poisoned is not None:
+            self._poisoned = sched.poisoned  # the group may be misaligned: no re-enable
         super().disable()
         self._reset_state()
 
@@ -134,7 +138,7 @@ class LayerwiseBackend(OffloadBackend):
         t0 = time.perf_counter()
         cfg, par, world = self.config, self.parallel, current_world()
         self.world = world
-        if world.size > 1 or par.world_size > 1:
+        if world.distributed:
             par.check_world_size(world.size)
         plan = resolve_offload_plan(pipeline, cfg, par)
         faults.check("config_validated")
@@ -178,6 +182,9 @@ class LayerwiseBackend(OffloadBackend):
             self._blocks = blocks
             components = [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)]
             check_blocks([(b.name, b.module) for b in blocks], components, rank=world.rank)
+            check_not_released(
+                [(f"{b.name}.{n}", t) for b in blocks for n, _, t in b.entries], rank=world.rank
+            )
             faults.check("manifest_build")
             manifest = build_manifest([b.layout for b in blocks])
             report.digest = manifest.digest
@@ -301,7 +308,10 @@ class LayerwiseBackend(OffloadBackend):
 
     def _apply_fallback(self, verdict: Verdict, blocks: list[_Block]) -> None:
         self._fallback_blocks = verdict.fallback_blocks
-        if verdict.fallback_blocks:
+        if verdict.fallback_blocks and self._region is not None:
+            # the group decided: every rank keeps these blocks pageable, for equal timing
+            names = set(verdict.fallback_blocks)
+            self._region.unpin([i for i, b in enumerate(blocks) if b.name in names])
             logger.warning(
                 "dlo: %d blocks stay pageable (pin_failure_policy='whole_block_fallback'): %s",
                 len(verdict.fallback_blocks),
@@ -320,6 +330,7 @@ class LayerwiseBackend(OffloadBackend):
         assert self._region is not None and self._pool is not None
         copy_stream, comm_stream = pf.new_stream(), pf.new_stream()
         transports: dict[str, BlockTransport] = {}
+        dit_group_set = False
         for stack in plan.stacks:
             if stack.group_axis in transports:
                 continue
@@ -350,8 +361,9 @@ class LayerwiseBackend(OffloadBackend):
                 counters=self._counters,
                 sequence_check=check,
             )
-            if stack.component == "dit" or self._group_size == 1:
+            if stack.component == "dit" and not dit_group_set:
                 self._group_rank, self._group_size = ranks.index(world.rank), len(ranks)
+                dit_group_set = True
 
         self._place_non_block_state(pipeline, plan, blocks, journal)
         faults.check("first_transfer")
@@ -386,11 +398,8 @@ class LayerwiseBackend(OffloadBackend):
         for ring in scheduler.rings:
             for sb in ring.blocks:
                 registry.register(sb.module, HOOK_NAME, scheduler.hook_for(sb))
-                registry.register_state_dict_hook(
-                    sb.module, HOOK_NAME + ".state_dict", self._state_dict_hook_for(sb)
-                )
-                registry.register_load_state_dict_pre_hook(
-                    sb.module, HOOK_NAME + ".load_state_dict", self._refuse_load(sb.name)
+                install_state_dict_hooks(
+                    registry, sb.module, sb.name, sb.layout, sb.shard, rank=world.rank
                 )
         for ring in scheduler.rings:
             for sb in ring.blocks:
@@ -448,38 +457,7 @@ class LayerwiseBackend(OffloadBackend):
         self.platform.synchronize()
         if self._scheduler is not None:
             self._scheduler.unbind_all()
-
-    def _state_dict_hook_for(self, sb: StreamedBlock) -> Any:
-        layout, rank = sb.layout, self.world.rank
-
-        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
-            if layout.group_size > 1:
-                raise OffloadError(
-                    "state_dict() of a block streamed with AllGather is not available: this "
-                    f"rank holds 1/{layout.group_size} of it; disable offload on a model copy "
-                    "or save from the checkpoint",
-                    rank=rank,
-                    block=sb.name,
-                )
-            for spec in layout.tensors:
-                key = prefix + spec.name
-                if key in state_dict:
-                    state_dict[key] = shard_view(sb.shard, spec)
-
-        return hook
-
-    def _refuse_load(self, name: str) -> Any:
-        rank = self.world.rank
-
-        def hook(*args: Any, **kwargs: Any) -> None:
-            raise OffloadError(
-                "load_state_dict() into a block dlo is streaming: disable offload first, load, "
-                "then enable again",
-                rank=rank,
-                block=name,
-            )
-
-        return hook
+        mark_released([t for b in self._blocks if b.layout.group_size > 1 for t in b.tensors])
 
     # ------------------------------------------------------------------ telemetry
     def stats(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dlo import faults
+from dlo.backends.common import install_state_dict_hooks
 from dlo.blocks import check_blocks
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
@@ -117,7 +118,10 @@ class ModelSwapBackend(OffloadBackend):
             claim_components([("", pipeline)], owner, journal)
             self._delegate_to(pipeline, journal)
             return
-        units_paths = [(p, "dit") for p in plan.dits] + [(p, "encoder") for p in plan.encoders]
+        # on-demand components are the pipeline's to place: never swapped by dlo
+        units_paths = [(p, "dit") for p in plan.dits if p not in plan.on_demand] + [
+            (p, "encoder") for p in plan.encoders if p not in plan.on_demand
+        ]
         if not units_paths:
             raise OffloadError("mode='module' found no DiT or encoder component to swap")
         comps = [(p, get_by_path(pipeline, p)) for p, _ in units_paths]
@@ -157,14 +161,20 @@ class ModelSwapBackend(OffloadBackend):
         for u in self._units:
             u.timer = StreamTimer(pf)
         faults.check("device_placement")
-        for path in plan.vaes:
-            self._place(get_by_path(pipeline, path), journal)
+        unit_ids = {id(u.module) for u in self._units}
+        for path in (*plan.vaes, *plan.resident_modules):
+            module = get_by_path(pipeline, path)
+            if id(module) not in unit_ids:  # a resident module inside a unit swaps with it
+                self._place(module, journal)
         journal.record("evict all", self._evict_all)
         registry = HookRegistry(owner=owner)
         journal.record("hooks", registry.remove_all)
         faults.check("hook_install")
         for u in self._units:
             registry.register(u.module, HOOK_NAME, _SwapHook(self, u))
+            install_state_dict_hooks(
+                registry, u.module, u.path, u.layout, self._region.view(u.region_index), rank=0
+            )
         faults.check("first_transfer")
         for u in self._units:
             if u.kind == "encoder":

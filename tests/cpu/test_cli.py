@@ -48,6 +48,9 @@ def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[st
         (["run", "--preset", "huge"], "huge"),
         (["run", "--steps", "0"], "--steps=0"),
         (["run", "--resident-layers", "-1"], "resident_layers must be >= 0, got -1"),
+        (["run", "--mode", "module", "--transfer", "allgather"], "applies to mode='layer' only"),
+        (["run", "--mode", "module", "--num-slots", "3"], "num_slots=3 applies to mode='layer'"),
+        (["bench", "--methods", "resident,magic"], "unknown ['magic']"),
     ],
 )
 def test_bad_flags_are_one_clear_line(

@@ -193,7 +193,8 @@ def test_pin_budget_exceeded_on_one_rank_is_a_group_vote() -> None:
 
 def test_whole_block_fallback_is_taken_by_every_rank() -> None:
     outs = assert_all_ok(run_ranks(_pin_vote, 2, "fallback", timeout_s=120))
-    assert all(o.startswith("enabled same=True pageable=3") for o in outs), outs
+    # rank 1 could pin nothing: every rank keeps all blocks pageable (pinned=0 everywhere)
+    assert all(o == "enabled same=True pageable=3 pinned=0" for o in outs), outs
 
 
 def _missing_peer(rank: int, world: int) -> str:
@@ -275,7 +276,12 @@ def _diverge(rank: int, world: int) -> str:
         with torch.no_grad():
             model(_x(rank, 0))
     except dlo.OffloadError as e:
-        return str(e)
+        backend.disable()
+        try:
+            backend.enable(ToyDiT(5))
+        except dlo.BackendPoisonedError as e2:
+            return f"{e} || {e2}"
+        return f"{e} || re-enable allowed"
     return "no error"
 
 
@@ -284,3 +290,22 @@ def test_diverging_block_sequence_is_reported_naming_the_block() -> None:
     for o in outs:
         assert "different blocks" in o, outs
         assert "blocks.2" in o and "blocks.3" in o
+        assert "recreate the worker" in o.split("||")[1]  # the backend is poisoned
+
+
+def _reenable_after_allgather(rank: int, world: int) -> str:
+    model = ToyDiT(3)
+    backend = LayerwiseBackend(_cfg(), _par(world), CpuPlatform())
+    backend.enable(model)
+    backend.disable()
+    fresh = LayerwiseBackend(_cfg(), _par(world), CpuPlatform())
+    try:
+        fresh.enable(model)
+    except dlo.OffloadError as e:
+        return str(e)
+    return "enabled"
+
+
+def test_enable_after_allgather_disable_refuses_the_released_model() -> None:
+    outs = assert_all_ok(run_ranks(_reenable_after_allgather, 2, timeout_s=60))
+    assert all("lost their weights" in o and "reload the model" in o for o in outs), outs

@@ -203,3 +203,27 @@ def test_duck_typed_split_model_is_not_delegated() -> None:
     backend = _enable(Duck())
     assert not backend.stats()["delegated"]
     backend.disable()
+
+
+class DeclaredPipeline(SwapPipeline):
+    _resident_modules: ClassVar[list[str]] = ["head"]
+    _offload_plan = dlo.OffloadPlan(on_demand_component_paths=("transformer_2",))
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 16)
+
+
+def test_on_demand_not_swapped_resident_placed_and_state_dict_real() -> None:
+    pipe = DeclaredPipeline()
+    want = {k: v.clone() for k, v in pipe.state_dict().items()}
+    backend = _enable(pipe)
+    assert "transformer_2" not in backend.stats()["components"]
+    assert "transformer" in backend.stats()["components"]
+    got = pipe.state_dict()  # the DiT is evicted (on the host) right now
+    assert all(p.numel() == 0 for p in pipe.transformer.parameters())
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    with pytest.raises(OffloadError, match="load_state_dict"):
+        pipe.transformer.load_state_dict(pipe.transformer.state_dict())
+    backend.disable()

@@ -223,3 +223,15 @@ def test_backend_is_collected_after_disable() -> None:
     del backend
     gc.collect()
     assert ref() is None
+
+
+def test_state_dict_views_stay_valid_after_disable() -> None:
+    model = ToyDiT(3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    backend = _enable(model)
+    got = model.state_dict()
+    backend.disable()
+    del backend
+    gc.collect()
+    for k in want:  # reading them must neither crash nor differ
+        assert torch.equal(want[k], got[k]), k

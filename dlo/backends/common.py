@@ -1,0 +1,91 @@
+"""Pieces both backends install the same way: state-dict hooks that serve real tensors from
+host storage, the refusal of ``load_state_dict``, and the record of tensors whose bytes a
+backend released for good."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.errors import OffloadError
+from dlo.hooks import HookRegistry
+from dlo.host import shard_view
+from dlo.layout import BlockLayout
+
+# id -> weak reference of tensors whose bytes an AllGather disable could not restore (each
+# rank held 1/G of them). Keyed by id because tensors compare elementwise, not by identity.
+_RELEASED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def mark_released(tensors: list[torch.Tensor]) -> None:
+    """Remember that these tensors lost their bytes (see [Note: what disable restores])."""
+    for t in tensors:
+        _RELEASED[id(t)] = weakref.ref(t, functools.partial(_forget, id(t)))
+
+
+def _forget(key: int, _ref: object) -> None:
+    _RELEASED.pop(key, None)
+
+
+def _is_released(t: torch.Tensor) -> bool:
+    ref = _RELEASED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def check_not_released(named: list[tuple[str, torch.Tensor]], *, rank: int) -> None:
+    """Refuse a model whose tensors a previous AllGather enable released."""
+    gone = [name for name, t in named if _is_released(t)]
+    if gone:
+        raise OffloadError(
+            f"{len(gone)} tensors (first: {', '.join(gone[:4])}) lost their weights when an "
+            "earlier AllGather offload of this model was disabled (each rank held only its "
+            "1/G shard); reload the model before enabling again",
+            rank=rank,
+        )
+
+
+def install_state_dict_hooks(
+    registry: HookRegistry,
+    module: nn.Module,
+    name: str,
+    layout: BlockLayout,
+    shard: torch.Tensor,
+    *,
+    rank: int,
+) -> None:
+    """Make ``module.state_dict()`` return real tensors (views of the host shard) instead of
+    placeholders, and refuse ``load_state_dict`` while offload is enabled.
+
+    With a group size above 1 the host holds only 1/G of the module, so ``state_dict`` raises.
+    The returned views alias dlo's host memory; they stay valid after disable (the memory is
+    released when the last view dies) but are not updated by anything.
+    """
+
+    def state_dict_hook(mod: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        if layout.group_size > 1:
+            raise OffloadError(
+                "state_dict() of a module streamed with AllGather is not available: this rank "
+                f"holds 1/{layout.group_size} of it; save the weights from the checkpoint they "
+                "were loaded from",
+                rank=rank,
+                block=name,
+            )
+        for spec in layout.tensors:
+            key = prefix + spec.name
+            if key in state_dict:
+                state_dict[key] = shard_view(shard, spec)
+
+    def refuse_load(*args: Any, **kwargs: Any) -> None:
+        raise OffloadError(
+            "load_state_dict() into a module dlo is offloading: disable offload first, load, "
+            "then enable again",
+            rank=rank,
+            block=name,
+        )
+
+    registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
+    registry.register_load_state_dict_pre_hook(module, "dlo.load_state_dict", refuse_load)
