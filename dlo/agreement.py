@@ -37,7 +37,8 @@ class RankReport:
     ok: bool
     error: str = ""
     digest: str = ""
-    groups: tuple[tuple[int, ...], ...] = ()
+    groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    """Every group of every weight axis in use (the whole layout, not just this rank's)."""
     unpinned_blocks: tuple[str, ...] = ()
 
 

@@ -53,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--check", action="store_true", help="bitwise parity against a resident run")
     r.add_argument("--json", action="store_true", help="print a machine-readable report")
     r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: auto)")
+    r.add_argument(
+        "--hsdp-shard",
+        type=int,
+        default=1,
+        help="HSDP shard-axis size: FSDP2 shards the non-block weights and dlo's "
+        "AllGather runs on this axis (default 1: no HSDP)",
+    )
+    r.add_argument(
+        "--hsdp-replicate",
+        type=int,
+        default=1,
+        help="HSDP replicate-axis size (ranks = replicate x shard)",
+    )
     b = sub.add_parser("bench", help="benchmark dlo against peers and the physical limits")
     from dlo.bench import add_arguments
 
@@ -94,9 +107,10 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
 def run(args: argparse.Namespace) -> int:
     """``dlo run``: see the module docstring."""
     from dlo.backends.factory import get_offload_backend
+    from dlo.backends.hsdp import shard_non_block
     from dlo.models import build_pipeline, get_preset, make_inputs
     from dlo.parallel import init
-    from dlo.platform import default_device, get_platform, process_peak_rss_bytes
+    from dlo.platform import default_device, get_platform, process_peak_rss_bytes, torchrun_env
 
     cfg = _config(args)  # bad flag values fail here, before any work
     for name in ("steps", "seed"):
@@ -107,18 +121,28 @@ def run(args: argparse.Namespace) -> int:
     preset = get_preset(args.preset)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device) if args.device else default_device()
-    world = init(device=device)
+    env_world = torchrun_env().world_size
+    par = ParallelConfig(
+        data_parallel_size=env_world,
+        hsdp_replicate_size=args.hsdp_replicate,
+        hsdp_shard_size=args.hsdp_shard,
+    )
+    if par.use_hsdp and cfg.mode != "layer":
+        raise ValueError(f"--hsdp-shard/--hsdp-replicate compose with --mode layer, not {cfg.mode}")
+    world = init(par, device=device)
     platform = get_platform(device)
     rank0 = world.rank == 0
     seed = args.seed + world.rank  # DP ranks: different requests, same shapes
 
     pipe = build_pipeline(preset, dtype=dtype, device="cpu" if cfg.enabled else device)
     ids, latents = make_inputs(preset, tokens=args.tokens, seed=seed, device=device, dtype=dtype)
-    backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size), device)
+    backend = get_offload_backend(cfg, par, device)
     t0 = time.perf_counter()
     if backend is not None:
         if cfg.mode == "layer":
             pipe.vae.to(device)  # the layer backend streams DiT and encoder blocks only
+        if par.use_hsdp:
+            shard_non_block(pipe, cfg, par, device_type=device.type)
         backend.enable(pipe)
     enable_s = time.perf_counter() - t0
     platform.reset_peak_memory_stats()

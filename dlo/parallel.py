@@ -144,3 +144,18 @@ def init(
         **kwargs,
     )
     return current_world()
+
+
+def hsdp_mesh(par: ParallelConfig, device_type: str | None = None) -> Any:
+    """The 2-D ``("replicate", "shard")`` DeviceMesh of ``par`` (collective: every rank
+    calls it). ``device_type`` defaults to ``"cuda"`` when CUDA is usable, else ``"cpu"``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dlo.platform import accelerator_available
+
+    if not par.use_hsdp:
+        raise ValueError("hsdp_mesh needs hsdp_shard_size or hsdp_replicate_size > 1")
+    dev = device_type or ("cuda" if accelerator_available() else "cpu")
+    return init_device_mesh(
+        dev, (par.hsdp_replicate_size, par.hsdp_shard_size), mesh_dim_names=("replicate", "shard")
+    )

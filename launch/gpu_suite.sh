@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|run|bench1|bench2|sweep]...   (default: all)
+# Usage: launch/gpu_suite.sh OUTDIR [tests|run|bench1|bench2|sweep]...
+#        (default: tests run bench1 bench2)
 set -uo pipefail
 out=${1:?usage: launch/gpu_suite.sh OUTDIR [steps...]}
 shift
@@ -27,9 +28,12 @@ for s in $steps; do
     run)
       step run_1gpu 240 python3 -m dlo run --preset "$preset" --steps 4 --tokens 4096 --check
       [ "$ngpu" -ge 2 ] && step run_ngpu 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
-        --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --check ;;
+        --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --check
+      [ "$ngpu" -ge 2 ] && step run_hsdp 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
+        --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --hsdp-shard "$ngpu" \
+        --check ;;
     bench1) step bench_1gpu 420 python3 -m dlo bench --preset "$preset" \
-        --methods resident,dlo-ring --json "$out/bench_1gpu.json" --markdown "$out/bench_1gpu.md" ;;
+        --methods resident,dlo-ring,dlo-swap --json "$out/bench_1gpu.json" --markdown "$out/bench_1gpu.md" ;;
     bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
         --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" ;;
     sweep) for c in 16 32 128; do

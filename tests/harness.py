@@ -10,6 +10,7 @@ bound is killed, so a hang fails the test instead of stalling CI.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -94,14 +95,24 @@ def _child(
     )
     try:
         value = fn(rank, world, *args)
-        out.put((rank, "ok", value, None, None))
+        ok = True
     except BaseException as e:  # report, never run collective cleanup on a failure path
+        ok = False
         out.put((rank, "err", type(e).__name__, str(e), traceback.format_exc()))
-        os._exit(0)
-    try:
-        dist.destroy_process_group()
-    finally:
-        os._exit(0)
+    if ok:
+        try:
+            out.put((rank, "ok", value, None, None))
+        except Exception as e:
+            out.put((rank, "err", type(e).__name__, f"result not picklable: {e}", None))
+    out.close()
+    out.join_thread()  # the result reaches the parent before this process may exit
+    if ok:
+        # every rank reaches this point before any rank tears the store down
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    os._exit(0)
 
 
 def run_ranks(

@@ -54,7 +54,7 @@ from dlo.layout import (
     plan_block_layout,
 )
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
-from dlo.parallel import World, current_world, group_of, weight_group
+from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
 from dlo.plan import BlockStack, ResolvedOffloadPlan, get_by_path, resolve_offload_plan
 from dlo.platform import Platform, process_peak_rss_bytes
 from dlo.ring import BlockRing, RingScheduler, StreamedBlock
@@ -188,7 +188,10 @@ class LayerwiseBackend(OffloadBackend):
             faults.check("manifest_build")
             manifest = build_manifest([b.layout for b in blocks])
             report.digest = manifest.digest
-            report.groups = tuple(tuple(group_ranks[a]) for a in sorted(group_ranks))
+            # the whole layout of every axis in use: equal on every rank of a sound job
+            report.groups = tuple(
+                tuple(tuple(g) for g in axis_groups(par, a)) for a in sorted(group_ranks)
+            )
             self._prepare_host(blocks, journal, group_ranks)
             assert self._region is not None
             budget = int(cfg.pin_budget_gb * (1 << 30)) if cfg.pin_budget_gb is not None else None
@@ -421,8 +424,8 @@ class LayerwiseBackend(OffloadBackend):
         seen: set[int] = set()
         faults.check("device_placement")
         for _name, t in targets:
-            if id(t) in seen or t.device == device:
-                continue
+            if id(t) in seen or t.device == device or _is_dtensor(t):
+                continue  # DTensors belong to FSDP2 (see [Note: one owner per parameter])
             seen.add(id(t))
             origin = t.device
             t.data = t.data.to(device)
@@ -493,6 +496,10 @@ class LayerwiseBackend(OffloadBackend):
             "enable_time_s": self._enable_time_s,
             "enable_peak_rss_nbytes": self._enable_peak_rss,
         }
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or type(t.data).__name__ == "DTensor"
 
 
 def _move(t: torch.Tensor, device: torch.device) -> None:
