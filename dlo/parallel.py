@@ -159,3 +159,48 @@ def hsdp_mesh(par: ParallelConfig, device_type: str | None = None) -> Any:
     return init_device_mesh(
         dev, (par.hsdp_replicate_size, par.hsdp_shard_size), mesh_dim_names=("replicate", "shard")
     )
+
+
+@dataclass
+class ParallelState:
+    """The process groups of a job: one per axis in use, and the HSDP mesh."""
+
+    world: World
+    config: ParallelConfig
+    groups: dict[str, Any]
+    """Axis (``"data"``, ``"sequence"``, ``"tensor"``, ``"shard"``, ``"replicate"``) -> this
+    rank's group of it; axes of size 1 are absent."""
+    mesh: Any = None
+    """The 2-D ``("replicate", "shard")`` DeviceMesh when HSDP is on, else None."""
+
+    def ranks(self, axis: str) -> list[int]:
+        return group_of(self.config, axis, self.world.rank)
+
+
+def build_groups(
+    par: ParallelConfig, *, timeout_s: float = 600.0, device_type: str | None = None
+) -> ParallelState:
+    """Create every group of every axis in use, and the HSDP mesh (collective: every rank
+    calls it, in the same order). Without a process group it returns an empty state.
+
+    Raises:
+        ValueError: ``par`` does not match the live world size (naming the fields).
+    """
+    world = current_world()
+    par.check_world_size(world.size)
+    state = ParallelState(world, par, {})
+    if not world.distributed:
+        return state
+    sizes = {
+        "data": par.data_parallel_size,
+        "sequence": par.sequence_parallel_size,
+        "tensor": par.tensor_parallel_size,
+        "shard": par.hsdp_shard_size if par.use_hsdp else 1,
+        "replicate": par.hsdp_replicate_size if par.use_hsdp else 1,
+    }
+    for axis, size in sizes.items():
+        if size > 1:
+            state.groups[axis], _ = weight_group(par, axis, rank=world.rank, timeout_s=timeout_s)
+    if par.use_hsdp:
+        state.mesh = hsdp_mesh(par, device_type)
+    return state
