@@ -79,10 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "bench":
             from dlo.bench import main as bench_main
-            from dlo.parallel import init
+            from dlo.parallel import init, shutdown
 
             init()
-            return bench_main(args)
+            rc = bench_main(args)
+            shutdown()
+            return rc
         return run(args)
     except _UsageError as e:
         print(str(e), file=sys.stderr)
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from dlo.backends.factory import get_offload_backend
     from dlo.backends.hsdp import shard_non_block
     from dlo.models import build_pipeline, get_preset, make_inputs
-    from dlo.parallel import init
+    from dlo.parallel import init, shutdown
     from dlo.platform import default_device, get_platform, process_peak_rss_bytes, torchrun_env
 
     cfg = _config(args)  # bad flag values fail here, before any work
@@ -218,6 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if rank0:
         print(json.dumps(reports, indent=2) if args.json else _summary(reports))
     ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+    shutdown()
     return 0 if ok else 1
 
 

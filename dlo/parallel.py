@@ -204,3 +204,12 @@ def build_groups(
     if par.use_hsdp:
         state.mesh = hsdp_mesh(par, device_type)
     return state
+
+
+def shutdown() -> None:
+    """Tear the default process group down after a successful run (barrier first, so no
+    rank leaves while a peer still talks to it). Never call this on a failure path: with a
+    stuck peer it can block for the whole collective timeout."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
