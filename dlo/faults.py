@@ -33,6 +33,7 @@ POINTS = (
     "agreement",
     "first_transfer",
     "commit",
+    "block_forward",
 )
 
 

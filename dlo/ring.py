@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo.errors import BackendPoisonedError, OffloadError
+from dlo import faults
+from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import ModelHook
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, StreamTimer, nvtx_range
@@ -194,7 +195,13 @@ class RingScheduler:
             block.num_runs += 1
             self._running, self._running_thread = block, threading.get_ident()
             self._prefetch(block)
-        except Exception as e:
+            faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
+        except BaseException as e:
+            # this hook's own post-forward will not run (its pre-forward did not complete):
+            # release the block here so the ring stays sound for the next forward
+            self.exit(block)
+            if isinstance(e, InjectedFault) or not isinstance(e, Exception):
+                raise  # an injected "user error inside the block", or KeyboardInterrupt
             if block.transport.group_size > 1:
                 # the group may be misaligned now: no further weight collective is safe
                 self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
