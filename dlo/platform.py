@@ -423,6 +423,17 @@ def trim_host_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def under_torch_compile() -> bool:
+    """True inside a ``torch.compile``d call: while Dynamo traces, and in code it runs eagerly
+    after a graph break (its frame-evaluation callback is installed then)."""
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and compiler.is_compiling():
+        return True
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    get = getattr(eval_frame, "get_eval_frame_callback", None)
+    return bool(get is not None and get() not in (None, False))
+
+
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
     """Profiler range with a stable label (``dlo::h2d``, ``dlo::allgather``, ``dlo::wait``)."""

@@ -42,7 +42,7 @@ from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import ModelHook
 from dlo.layout import BlockLayout
-from dlo.platform import Platform, StreamTimer, nvtx_range
+from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 from dlo.slots import Slot, SlotPool
 from dlo.transport import BlockTransport
 
@@ -176,6 +176,15 @@ class RingScheduler:
                 f"forward of this block started while block {self._running.name!r} is still "
                 f"running ({'re-entrant call' if same else 'another thread'}); dlo's ring serves "
                 "one forward at a time",
+                rank=self.rank,
+                block=block.name,
+            )
+        if under_torch_compile():
+            # [Note: torch.compile] a compiled graph would read weights through tensors the
+            # ring rebinds between storages; measured wrong results, so refuse clearly
+            raise OffloadError(
+                "torch.compile around modules whose blocks dlo streams is not supported yet: "
+                "compile code inside the blocks' forward, or disable offload",
                 rank=self.rank,
                 block=block.name,
             )

@@ -44,7 +44,7 @@ from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
 from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
 from dlo.plan import ResolvedOffloadPlan, SupportsModelOffload, get_by_path, resolve_offload_plan
-from dlo.platform import Platform, StreamTimer, nvtx_range
+from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +218,12 @@ class ModelSwapBackend(OffloadBackend):
     # ------------------------------------------------------------------ hot path
     def activate(self, unit: _Unit) -> None:
         """Evict the other group, then make ``unit`` resident (see [Note: swap protocol])."""
+        if under_torch_compile():
+            raise OffloadError(
+                "torch.compile around components dlo swaps is not supported yet: compile code "
+                "inside the components' forward, or disable offload",
+                block=unit.path,
+            )
         for other in self._units:
             if other is unit or other.buffer is None:
                 continue
