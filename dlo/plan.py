@@ -18,12 +18,16 @@ Discovery, in order of preference:
 1. The pipeline class declares :class:`SupportsComponentDiscovery` lists (``_dit_modules``,
    ``_encoder_modules``, ``_vae_modules``, ``_resident_modules``; dotted paths; missing lists
    are empty).
-2. The pipeline is a bare ``nn.Module`` that declares its own blocks: one DiT at path ``""``.
-3. A scan of well-known attribute names, which warns once per pipeline class.
+2. The pipeline is a bare ``nn.Module`` that declares its own blocks, or whose class is in
+   the adapter registry (:mod:`dlo.adapters`): one DiT at path ``""``.
+3. The pipeline class is in the adapter registry: its component attribute names, keeping
+   those that hold an ``nn.Module`` (optional components are ``None``), without a warning.
+4. A scan of well-known attribute names, which warns once per pipeline class.
 
 Blocks of a DiT come from ``_offload_plan.block_attrs[dit_path]``, else the DiT class's
 ``_layerwise_offload_blocks_attrs``, else the deprecated singular
-``_layerwise_offload_blocks_attr`` (``FutureWarning``). Encoder blocks stream only when
+``_layerwise_offload_blocks_attr`` (``FutureWarning``), else the adapter registry (the
+nearest registered class in the DiT class's MRO). Encoder blocks stream only when
 ``_offload_plan.encoder_block_attrs`` declares them.
 
 [Note: explicit vs compatibility topology]
@@ -50,6 +54,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dlo.adapters import model_adapter, pipeline_adapter
 from dlo.config import COMPONENTS, TRANSFERS, OffloadConfig, ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -393,6 +398,7 @@ def _declares_blocks(module: object, plan: OffloadPlan) -> bool:
         "" in plan.block_attrs
         or getattr(cls, BLOCKS_ATTRS, None) is not None
         or getattr(cls, BLOCKS_ATTR_DEPRECATED, None) is not None
+        or model_adapter(cls) is not None
     )
 
 
@@ -414,6 +420,14 @@ def _discovery_paths(
         return dits, encoders, vaes, resident
     if self_dit:
         return self_dit, [], [], []
+    adapter = pipeline_adapter(cls)
+    if adapter is not None:
+        return (
+            _scan(pipeline, adapter.dits),
+            _scan(pipeline, adapter.encoders),
+            _scan(pipeline, adapter.vaes),
+            [],
+        )
     return None
 
 
@@ -505,7 +519,8 @@ def _dit_block_attrs(path: str, dit: nn.Module, plan: OffloadPlan) -> tuple[str,
         return attrs
     single = getattr(cls, BLOCKS_ATTR_DEPRECATED, None)
     if single is None:
-        return ()
+        adapter = model_adapter(cls)
+        return adapter.block_attrs if adapter is not None else ()
     if not isinstance(single, str):
         raise TypeError(
             f"{cls.__name__}.{BLOCKS_ATTR_DEPRECATED} must be a str, got {single!r} "
