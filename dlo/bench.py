@@ -238,6 +238,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             num_slots=args.num_slots,
             chunk_mb=args.chunk_mb,
             verify_block_sequence=not args.no_verify,
+            nccl_max_ctas=args.nccl_max_ctas,
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
@@ -249,8 +250,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for tokens in tokens_list:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             st0 = backend.stats()
-            t = time_forward(_fwd(cpu_dit, inp), platform, warmup=args.warmup, reps=args.reps)
+            fwd = _fwd(cpu_dit, inp)
+            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
             st = backend.stats()
+            if args.profile:  # every rank runs the forward; rank 0 writes the files
+                _profile(
+                    fwd, platform, args.profile if world.rank == 0 else None, f"{method}_{tokens}"
+                )
             # every streamed block crosses this rank's link once per forward (its shard)
             limit_ms = st["host_nbytes"] / (bw * GB) * 1e3 if bw else 0.0
             record(
@@ -340,6 +346,29 @@ def _bench_swap(
             ms / limit if limit else float("nan"),
         )
     return rows
+
+
+def _profile(fn: Callable[[], Any], platform: Platform, folder: str | None, name: str) -> None:
+    """One forward under the torch profiler: a gzipped chrome trace and a kernel table."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if platform.has_streams:
+        activities.append(ProfilerActivity.CUDA)
+    platform.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        platform.synchronize()
+    if folder is None:
+        return
+    prof.export_chrome_trace(os.path.join(folder, f"{name}.json.gz"))
+    sort = "cuda_time_total" if platform.has_streams else "cpu_time_total"
+    with open(os.path.join(folder, f"{name}.txt"), "w") as fh:
+        fh.write(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
 def _fsdp2(dit: nn.Module, world_size: int, platform: Platform) -> None:
@@ -437,6 +466,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-slots", type=int, default=2)
     p.add_argument("--chunk-mb", type=int, default=64)
     p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
+    p.add_argument(
+        "--nccl-max-ctas", type=int, default=None, help="cap the SMs NCCL may use for dlo's gathers"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="folder for one profiled forward per dlo method and token count",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
 

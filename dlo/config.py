@@ -217,6 +217,10 @@ class OffloadConfig:
     """Bound on every dlo collective; a diverging or missing rank fails within it."""
     verify_block_sequence: bool = True
     """With AllGather, check that every rank of the group gathers the same block (lock step)."""
+    nccl_max_ctas: int | None = None
+    """Cap on the thread blocks (SMs) NCCL may use for dlo's weight gathers (its own
+    communicator only); fewer leave more SMs to compute while a gather runs. None: NCCL's
+    choice. Ignored by gloo."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -241,6 +245,8 @@ class OffloadConfig:
         _check_choice("weight_axis", self.weight_axis, WEIGHT_AXES)
         _check_positive_number("collective_timeout_s", self.collective_timeout_s)
         _check_bool("verify_block_sequence", self.verify_block_sequence)
+        if self.nccl_max_ctas is not None:
+            _check_int("nccl_max_ctas", self.nccl_max_ctas, minimum=1)
         self._validate_layer_options()
         if self.mode == "module":
             layer_only = {

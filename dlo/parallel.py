@@ -80,8 +80,26 @@ def current_world() -> World:
 _GROUPS: dict[tuple[Any, ...], Any] = {}
 
 
+def nccl_options(max_ctas: int | None) -> Any:
+    """ProcessGroupNCCL options capping the CTAs of a communicator (None: defaults)."""
+    if max_ctas is None:
+        return None
+    pg = getattr(dist, "ProcessGroupNCCL", None)
+    if pg is None:
+        raise ValueError(f"nccl_max_ctas={max_ctas} needs a torch built with NCCL")
+    opts = pg.Options()
+    opts.config.max_ctas = max_ctas
+    return opts
+
+
 def weight_group(
-    par: ParallelConfig, axis: str, *, rank: int, timeout_s: float, backend: str | None = None
+    par: ParallelConfig,
+    axis: str,
+    *,
+    rank: int,
+    timeout_s: float,
+    backend: str | None = None,
+    max_ctas: int | None = None,
 ) -> tuple[Any, list[int]]:
     """The communicator of ``rank``'s ``axis`` group for dlo's weight collectives.
 
@@ -92,13 +110,23 @@ def weight_group(
     mine = group_of(par, axis, rank)
     if len(mine) == 1:
         return None, mine
-    key = (tuple(tuple(g) for g in all_groups), backend, float(timeout_s))
+    nccl = "nccl" in str(dist.get_backend())
+    options = nccl_options(max_ctas) if nccl else None
+    key = (
+        tuple(tuple(g) for g in all_groups),
+        backend,
+        float(timeout_s),
+        max_ctas if nccl else None,
+    )
     cached = _GROUPS.get(key)
     if cached is None:
         cached = {}
         for ranks in all_groups:
             g = dist.new_group(
-                ranks=ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=backend
+                ranks=ranks,
+                timeout=datetime.timedelta(seconds=timeout_s),
+                backend=backend,
+                pg_options=options,
             )
             cached[tuple(ranks)] = g
         _GROUPS[key] = cached

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|run|bench1|bench2|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|run|bench1|bench2|profile|ctas|sweep]...
 #        (default: tests run bench1 bench2)
 set -uo pipefail
 out=${1:?usage: launch/gpu_suite.sh OUTDIR [steps...]}
 shift
 steps=${*:-"tests run bench1 bench2"}
-mkdir -p "$out"
+# everything is written under $out/work and packed into $out/suite.tgz after every step, so a
+# run stopped at its time limit still returns what finished (device tools return few files)
+mkdir -p "$out/work"
+final=$out
+out=$out/work
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -21,6 +25,7 @@ step() {  # name, timeout seconds, command...
   echo "== $name: exit $rc" | tee -a "$out/suite.log"
   tail -n 30 "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
+  tar czf "$final/suite.tgz" -C "$out" .
 }
 for s in $steps; do
   case $s in
@@ -36,6 +41,14 @@ for s in $steps; do
         --methods resident,dlo-ring,dlo-swap --json "$out/bench_1gpu.json" --markdown "$out/bench_1gpu.md" ;;
     bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
         --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" ;;
+    profile) [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
+        bench --preset "$preset" --methods dlo-allgather,dlo-rank-local --tokens 4096,16384 \
+        --reps 3 --profile "$out/prof" --json "$out/profile_ngpu.json" ;;
+    ctas) for c in 4 8 16; do
+        [ "$ngpu" -ge 2 ] && step "ctas$c" 200 torchrun --nproc-per-node="$ngpu" -m dlo bench \
+          --preset "$preset" --methods dlo-allgather --tokens 4096,16384 --nccl-max-ctas "$c" \
+          --json "$out/ctas$c.json"
+      done ;;
     sweep) for c in 16 32 128; do
         [ "$ngpu" -ge 2 ] && step "sweep_chunk$c" 300 torchrun --nproc-per-node="$ngpu" -m dlo bench \
           --preset "$preset" --methods dlo-allgather --tokens 4096 --chunk-mb "$c" \

@@ -344,6 +344,7 @@ class LayerwiseBackend(OffloadBackend):
                     stack.group_axis,
                     rank=world.rank,
                     timeout_s=cfg.collective_timeout_s,
+                    max_ctas=cfg.nccl_max_ctas,
                 )
             max_chunks = max(
                 (b.layout.num_chunks for b in blocks if b.stack.group_axis == stack.group_axis),

@@ -1061,3 +1061,10 @@ def test_conflict_message_names_both_strategies() -> None:
 def test_compact_with_badly_typed_legacy_flag(name: str, value: Any) -> None:
     with _raises(TypeError, name, value):
         OffloadConfig.from_dict({"mode": "layer", name: value})
+
+
+@pytest.mark.parametrize(("value", "exc"), [(0, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_nccl_max_ctas_validated(value: Any, exc: type[Exception]) -> None:
+    with _raises(exc, "nccl_max_ctas", repr(value)):
+        OffloadConfig(nccl_max_ctas=value)
+    assert OffloadConfig(nccl_max_ctas=8).nccl_max_ctas == 8
