@@ -295,6 +295,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         del dit
         _clean(platform)
 
+    if "diffusers-group" in methods:
+        _bench_diffusers_group(preset.name, platform, dtype, tokens_list, args, record)
+
     if "dlo-swap" in methods and world.size == 1:
         report["swap"] = _bench_swap(
             preset.name, platform, dtype, lim["h2d_pinned_alone_GBps"], reps=args.reps
@@ -303,6 +306,51 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     _ratios(report, streamed_bytes)
     return report
+
+
+def _bench_diffusers_group(
+    preset: str,
+    platform: Platform,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    args: argparse.Namespace,
+    record: Callable[[str, int, dict[str, float], dict[str, Any]], None],
+) -> None:
+    """diffusers group offloading, block level, one block per group, with streams (the
+    peer's fastest documented setting), on the same DiT and inputs; skipped (logged) when
+    diffusers is not installed or there are no streams."""
+    try:
+        from diffusers.hooks import apply_group_offloading
+    except ImportError:
+        logger.warning("diffusers-group: diffusers is not installed; method skipped")
+        return
+    if not platform.has_streams:
+        logger.warning("diffusers-group: needs CUDA streams; method skipped on CPU")
+        return
+    dit = _build_dit(preset, "cpu", dtype)
+    t0 = time.perf_counter()
+    apply_group_offloading(
+        dit,
+        onload_device=platform.device,
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=True,
+    )
+    enable_s = time.perf_counter() - t0
+    for tokens in tokens_list:
+        inp = _inputs(preset, tokens, platform.device, dtype)
+        platform.reset_peak_memory_stats()
+        t = time_forward(_fwd(dit, inp), platform, warmup=args.warmup, reps=args.reps)
+        record(
+            "diffusers-group",
+            tokens,
+            t,
+            {"peak_device_nbytes": _peak(platform), "enable_s": enable_s},
+        )
+        del inp
+    del dit
+    _clean(platform)
 
 
 def _bench_swap(
@@ -410,7 +458,7 @@ def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
         r["x_h2d_limit"] = r["median_ms"] / lim if lim else None
     best_peer: dict[int, float] = {}
     for r in report["results"]:
-        if r["method"].startswith("fsdp2"):
+        if r["method"].startswith(("fsdp2", "diffusers")):
             best_peer[r["tokens"]] = min(best_peer.get(r["tokens"], float("inf")), r["median_ms"])
     for r in report["results"]:
         peer = best_peer.get(r["tokens"])
@@ -430,7 +478,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{lim['h2d_pinned_concurrent_GBps']:.1f} GB/s per rank with all ranks copying; pageable "
         f"{lim['h2d_pageable_GBps']:.1f} GB/s; AllGather {lim['allgather_GBps']:.1f} GB/s.",
         "",
-        "| method | tokens | ms / forward | x resident | x H2D limit | x FSDP2 | peak HBM GB |"
+        "| method | tokens | ms / forward | x resident | x H2D limit | x best peer | peak HBM GB |"
         " pinned host GB / rank |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -452,6 +500,49 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{f(r['x_h2d_limit'])} |"
             )
     return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Time per forward vs tokens for each method, and peak device memory per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+    methods = sorted({r["method"] for r in report["results"]})
+    for m in methods:
+        rows = sorted((r for r in report["results"] if r["method"] == m), key=lambda r: r["tokens"])
+        ax_t.plot([r["tokens"] for r in rows], [r["median_ms"] for r in rows], marker="o", label=m)
+    limit = [r for r in report["results"] if r.get("h2d_limit_ms")]
+    if limit:
+        tokens = sorted({r["tokens"] for r in limit})
+        ax_t.hlines(
+            limit[0]["h2d_limit_ms"],
+            min(tokens),
+            max(tokens),
+            colors="gray",
+            linestyles="dashed",
+            label="H2D limit (this rank's bytes)",
+        )
+    ax_t.set_xlabel("tokens")
+    ax_t.set_ylabel("ms / forward (median)")
+    ax_t.set_xscale("log", base=2)
+    ax_t.legend(fontsize=8)
+    peaks = [
+        max(r["peak_device_nbytes"] for r in report["results"] if r["method"] == m) / GB
+        for m in methods
+    ]
+    ax_m.barh(methods, peaks)
+    ax_m.set_xlabel("peak device memory, GB")
+    fig.suptitle(
+        f"{report['preset']} on {report['world_size']} x {report['device']}, "
+        f"torch {report['torch']}, {report['date']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -476,6 +567,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -489,4 +581,6 @@ def main(args: argparse.Namespace) -> int:
         if args.markdown:
             with open(args.markdown, "w") as fh:
                 fh.write(text + "\n")
+        if args.plot:
+            plot(report, args.plot)
     return 0

@@ -14,6 +14,10 @@ final=$out
 out=$out/work
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # see launch/fetch_wheels.sh
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 preset=${DLO_SUITE_PRESET:-medium}
 status=0
@@ -38,9 +42,11 @@ for s in $steps; do
         --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --hsdp-shard "$ngpu" \
         --check ;;
     bench1) step bench_1gpu 420 python3 -m dlo bench --preset "$preset" \
-        --methods resident,dlo-ring,dlo-swap --json "$out/bench_1gpu.json" --markdown "$out/bench_1gpu.md" ;;
+        --methods resident,dlo-ring,diffusers-group,dlo-swap --json "$out/bench_1gpu.json" \
+        --markdown "$out/bench_1gpu.md" --plot "$out/bench_1gpu.png" ;;
     bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
-        --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" ;;
+        --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" \
+        --plot "$out/bench_ngpu.png" ;;
     profile) [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
         bench --preset "$preset" --methods dlo-allgather,dlo-rank-local --tokens 4096,16384 \
         --reps 3 --profile "$out/prof" --json "$out/profile_ngpu.json" ;;
