@@ -9,6 +9,7 @@ summary; ``--check`` compares every rank's output bit for bit with a fully resid
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import logging
@@ -220,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
     if rank0:
         print(json.dumps(reports, indent=2) if args.json else _summary(reports))
     ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+    del pipe, backend, out  # FSDP2 state and dlo groups go before the process group
+    gc.collect()
     shutdown()
     return 0 if ok else 1
 

@@ -239,5 +239,6 @@ def shutdown() -> None:
     rank leaves while a peer still talks to it). Never call this on a failure path: with a
     stuck peer it can block for the whole collective timeout."""
     if dist.is_available() and dist.is_initialized():
+        _GROUPS.clear()  # drop dlo's communicators before the default group goes
         dist.barrier()
         dist.destroy_process_group()
