@@ -667,13 +667,17 @@ def foreign_offloader(module: nn.Module) -> str | None:
         fsdp1_cls = getattr(fsdp, "FullyShardedDataParallel", None)
         if fsdp1_cls is not None and isinstance(module, fsdp1_cls):
             return "FSDP"
-    dtensor_mod = sys.modules.get("torch.distributed.tensor")
-    dtensor_cls = getattr(dtensor_mod, "DTensor", None) if dtensor_mod is not None else None
-    if dtensor_cls is not None and any(
-        isinstance(p, dtensor_cls) for p in module.parameters(recurse=False)
-    ):
+    if any(is_dtensor(p) for p in module.parameters(recurse=False)):
         return "DTensor parameters"
     return None
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    """True for a DTensor (an FSDP2-managed parameter, say); imports nothing: a DTensor can
+    only exist once ``torch.distributed.tensor`` is loaded."""
+    dtensor_mod = sys.modules.get("torch.distributed.tensor")
+    dtensor_cls = getattr(dtensor_mod, "DTensor", None) if dtensor_mod is not None else None
+    return dtensor_cls is not None and isinstance(t, dtensor_cls)
 
 
 def find_foreign_offloaders(root: nn.Module) -> list[tuple[str, str]]:

@@ -48,6 +48,11 @@ def check_not_released(named: list[tuple[str, torch.Tensor]], *, rank: int) -> N
         )
 
 
+def move_tensor(t: torch.Tensor, device: torch.device) -> None:
+    """Move one tensor in place (same Python object); the undo of a device placement."""
+    t.data = t.data.to(device)
+
+
 def install_state_dict_hooks(
     registry: HookRegistry,
     module: nn.Module,

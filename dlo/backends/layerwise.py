@@ -39,11 +39,16 @@ from torch import nn
 
 from dlo import faults
 from dlo.agreement import RankReport, Verdict, decide, exchange
-from dlo.backends.common import check_not_released, install_state_dict_hooks, mark_released
+from dlo.backends.common import (
+    check_not_released,
+    install_state_dict_hooks,
+    mark_released,
+    move_tensor,
+)
 from dlo.blocks import check_blocks, non_block_tensors
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
-from dlo.hooks import HookRegistry
+from dlo.hooks import HookRegistry, is_dtensor
 from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
 from dlo.layout import (
     MIB,
@@ -425,13 +430,13 @@ class LayerwiseBackend(OffloadBackend):
         seen: set[int] = set()
         faults.check("device_placement")
         for _name, t in targets:
-            if id(t) in seen or t.device == device or _is_dtensor(t):
+            if id(t) in seen or t.device == device or is_dtensor(t):
                 continue  # DTensors belong to FSDP2 (see [Note: one owner per parameter])
             seen.add(id(t))
             origin = t.device
             t.data = t.data.to(device)
             self._placed_nbytes += t.numel() * t.element_size()
-            journal.record("place", functools.partial(_move, t, origin))
+            journal.record("place", functools.partial(move_tensor, t, origin))
 
     def _load_resident(
         self, blocks: list[_Block], transports: dict[str, BlockTransport], journal: Journal
@@ -497,14 +502,6 @@ class LayerwiseBackend(OffloadBackend):
             "enable_time_s": self._enable_time_s,
             "enable_peak_rss_nbytes": self._enable_peak_rss,
         }
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor" or type(t.data).__name__ == "DTensor"
-
-
-def _move(t: torch.Tensor, device: torch.device) -> None:
-    t.data = t.data.to(device)
 
 
 def _streamed_components(plan: ResolvedOffloadPlan) -> list[str]:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.backends.common import install_state_dict_hooks
+from dlo.backends.common import install_state_dict_hooks, move_tensor
 from dlo.blocks import check_blocks
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
@@ -207,7 +207,7 @@ class ModelSwapBackend(OffloadBackend):
                 origin = t.device
                 t.data = t.data.to(device)
                 self._vae_nbytes += t.numel() * t.element_size()
-                journal.record("place", functools.partial(_move, t, origin))
+                journal.record("place", functools.partial(move_tensor, t, origin))
 
     def _restore(self, u: _Unit) -> None:
         assert self._region is not None
@@ -306,7 +306,3 @@ class ModelSwapBackend(OffloadBackend):
             "num_resident_blocks": 0,
             "components": per,
         }
-
-
-def _move(t: torch.Tensor, device: torch.device) -> None:
-    t.data = t.data.to(device)
