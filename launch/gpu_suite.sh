@@ -50,7 +50,7 @@ for s in $steps; do
     profile) [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
         bench --preset "$preset" --methods dlo-allgather,dlo-rank-local --tokens 4096,16384 \
         --reps 3 --profile "$out/prof" --json "$out/profile_ngpu.json" ;;
-    ctas) for c in 4 8 16; do
+    ctas) for c in ${DLO_SUITE_CTAS:-1 2 4 8}; do
         [ "$ngpu" -ge 2 ] && step "ctas$c" 200 torchrun --nproc-per-node="$ngpu" -m dlo bench \
           --preset "$preset" --methods dlo-allgather --tokens 4096,16384 --nccl-max-ctas "$c" \
           --json "$out/ctas$c.json"
