@@ -40,6 +40,17 @@ from dlo.transport import all_gather_into
 
 logger = logging.getLogger(__name__)
 
+METHODS = (
+    "resident",
+    "dlo-ring",
+    "dlo-rank-local",
+    "dlo-allgather",
+    "dlo-swap",
+    "fsdp2-offload",
+    "diffusers-group",
+)
+"""Every method ``--methods`` accepts (each runs where the platform and world size allow)."""
+
 GB = 1e9
 
 
@@ -173,10 +184,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     preset = get_preset(args.preset)
     tokens_list = [int(t) for t in str(args.tokens).split(",")]
     methods = args.methods.split(",")
-    known = {"resident", "dlo-ring", "dlo-rank-local", "dlo-allgather", "fsdp2-offload", "dlo-swap"}
-    unknown = sorted(set(methods) - known)
+    unknown = sorted(set(methods) - set(METHODS))
     if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; known: {sorted(known)}")
+        raise ValueError(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
     if {"dlo-ring", "dlo-rank-local"} & set(methods):
         methods += ["dlo-ring", "dlo-rank-local"]  # the group-of-one ring at any world size
     block_nbytes = preset.block_nbytes(dtype)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from dlo.bench import METHODS
 from dlo.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +70,8 @@ def test_bench_smoke_json(tmp_path: Path) -> None:
             "bench",
             "--preset",
             "tiny",
+            "--methods",
+            ",".join(METHODS),  # every method parses; those that cannot run on CPU skip
             "--tokens",
             "32,64",
             "--warmup",
