@@ -4,7 +4,8 @@ Methods (those that can run on the platform and world size at hand):
 
 * ``resident`` -- the DiT fully on the device (the compute floor);
 * ``dlo-ring`` -- dlo's ring, rank-local (group of one);
-* ``dlo-allgather`` -- dlo's AllGather transfer over all ranks (N > 1);
+* ``dlo-allgather`` -- dlo's AllGather transfer over all ranks (N > 1), NCCL's kernels;
+* ``dlo-allgather-copy`` -- the same with the copy-engine gather (N > 1, CUDA);
 * ``fsdp2-offload`` -- FSDP2 ``fully_shard`` per block and at the root with
   ``CPUOffloadPolicy(pin_memory=True)`` (N > 1), the peer with the same memory promise;
 * limits measured on the spot: pinned and pageable host-to-device bandwidth (this rank alone
@@ -45,6 +46,7 @@ METHODS = (
     "dlo-ring",
     "dlo-rank-local",
     "dlo-allgather",
+    "dlo-allgather-copy",
     "dlo-swap",
     "fsdp2-offload",
     "diffusers-group",
@@ -235,11 +237,18 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     cpu_dit: nn.Module | None = None
     # group-1 first: its disable restores the model; AllGather's disable consumes it
-    dlo_methods = ["dlo-ring"] if world.size == 1 else ["dlo-rank-local", "dlo-allgather"]
+    dlo_methods = (
+        ["dlo-ring"]
+        if world.size == 1
+        else ["dlo-rank-local", "dlo-allgather", "dlo-allgather-copy"]
+    )
     for method in dlo_methods:
         if method not in methods:
             continue
-        transfer = "allgather" if method == "dlo-allgather" else "rank-local"
+        if method == "dlo-allgather-copy" and not platform.has_streams:
+            logger.warning("dlo-allgather-copy: needs CUDA GPUs; method skipped")
+            continue
+        transfer = "allgather" if method.startswith("dlo-allgather") else "rank-local"
         cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
         rss0 = process_rss_bytes()
         cfg = OffloadConfig(
@@ -249,6 +258,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             chunk_mb=args.chunk_mb,
             verify_block_sequence=not args.no_verify,
             nccl_max_ctas=args.nccl_max_ctas,
+            gather_engine="copy" if method == "dlo-allgather-copy" else "nccl",
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
@@ -560,7 +570,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument(
-        "--methods", default="resident,dlo-ring,dlo-allgather,dlo-rank-local,fsdp2-offload"
+        "--methods",
+        default="resident,dlo-ring,dlo-allgather,dlo-allgather-copy,dlo-rank-local,fsdp2-offload",
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.config import MODES, TRANSFERS, OffloadConfig, ParallelConfig
+from dlo.config import GATHER_ENGINES, MODES, TRANSFERS, OffloadConfig, ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--num-slots", type=int, default=2)
     r.add_argument("--chunk-mb", type=int, default=64)
     r.add_argument("--no-pin", action="store_true", help="keep host storage pageable")
+    r.add_argument(
+        "--gather-engine",
+        default="nccl",
+        choices=GATHER_ENGINES,
+        help="AllGather by NCCL kernels or by copy engines over peer access (CUDA, one node)",
+    )
     r.add_argument("--steps", type=int, default=8)
     r.add_argument("--tokens", type=int, default=None, help="latent tokens (default: preset)")
     r.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -104,6 +110,7 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
         num_slots=args.num_slots,
         chunk_mb=args.chunk_mb,
         pin_memory=not args.no_pin,
+        gather_engine=args.gather_engine,
     )
 
 

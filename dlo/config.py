@@ -33,6 +33,7 @@ from typing import Any
 MODES = ("none", "module", "layer")
 COMPONENTS = ("dit", "encoder")
 TRANSFERS = ("rank-local", "allgather", "auto")
+GATHER_ENGINES = ("nccl", "copy")
 PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")
 WEIGHT_AXES = ("auto", "shard", "data", "sequence", "local")
 
@@ -221,6 +222,10 @@ class OffloadConfig:
     """Cap on the thread blocks (SMs) NCCL may use for dlo's weight gathers (its own
     communicator only); fewer leave more SMs to compute while a gather runs. None: NCCL's
     choice. Ignored by gloo."""
+    gather_engine: str = "nccl"
+    """How AllGather rebuilds streamed blocks: ``"nccl"`` (NCCL's kernels, any topology) or
+    ``"copy"`` (copy engines pulling peers' slices from symmetric-memory slots: no SMs
+    taken from compute; CUDA GPUs of one node with peer access)."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -247,6 +252,7 @@ class OffloadConfig:
         _check_bool("verify_block_sequence", self.verify_block_sequence)
         if self.nccl_max_ctas is not None:
             _check_int("nccl_max_ctas", self.nccl_max_ctas, minimum=1)
+        _check_choice("gather_engine", self.gather_engine, GATHER_ENGINES)
         self._validate_layer_options()
         if self.mode == "module":
             layer_only = {

@@ -308,6 +308,7 @@ class RingScheduler:
             free_event=slot.free,
             ready_event=slot.ready,
             index=block.index,
+            slot_index=slot.index,
         )
 
     def _prefetch(self, block: StreamedBlock) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dlo import faults
+from dlo.ce_gather import symmetric_empty
 from dlo.platform import Platform
 
 
@@ -37,14 +38,27 @@ class SlotPool:
     slots: list[Slot] = field(default_factory=list)
     slot_nbytes: int = 0
 
+    base: torch.Tensor | None = None
+    """With ``symmetric``: the one symmetric-memory buffer every slot is a view of."""
+
     @classmethod
-    def allocate(cls, platform: Platform, num_slots: int, slot_nbytes: int) -> SlotPool:
+    def allocate(
+        cls, platform: Platform, num_slots: int, slot_nbytes: int, *, symmetric: bool = False
+    ) -> SlotPool:
+        """``symmetric``: carve the slots out of one symmetric-memory allocation, so peers
+        can read them ([Note: copy-engine gather] in :mod:`dlo.ce_gather`)."""
         pool = cls(platform)
         pool.slot_nbytes = slot_nbytes
         try:
+            if symmetric:
+                faults.check("slot_allocation")
+                pool.base = symmetric_empty(max(1, num_slots * slot_nbytes), platform.device)
             for i in range(num_slots):
                 faults.check("slot_allocation")
-                buf = torch.empty(slot_nbytes, dtype=torch.uint8, device=platform.device)
+                if pool.base is not None:
+                    buf = pool.base[i * slot_nbytes : (i + 1) * slot_nbytes]
+                else:
+                    buf = torch.empty(slot_nbytes, dtype=torch.uint8, device=platform.device)
                 pool.slots.append(Slot(i, buf, platform.new_event(), platform.new_event()))
         except BaseException:
             pool.release()
@@ -60,3 +74,4 @@ class SlotPool:
         for s in self.slots:
             s.owner = None
         self.slots.clear()
+        self.base = None

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dlo.ce_gather import CopyEngineGather
 from dlo.errors import OffloadError
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, nvtx_range
@@ -62,7 +63,8 @@ class SequenceCheck:
     [Note: lock-step check]
     AllGather rebuilds a block from the slices of every rank, so every rank must load the
     same block sequence. Before the chunk gathers of a block, the group gathers each rank's
-    block index (one int64 per rank, on the comm stream). On a host-ordered device (CPU,
+    block index and slot index (two int64 per rank, on the comm stream; the copy-engine
+    gather pulls from the peers' copies of the same slot). On a host-ordered device (CPU,
     gloo) the result is compared at once. On CUDA the comparison must not stall the host:
     the gathered indices are copied to pinned host memory with an event, and checked at a
     later load once the event has completed (non-blocking ``query``), so a divergence is
@@ -86,34 +88,35 @@ class SequenceCheck:
         self.group_rank = group_rank
         self.names = list(names)
         dev = platform.device
-        self._mine = torch.zeros(1, dtype=torch.int64, device=dev)
+        self._mine = torch.zeros(2, dtype=torch.int64, device=dev)
         self._free: deque[tuple[torch.Tensor, torch.Tensor, Any]] = deque()
-        self._pending: deque[tuple[torch.Tensor, torch.Tensor, Any, int]] = deque()
+        self._pending: deque[tuple[torch.Tensor, torch.Tensor, Any, tuple[int, int]]] = deque()
         pin = platform.has_streams
         for _ in range(depth if pin else 1):
-            gathered = torch.zeros(group_size, dtype=torch.int64, device=dev)
-            host = torch.zeros(group_size, dtype=torch.int64, pin_memory=pin)
+            gathered = torch.zeros(2 * group_size, dtype=torch.int64, device=dev)
+            host = torch.zeros(2 * group_size, dtype=torch.int64, pin_memory=pin)
             self._free.append((gathered, host, platform.new_event()))
 
-    def issue(self, index: int, stream: Any) -> None:
-        """Gather ``index`` from every rank on ``stream`` (the comm stream)."""
+    def issue(self, index: int, stream: Any, *, slot: int = -1) -> None:
+        """Gather ``(index, slot)`` from every rank on ``stream`` (the comm stream)."""
         self.poll()
         if not self._free:
             self.poll(block_host=True)
         gathered, host, event = self._free.popleft()
         with self.platform.stream(stream):
-            self._mine.fill_(index)
+            self._mine[0].fill_(index)
+            self._mine[1].fill_(slot)
             all_gather_into(gathered, self._mine, self.group)
             host.copy_(gathered, non_blocking=True)
             event.record(stream)
-        self._pending.append((gathered, host, event, index))
+        self._pending.append((gathered, host, event, (index, slot)))
         if not self.platform.has_streams:
             self.poll()
 
     def poll(self, *, block_host: bool = False) -> None:
         """Check every completed gather (the oldest one waits if ``block_host``)."""
         while self._pending:
-            gathered, host, event, index = self._pending[0]
+            gathered, host, event, (index, slot) = self._pending[0]
             if block_host:
                 event.synchronize()
                 block_host = False
@@ -121,15 +124,16 @@ class SequenceCheck:
                 return
             self._pending.popleft()
             self._free.append((gathered, host, event))
-            seen = host.tolist()
-            if any(v != index for v in seen):
+            flat = host.tolist()
+            seen = list(zip(flat[0::2], flat[1::2]))
+            if any(v != (index, slot) for v in seen):
                 loading = ", ".join(
-                    f"rank {r}: {self.names[v] if 0 <= v < len(self.names) else v}"
-                    for r, v in enumerate(seen)
+                    f"rank {r}: {self.names[v] if 0 <= v < len(self.names) else v} (slot {sl})"
+                    for r, (v, sl) in enumerate(seen)
                 )
                 raise OffloadError(
-                    "ranks of an AllGather group loaded different blocks (they must run the "
-                    f"same block sequence in lock step): {loading}",
+                    "ranks of an AllGather group loaded different blocks or slots (they must "
+                    f"run the same block sequence in lock step): {loading}",
                     rank=self.group_rank,
                     block=self.names[index],
                 )
@@ -151,6 +155,8 @@ class BlockTransport:
         group_rank, group_size: this rank's place in ``group``.
         copy_stream, comm_stream: the streams owned by the ring.
         max_chunks: the largest ``num_chunks`` of the blocks this transport loads.
+        ce_gather: gather into slots with copy engines instead of NCCL kernels ([Note:
+            copy-engine gather]); destinations outside its symmetric buffer use ``group``.
     """
 
     def __init__(
@@ -165,8 +171,10 @@ class BlockTransport:
         max_chunks: int,
         counters: TransferCounters,
         sequence_check: SequenceCheck | None = None,
+        ce_gather: CopyEngineGather | None = None,
     ) -> None:
         assert (group is None) == (group_size == 1)
+        self.ce_gather = ce_gather
         self.platform = platform
         self.group = group
         self.group_rank = group_rank
@@ -193,8 +201,10 @@ class BlockTransport:
         free_event: Any,
         ready_event: Any,
         index: int = -1,
+        slot_index: int = -1,
     ) -> None:
-        """Enqueue the load of block ``index`` into ``slot`` and record ``ready_event``."""
+        """Enqueue the load of block ``index`` into ``slot`` (slot ``slot_index`` of the
+        pool; -1 for a buffer outside it) and record ``ready_event``."""
         assert layout.group_size == self.group_size
         if layout.num_chunks == 0:  # a block without tensors: nothing moves on any rank
             ready_event.record(self.copy_stream)
@@ -209,8 +219,9 @@ class BlockTransport:
             self.counters.num_loads += 1
             return
         r = self.group_rank
+        ce = self.ce_gather if self.ce_gather is not None and self.ce_gather.covers(slot) else None
         if self.sequence_check is not None:
-            self.sequence_check.issue(index, self.comm_stream)
+            self.sequence_check.issue(index, self.comm_stream, slot=slot_index)
         with pf.stream(self.copy_stream):
             self.copy_stream.wait_event(free_event)
         for k, (start, end, shard_off) in enumerate(layout.shard_ranges(r)):
@@ -221,8 +232,13 @@ class BlockTransport:
             c0, c1 = layout.chunk_range(k)
             with nvtx_range("dlo::allgather"), pf.stream(self.comm_stream):
                 self.comm_stream.wait_event(self._chunk_events[k])
-                all_gather_into(slot[c0:c1], mine, self.group)
+                if ce is not None:
+                    ce.gather_chunk(slot, layout, k)
+                else:
+                    all_gather_into(slot[c0:c1], mine, self.group)
         with pf.stream(self.comm_stream):
+            if ce is not None:
+                ce.finish()
             ready_event.record(self.comm_stream)
         self.counters.h2d_nbytes += layout.shard_nbytes
         self.counters.allgather_nbytes += layout.padded_nbytes

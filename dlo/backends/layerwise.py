@@ -46,6 +46,7 @@ from dlo.backends.common import (
     move_tensor,
 )
 from dlo.blocks import check_blocks, non_block_tensors
+from dlo.ce_gather import CopyEngineGather
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.hooks import HookRegistry, is_dtensor
@@ -167,6 +168,12 @@ class LayerwiseBackend(OffloadBackend):
                     "'rank-local' or 'allgather'"
                 )
         distributed = any(s.group_size > 1 for s in plan.stacks)
+        copy_gather = distributed and cfg.gather_engine == "copy"
+        if copy_gather and not self.platform.has_streams:
+            raise ValueError(
+                f"gather_engine='copy' needs CUDA GPUs with peer access; this rank runs on "
+                f"{self.platform.device} (use gather_engine='nccl')"
+            )
         if distributed and not world.distributed:
             raise OffloadError(
                 "an AllGather stack needs a process group: run under torchrun (or call "
@@ -208,7 +215,9 @@ class LayerwiseBackend(OffloadBackend):
                 if any(not b.resident for b in blocks)
                 else 0
             )
-            self._pool = SlotPool.allocate(self.platform, cfg.num_slots, slot_nbytes)
+            self._pool = SlotPool.allocate(
+                self.platform, cfg.num_slots, slot_nbytes, symmetric=copy_gather
+            )
             journal.record("device slots", self._release_slots)
         except Exception as e:
             if not distributed:
@@ -359,6 +368,15 @@ class LayerwiseBackend(OffloadBackend):
             check = None
             if group is not None and cfg.verify_block_sequence:
                 check = SequenceCheck(pf, group, group_rank, len(ranks), [b.name for b in blocks])
+            ce = None
+            if group is not None and self._pool.base is not None:
+                ce = CopyEngineGather(
+                    self._pool.base,
+                    group,
+                    group_rank=group_rank,
+                    group_size=len(ranks),
+                    timeout_s=cfg.collective_timeout_s,
+                )
             transports[stack.group_axis] = BlockTransport(
                 pf,
                 group=group,
@@ -369,6 +387,7 @@ class LayerwiseBackend(OffloadBackend):
                 max_chunks=max_chunks,
                 counters=self._counters,
                 sequence_check=check,
+                ce_gather=ce,
             )
             if stack.component == "dit" and not dit_group_set:
                 self._group_rank, self._group_size = ranks.index(world.rank), len(ranks)
@@ -498,6 +517,7 @@ class LayerwiseBackend(OffloadBackend):
             "num_streamed_blocks": len(streamed),
             "num_resident_blocks": sum(b.resident for b in self._blocks),
             "num_slots": len(pool.slots) if pool else 0,
+            "gather_engine": "copy" if pool is not None and pool.base is not None else "nccl",
             "pageable_blocks": list(self._fallback_blocks),
             "enable_time_s": self._enable_time_s,
             "enable_peak_rss_nbytes": self._enable_peak_rss,

@@ -309,3 +309,39 @@ def _reenable_after_allgather(rank: int, world: int) -> str:
 def test_enable_after_allgather_disable_refuses_the_released_model() -> None:
     outs = assert_all_ok(run_ranks(_reenable_after_allgather, 2, timeout_s=60))
     assert all("lost their weights" in o and "reload the model" in o for o in outs), outs
+
+
+def _copy_engine_on_cpu(rank: int, world: int) -> str:
+    model = ToyDiT(3)
+    before = snapshot(model)
+    backend = LayerwiseBackend(_cfg(gather_engine="copy"), _par(world), CpuPlatform())
+    try:
+        backend.enable(model)
+    except ValueError as e:
+        assert_same(before, model)
+        assert LEDGER.host_nbytes == 0 and not backend.is_enabled()
+        return str(e)
+    return "enabled"
+
+
+def test_copy_engine_gather_refused_on_cpu_naming_the_field() -> None:
+    for o in assert_all_ok(run_ranks(_copy_engine_on_cpu, 2, timeout_s=60)):
+        assert "gather_engine='copy'" in o and "cpu" in o
+
+
+def _slot_mismatch(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    from dlo.transport import SequenceCheck
+
+    check = SequenceCheck(CpuPlatform(), dist.group.WORLD, rank, world, ["a", "b"])
+    try:
+        check.issue(1, None, slot=rank)  # same block, a different slot on each rank
+    except dlo.OffloadError as e:
+        return str(e)
+    return "no error"
+
+
+def test_lock_step_check_compares_slots() -> None:
+    for o in assert_all_ok(run_ranks(_slot_mismatch, 2, timeout_s=60)):
+        assert "different blocks or slots" in o and "b (slot 0)" in o and "b (slot 1)" in o

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import dlo
@@ -43,7 +44,7 @@ def _steps(model: torch.nn.Module, rank: int, n: int, dim: int) -> list[torch.Te
     return out
 
 
-def _parity(rank: int, world: int, delayed: bool) -> dict[str, Any]:
+def _parity(rank: int, world: int, delayed: bool, engine: str) -> dict[str, Any]:
     dev = torch.device("cuda", rank)
     dim = 256
     model = ToyDiT(7, dim=dim)
@@ -59,7 +60,7 @@ def _parity(rank: int, world: int, delayed: bool) -> dict[str, Any]:
             load(self, *a, **k)
 
         BlockTransport.load = slow  # type: ignore[method-assign]
-    b = _backend(rank, world, chunk_mb=1)
+    b = _backend(rank, world, chunk_mb=1, resident_layers=1, gather_engine=engine)
     b.enable(model)
     got = _steps(model, rank, 4, dim)
     torch.cuda.synchronize()
@@ -84,27 +85,37 @@ def _parity(rank: int, world: int, delayed: bool) -> dict[str, Any]:
         "padded": padded,
         "pinned": st["host_pinned_nbytes"],
         "new_segments": a1 - a0,
+        "engine": st["gather_engine"],
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
     }
 
 
-def test_nccl_parity_half_bytes_no_alloc() -> None:
-    res = assert_all_ok(run_ranks(_parity, 2, False, backend="nccl", timeout_s=240, env=NCCL_ENV))
+ENGINES = pytest.mark.parametrize("engine", ["nccl", "copy"])
+
+
+@ENGINES
+def test_nccl_parity_half_bytes_no_alloc(engine: str) -> None:
+    res = assert_all_ok(
+        run_ranks(_parity, 2, False, engine, backend="nccl", timeout_s=240, env=NCCL_ENV)
+    )
     for r in res:
-        assert r["same"]
+        assert r["same"] and r["engine"] == engine
         assert r["shard"] * 2 == r["padded"] and r["pinned"] == r["shard"]
         assert r["h2d"] * 2 == r["gathered"]  # each rank moved half of what it gathered
         assert r["new_segments"] == 0 and r["ledger"] == (0, 0)
 
 
-def test_nccl_delayed_copy_stream_parity() -> None:
-    res = assert_all_ok(run_ranks(_parity, 2, True, backend="nccl", timeout_s=240, env=NCCL_ENV))
+@ENGINES
+def test_nccl_delayed_copy_stream_parity(engine: str) -> None:
+    res = assert_all_ok(
+        run_ranks(_parity, 2, True, engine, backend="nccl", timeout_s=240, env=NCCL_ENV)
+    )
     assert all(r["same"] for r in res)
 
 
-def _diverge(rank: int, world: int) -> str:
+def _diverge(rank: int, world: int, engine: str) -> str:
     model = ToyDiT(6, dim=64)
-    b = _backend(rank, world, num_slots=1)
+    b = _backend(rank, world, num_slots=1, gather_engine=engine, collective_timeout_s=15.0)
     b.enable(model)
     if rank == 1:
         model.skip = {2}
@@ -120,7 +131,8 @@ def _diverge(rank: int, world: int) -> str:
     return "no error"
 
 
-def test_nccl_diverging_sequence_reported() -> None:
-    outs = run_ranks(_diverge, 2, backend="nccl", timeout_s=120, env=NCCL_ENV)
+@ENGINES
+def test_nccl_diverging_sequence_reported(engine: str) -> None:
+    outs = run_ranks(_diverge, 2, engine, backend="nccl", timeout_s=120, env=NCCL_ENV)
     values = [o.value for o in outs if o.ok]
     assert values and all("different blocks" in v for v in values), outs

@@ -1068,3 +1068,11 @@ def test_nccl_max_ctas_validated(value: Any, exc: type[Exception]) -> None:
     with _raises(exc, "nccl_max_ctas", repr(value)):
         OffloadConfig(nccl_max_ctas=value)
     assert OffloadConfig(nccl_max_ctas=8).nccl_max_ctas == 8
+
+
+@pytest.mark.parametrize(("value", "exc"), [("ce", ValueError), (None, TypeError), (1, TypeError)])
+def test_gather_engine_validated(value: Any, exc: type[Exception]) -> None:
+    with _raises(exc, "gather_engine", repr(value)):
+        OffloadConfig(gather_engine=value)
+    assert OffloadConfig(gather_engine="copy").gather_engine == "copy"
+    assert OffloadConfig().gather_engine == "nccl"
