@@ -571,7 +571,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument(
         "--methods",
-        default="resident,dlo-ring,dlo-allgather,dlo-allgather-copy,dlo-rank-local,fsdp2-offload",
+        default=",".join(METHODS),
+        help="comma-separated; each runs where the platform and world size allow",
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
