@@ -47,9 +47,12 @@ for s in $steps; do
     bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
         --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" \
         --plot "$out/bench_ngpu.png" ;;
-    profile) [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
-        bench --preset "$preset" --methods dlo-allgather,dlo-rank-local --tokens 4096,16384 \
-        --reps 3 --profile "$out/prof" --json "$out/profile_ngpu.json" ;;
+    profile)  # the AllGather gap: NCCL vs copy-engine gather vs rank-local, profiled
+      [ "$ngpu" -ge 2 ] && step run_copy 200 torchrun --nproc-per-node="$ngpu" -m dlo run \
+        --preset "$preset" --steps 3 --tokens 4096 --transfer allgather --gather-engine copy --check
+      [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
+        bench --preset "$preset" --methods dlo-allgather-copy,dlo-allgather,dlo-rank-local \
+        --tokens 4096,16384 --reps 5 --profile "$out/prof" --json "$out/profile_ngpu.json" ;;
     ctas) for c in ${DLO_SUITE_CTAS:-1 2 4 8}; do
         [ "$ngpu" -ge 2 ] && step "ctas$c" 200 torchrun --nproc-per-node="$ngpu" -m dlo bench \
           --preset "$preset" --methods dlo-allgather --tokens 4096,16384 --nccl-max-ctas "$c" \
