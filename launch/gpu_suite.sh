@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|run|bench1|bench2|profile|ctas|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|cetests|run|bench1|bench2|profile|ctas|sweep]...
 #        (default: tests run bench1 bench2)
+# Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
+#      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8)
 set -uo pipefail
 out=${1:?usage: launch/gpu_suite.sh OUTDIR [steps...]}
 shift
@@ -20,6 +22,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # see launch/fetch_wheels
 fi
 ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 preset=${DLO_SUITE_PRESET:-medium}
+tokens=${DLO_SUITE_TOKENS:-4096,16384}
 status=0
 step() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
@@ -34,6 +37,8 @@ step() {  # name, timeout seconds, command...
 for s in $steps; do
   case $s in
     tests) step gpu_tests 420 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu tests/multigpu ;;
+    cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
+        tests/multigpu/test_dlo_nccl.py -k copy ;;
     run)
       step run_1gpu 240 python3 -m dlo run --preset "$preset" --steps 4 --tokens 4096 --check
       [ "$ngpu" -ge 2 ] && step run_ngpu 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
@@ -41,11 +46,13 @@ for s in $steps; do
       [ "$ngpu" -ge 2 ] && step run_hsdp 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
         --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --hsdp-shard "$ngpu" \
         --check ;;
-    bench1) step bench_1gpu 420 python3 -m dlo bench --preset "$preset" \
-        --methods resident,dlo-ring,diffusers-group,dlo-swap --json "$out/bench_1gpu.json" \
+    bench1) step bench_1gpu 420 python3 -m dlo bench --preset "$preset" --tokens "$tokens" \
+        --methods "${DLO_SUITE_METHODS1:-resident,dlo-ring,diffusers-group,dlo-swap}" \
+        --json "$out/bench_1gpu.json" \
         --markdown "$out/bench_1gpu.md" --plot "$out/bench_1gpu.png" ;;
     bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
-        --preset "$preset" --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" \
+        --preset "$preset" --tokens "$tokens" ${DLO_SUITE_METHODS:+--methods "$DLO_SUITE_METHODS"} \
+        --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" \
         --plot "$out/bench_ngpu.png" ;;
     profile)  # the AllGather gap: NCCL vs copy-engine gather vs rank-local, profiled
       [ "$ngpu" -ge 2 ] && step run_copy 200 torchrun --nproc-per-node="$ngpu" -m dlo run \
