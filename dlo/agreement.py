@@ -88,7 +88,7 @@ def decide(reports: list[RankReport], *, pin_failure_policy: str) -> Verdict:
     return Verdict(True, "")
 
 
-_GENERATION = itertools.count()
+_GENERATIONS: dict[str, itertools.count[int]] = {}
 
 
 def exchange(
@@ -99,18 +99,38 @@ def exchange(
     Raises:
         OffloadError: some ranks did not publish within ``timeout_s`` (named).
     """
+    return share(
+        report,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic="agreement",
+        what="enable agreement",
+    )
+
+
+def share(
+    obj: Any, *, rank: int, world_size: int, timeout_s: float, topic: str, what: str
+) -> list[Any]:
+    """Publish one picklable ``obj`` through the default store and read every rank's, in
+    rank order. Every rank calls it the same number of times per ``topic``.
+
+    Raises:
+        OffloadError: some ranks did not publish within ``timeout_s`` (named, with ``what``).
+    """
     if world_size == 1:
-        return [report]
+        return [obj]
     store = _default_store()
-    prefix = f"dlo/agreement/{next(_GENERATION)}"
-    store.set(f"{prefix}/{rank}", pickle.dumps(report))
+    generation = next(_GENERATIONS.setdefault(topic, itertools.count()))
+    prefix = f"dlo/{topic}/{generation}"
+    store.set(f"{prefix}/{rank}", pickle.dumps(obj))
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
     except Exception as e:
         missing = [r for r, k in enumerate(keys) if not _has_key(store, k)]
         raise OffloadError(
-            f"enable agreement timed out after {timeout_s:g}s: rank(s) {missing} never "
+            f"{what} timed out after {timeout_s:g}s: rank(s) {missing} never "
             "reached enable (every rank of the job must call enable with the same model)",
             rank=rank,
         ) from e

@@ -28,16 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
 from dlo.config import OffloadConfig, ParallelConfig
-from dlo.host import HostRegion
+from dlo.measure import GB, allgather_bandwidth, barrier, h2d_limits, over_ranks
 from dlo.models import build_pipeline, get_preset
 from dlo.parallel import current_world
 from dlo.platform import Platform, get_platform, process_rss_bytes
-from dlo.transport import all_gather_into
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +45,12 @@ METHODS = (
     "dlo-rank-local",
     "dlo-allgather",
     "dlo-allgather-copy",
+    "dlo-auto",
     "dlo-swap",
     "fsdp2-offload",
     "diffusers-group",
 )
 """Every method ``--methods`` accepts (each runs where the platform and world size allow)."""
-
-GB = 1e9
 
 
 # ----------------------------------------------------------------------------- timing
@@ -63,7 +60,7 @@ def time_forward(
     """Median/min device time of ``fn`` in ms (wall time on the CPU platform)."""
     for _ in range(warmup):
         fn()
-    _barrier()
+    barrier()
     times = []
     for _ in range(reps):
         if platform.has_streams:
@@ -80,88 +77,8 @@ def time_forward(
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _over_ranks(value: float) -> list[float]:
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return [float(v) for v in out]
-
-
 def _max_over_ranks(value: float) -> float:
-    return max(_over_ranks(value))
-
-
-def _bandwidths(platform: Platform, nbytes: int) -> dict[str, float]:
-    """Pinned H2D alone (each rank in turn, the slowest link) and with every rank copying
-    at once (the slowest rank), and pageable H2D alone, in GB/s."""
-    world = current_world()
-    alone, pageable = 0.0, 0.0
-    for r in range(world.size):
-        _barrier()
-        if r == world.rank:
-            alone = h2d_bandwidth(platform, nbytes, pinned=True) / GB
-            pageable = h2d_bandwidth(platform, nbytes, pinned=False) / GB
-    _barrier()
-    concurrent = h2d_bandwidth(platform, nbytes, pinned=True) / GB
-    return {
-        "h2d_pinned_alone_GBps": min(_over_ranks(alone)),
-        "h2d_pinned_concurrent_GBps": min(_over_ranks(concurrent)),
-        "h2d_pageable_GBps": min(_over_ranks(pageable)),
-    }
-
-
-# ----------------------------------------------------------------------------- limits
-def h2d_bandwidth(platform: Platform, nbytes: int, *, pinned: bool, reps: int = 5) -> float:
-    """Host-to-device bandwidth in bytes/s from an exact-size (registered) host buffer."""
-    if not platform.has_streams:
-        return 0.0
-    region = HostRegion([nbytes])
-    try:
-        if pinned:
-            region.pin(platform)
-        src = region.view(0)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
-        dst.copy_(src, non_blocking=True)
-        platform.synchronize()
-        times = []
-        for _ in range(reps):
-            s, e = platform.new_event(timing=True), platform.new_event(timing=True)
-            s.record(platform.current_stream())
-            dst.copy_(src, non_blocking=True)
-            e.record(platform.current_stream())
-            e.synchronize()
-            times.append(s.elapsed_time(e) / 1e3)
-        del dst, src
-        return nbytes / statistics.median(times)
-    finally:
-        region.close()
-
-
-def allgather_bandwidth(platform: Platform, nbytes: int, reps: int = 5) -> float:
-    """AllGather "bus" bandwidth (output bytes / time) over the default group."""
-    if not dist.is_initialized() or not platform.has_streams:
-        return 0.0
-    world = dist.get_world_size()
-    nbytes -= nbytes % (world * 256)
-    out = torch.empty(nbytes, dtype=torch.uint8, device=platform.device)
-    mine = out[dist.get_rank() * (nbytes // world) : (dist.get_rank() + 1) * (nbytes // world)]
-    all_gather_into(out, mine, None)
-    platform.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = platform.new_event(timing=True), platform.new_event(timing=True)
-        s.record(platform.current_stream())
-        all_gather_into(out, mine, None)
-        e.record(platform.current_stream())
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return nbytes / statistics.median(times)
+    return max(over_ranks(value))
 
 
 # ----------------------------------------------------------------------------- methods
@@ -207,7 +124,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "results": [],
     }
     lim = report["limits"]
-    lim.update(_bandwidths(platform, block_nbytes))
+    lim.update(h2d_limits(platform, block_nbytes))
     lim["allgather_GBps"] = allgather_bandwidth(platform, block_nbytes) / GB
     logger.info("limits: %s", lim)
 
@@ -242,19 +159,23 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if world.size == 1
         else ["dlo-rank-local", "dlo-allgather", "dlo-allgather-copy"]
     )
-    for method in dlo_methods:
+    for method in [*dlo_methods, "dlo-auto"]:
         if method not in methods:
             continue
         if method == "dlo-allgather-copy" and not platform.has_streams:
             logger.warning("dlo-allgather-copy: needs CUDA GPUs; method skipped")
             continue
-        transfer = "allgather" if method.startswith("dlo-allgather") else "rank-local"
+        transfer = {
+            "dlo-allgather": "allgather",
+            "dlo-allgather-copy": "allgather",
+            "dlo-auto": "auto",
+        }.get(method, "rank-local")
         cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
         rss0 = process_rss_bytes()
         cfg = OffloadConfig(
             mode="layer",
             transfer=transfer,
-            num_slots=args.num_slots,
+            num_slots="auto" if method == "dlo-auto" else args.num_slots,
             chunk_mb=args.chunk_mb,
             verify_block_sequence=not args.no_verify,
             nccl_max_ctas=args.nccl_max_ctas,
@@ -294,10 +215,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "host_nbytes": st["host_nbytes"],
                     "rss_delta_nbytes": process_rss_bytes() - rss0,
                     "enable_s": enable_s,
+                    "transfer": st["transfer"],
+                    "num_slots": st["num_slots"],
                 },
             )
+            if st.get("policy") is not None:
+                report.setdefault("policy", st["policy"])
         backend.disable()
-        if transfer == "allgather":
+        if st["transfer"] == "allgather" and st["group_size"] > 1:
             cpu_dit = None  # its streamed tensors are gone (see [Note: what disable restores])
         _clean(platform)
 
@@ -483,6 +408,14 @@ def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
     for r in report["results"]:
         peer = best_peer.get(r["tokens"])
         r["x_best_peer"] = r["median_ms"] / peer if peer else None
+    # the automatic policy against the best manual dlo setting of this run (issue: <= 1.05)
+    manual: dict[int, float] = {}
+    for r in report["results"]:
+        if r["method"] in ("dlo-ring", "dlo-rank-local", "dlo-allgather"):
+            manual[r["tokens"]] = min(manual.get(r["tokens"], float("inf")), r["median_ms"])
+    for r in report["results"]:
+        if r["method"] == "dlo-auto" and r["tokens"] in manual:
+            r["x_best_manual"] = r["median_ms"] / manual[r["tokens"]]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -507,8 +440,11 @@ def markdown(report: dict[str, Any]) -> str:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     for r in report["results"]:
+        name = r["method"]
+        if name == "dlo-auto":
+            name += f" ({r['transfer']}, {r['num_slots']} slots, x{f(r.get('x_best_manual'))} best manual)"
         lines.append(
-            f"| {r['method']} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
+            f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
             f"{f(r['x_h2d_limit'])} | {f(r['x_best_peer'])} | "
             f"{r['peak_device_nbytes'] / GB:.2f} | {f(r.get('host_pinned_nbytes', 0) / GB, '{:.2f}')} |"
         )

@@ -34,17 +34,35 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(f"{self.prog}: {message}")
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int or 'auto'") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="dlo", description="Distributed layerwise offload for DiTs.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("run", help="run the embedded default pipeline under a strategy")
     r.add_argument("--preset", default="tiny", help="tiny | medium | wan14b-like")
     r.add_argument("--mode", default="layer", choices=MODES)
+    r.add_argument("--transfer", default="rank-local", choices=TRANSFERS)
+    r.add_argument("--resident-layers", type=_int_or_auto, default=0, help="an int or 'auto'")
+    r.add_argument("--num-slots", type=_int_or_auto, default=2, help="an int or 'auto'")
     r.add_argument(
-        "--transfer", default="rank-local", choices=[t for t in TRANSFERS if t != "auto"]
+        "--device-budget-gb",
+        type=float,
+        default=None,
+        help="device memory for weights per rank (GiB); sizes the resident blocks",
     )
-    r.add_argument("--resident-layers", type=int, default=0)
-    r.add_argument("--num-slots", type=int, default=2)
+    r.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the automatic policy's decision and the numbers behind it (rank 0)",
+    )
     r.add_argument("--chunk-mb", type=int, default=64)
     r.add_argument("--no-pin", action="store_true", help="keep host storage pageable")
     r.add_argument(
@@ -111,6 +129,7 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
         chunk_mb=args.chunk_mb,
         pin_memory=not args.no_pin,
         gather_engine=args.gather_engine,
+        device_budget_gb=args.device_budget_gb,
     )
 
 
@@ -156,6 +175,9 @@ def run(args: argparse.Namespace) -> int:
         backend.enable(pipe)
     enable_s = time.perf_counter() - t0
     platform.reset_peak_memory_stats()
+    if args.explain and rank0:
+        # stdout carries the JSON report with --json: the explanation goes to stderr then
+        print(_explain(cfg, backend), file=sys.stderr if args.json else sys.stdout, flush=True)
 
     step_events: list[Any] = []
 
@@ -220,6 +242,9 @@ def run(args: argparse.Namespace) -> int:
         "peak_rss_nbytes": process_peak_rss_bytes(),
         "parity": parity,
         "output_finite": bool(torch.isfinite(out.float()).all()),
+        "num_slots": stats.get("num_slots", 0),
+        "num_resident_blocks": stats.get("num_resident_blocks", 0),
+        "policy": stats.get("policy"),
     }
     reports = [report]
     if dist.is_initialized():
@@ -232,6 +257,20 @@ def run(args: argparse.Namespace) -> int:
     gc.collect()
     shutdown()
     return 0 if ok else 1
+
+
+def _explain(cfg: OffloadConfig, backend: Any) -> str:
+    """The policy's decision (``stats()["policy"]``), or what was set by hand."""
+    policy = backend.stats().get("policy") if backend is not None else None
+    if policy is not None:
+        return str(policy["explanation"])
+    if cfg.mode != "layer":
+        return f"dlo policy: nothing to decide for mode={cfg.mode!r}"
+    return (
+        f"dlo policy: nothing automatic; explicit transfer={cfg.transfer!r}, "
+        f"num_slots={cfg.num_slots}, resident_layers={cfg.resident_layers} (pass 'auto' or "
+        "--device-budget-gb to let dlo measure and decide)"
+    )
 
 
 def _summary(reports: list[dict[str, Any]]) -> str:

@@ -65,6 +65,14 @@ def _check_int(name: str, value: Any, *, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_int_or_auto(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, str):
+        if value != "auto":
+            raise TypeError(f"{name} must be an int or 'auto', got {value!r} (str)")
+        return
+    _check_int(name, value, minimum=minimum)
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
@@ -87,15 +95,15 @@ class LayerOptions:
     weight_transfer: str | None = None
     """Transfer for this component's blocks (``"rank-local"``, ``"allgather"``, ``"auto"``);
     None inherits :attr:`OffloadConfig.transfer`."""
-    resident_layers: int | None = None
-    """Leading blocks kept on the device (DiT only); None inherits
+    resident_layers: int | str | None = None
+    """Leading blocks kept on the device (DiT only), or ``"auto"``; None inherits
     :attr:`OffloadConfig.resident_layers`."""
 
     def __post_init__(self) -> None:
         if self.weight_transfer is not None:
             _check_choice("layer_options.weight_transfer", self.weight_transfer, TRANSFERS)
         if self.resident_layers is not None:
-            _check_int("layer_options.resident_layers", self.resident_layers, minimum=0)
+            _check_int_or_auto("layer_options.resident_layers", self.resident_layers, minimum=0)
 
     @classmethod
     def from_dict(cls, component: str, data: Any) -> LayerOptions:
@@ -194,20 +202,28 @@ class OffloadConfig:
     declared; declaration problems warn and skip. An explicit tuple turns them into errors."""
     transfer: str = "rank-local"
     """Default weight transfer: ``"rank-local"`` (each rank holds whole blocks),
-    ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"auto"``."""
-    resident_layers: int = 0
-    """Leading DiT blocks kept on the device instead of streamed."""
+    ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"auto"`` (chosen
+    at enable from measured bandwidths, the same on every rank; see [Note: policy model])."""
+    resident_layers: int | str = 0
+    """Leading DiT blocks kept on the device instead of streamed; ``"auto"`` keeps as many
+    as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom."""
     layer_options: Mapping[str, LayerOptions] = field(default_factory=dict, hash=False)
     """Per-component overrides, keyed by component kind."""
     pin_memory: bool = True
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
-    num_slots: int = 2
-    """Device slots shared by every ring; the prefetch depth is ``num_slots - 1``."""
+    num_slots: int | str = 2
+    """Device slots shared by every ring; the prefetch depth is ``num_slots - 1``.
+    ``"auto"``: 2 when every streamed stack is rank-local, 3 with AllGather (its copy and
+    gather latency outlasts one transfer), fewer when the device budget has no room."""
     chunk_mb: int = 64
     """Transfer chunk in MiB: a block moves as chunks; with AllGather each chunk's gather
     starts as soon as this rank's slice of it has landed."""
     pin_budget_gb: float | None = None
     """Cap on pinned host bytes per rank (GiB); None is unlimited."""
+    device_budget_gb: float | None = None
+    """Device memory for weights per rank (GiB): non-block weights, slots and resident
+    blocks. Given, it sizes the resident blocks (``resident_layers`` must be 0 or
+    ``"auto"``) and bounds ``num_slots="auto"``; too small for one slot is an error."""
     pin_failure_policy: str = "fail"
     """On a failed or over-budget pin: ``"fail"`` the enable, or keep the affected blocks
     pageable (``"whole_block_fallback"``), decided group-wide."""
@@ -240,12 +256,14 @@ class OffloadConfig:
                 raise ValueError("components=() selects nothing; use mode='none' to disable")
             object.__setattr__(self, "components", tuple(self.components))
         _check_choice("transfer", self.transfer, TRANSFERS)
-        _check_int("resident_layers", self.resident_layers, minimum=0)
+        _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
         _check_bool("pin_memory", self.pin_memory)
-        _check_int("num_slots", self.num_slots, minimum=1)
+        _check_int_or_auto("num_slots", self.num_slots, minimum=1)
         _check_int("chunk_mb", self.chunk_mb, minimum=1)
         if self.pin_budget_gb is not None:
             _check_positive_number("pin_budget_gb", self.pin_budget_gb)
+        if self.device_budget_gb is not None:
+            _check_positive_number("device_budget_gb", self.device_budget_gb)
         _check_choice("pin_failure_policy", self.pin_failure_policy, PIN_FAILURE_POLICIES)
         _check_choice("weight_axis", self.weight_axis, WEIGHT_AXES)
         _check_positive_number("collective_timeout_s", self.collective_timeout_s)
@@ -260,6 +278,7 @@ class OffloadConfig:
                 "resident_layers": 0,
                 "weight_axis": "auto",
                 "num_slots": 2,
+                "device_budget_gb": None,
             }
             for name, default in layer_only.items():
                 if getattr(self, name) != default:
@@ -275,6 +294,13 @@ class OffloadConfig:
             raise ValueError(
                 f"resident_layers={self.resident_layers_for('dit')} applies to DiT blocks but "
                 f"components={self.components!r} does not select 'dit'"
+            )
+        resident = self.resident_layers_for("dit")
+        if self.device_budget_gb is not None and resident not in (0, "auto"):
+            raise ValueError(
+                f"resident_layers={resident!r} conflicts with device_budget_gb="
+                f"{self.device_budget_gb!r}: the budget sizes the resident blocks (leave "
+                "resident_layers at 0 or set 'auto')"
             )
         if self.mode == "module" and self.components is not None:
             raise ValueError(
@@ -322,8 +348,9 @@ class OffloadConfig:
         o = self.layer_options.get(component)
         return o.weight_transfer if o is not None and o.weight_transfer else self.transfer
 
-    def resident_layers_for(self, component: str) -> int:
-        """Effective resident leading blocks of a component kind (0 for non-DiTs)."""
+    def resident_layers_for(self, component: str) -> int | str:
+        """Effective resident leading blocks of a component kind (0 for non-DiTs), or
+        ``"auto"``."""
         if component != "dit":
             return 0
         o = self.layer_options.get(component)

@@ -203,12 +203,18 @@ def plan_block_layout(
         specs.append(spec)
         offset = spec.end
     nbytes = offset
-    if nbytes == 0:
-        return BlockLayout(name, tuple(specs), 0, group_size, 0, 0)
-    unit = group_size * ALIGN
-    num_chunks = max(1, -(-nbytes // chunk_nbytes))
-    chunk = round_up(-(-nbytes // num_chunks), unit)
+    chunk, num_chunks = chunking(nbytes, group_size=group_size, chunk_nbytes=chunk_nbytes)
     return BlockLayout(name, tuple(specs), nbytes, group_size, chunk, num_chunks)
+
+
+def chunking(nbytes: int, *, group_size: int, chunk_nbytes: int) -> tuple[int, int]:
+    """``(chunk_nbytes, num_chunks)`` of a block of ``nbytes`` payload bytes (see [Note:
+    chunks and shards]): equal chunks of at most about ``chunk_nbytes``, each a multiple of
+    ``group_size * ALIGN``; ``(0, 0)`` for an empty block."""
+    if nbytes == 0:
+        return 0, 0
+    num_chunks = max(1, -(-nbytes // chunk_nbytes))
+    return round_up(-(-nbytes // num_chunks), group_size * ALIGN), num_chunks
 
 
 def module_tensor_entries(

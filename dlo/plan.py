@@ -379,6 +379,11 @@ def _class_declaration(cls: type, name: str) -> tuple[str, ...] | None:
     return _path_tuple(f"{cls.__name__}.{name}", value, allow_root=True)
 
 
+def resident_dit_paths_of(pipeline: object) -> tuple[str, ...] | None:
+    """The DiTs ``pipeline``'s :class:`OffloadPlan` allows resident blocks (None: all)."""
+    return _offload_plan_of(pipeline).resident_dit_paths
+
+
 def _offload_plan_of(pipeline: object) -> OffloadPlan:
     plan = getattr(pipeline, "_offload_plan", None)
     if plan is None:
@@ -680,7 +685,9 @@ def _resident_counts(
     stacks: list[_Stack], config: OffloadConfig, plan: OffloadPlan, problems: _Problems
 ) -> list[int]:
     """Resident leading blocks per stack, counted over each DiT's stacks in container order."""
-    wanted = config.resident_layers_for("dit")
+    requested = config.resident_layers_for("dit")
+    # "auto" is decided at enable from measured memory (dlo.backends.auto); none until then
+    wanted = 0 if requested == "auto" else int(requested)
     counts = [0] * len(stacks)
     dit_paths = list(dict.fromkeys(s.component_path for s in stacks if s.component == "dit"))
     for dit_path in dit_paths:

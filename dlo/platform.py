@@ -184,6 +184,10 @@ class Platform:
     def empty_cache(self) -> None:
         return None
 
+    def free_memory(self) -> int | None:
+        """Free device memory in bytes now (None where unknown)."""
+        return None
+
     @property
     def dist_backend(self) -> str:
         """The process-group backend that serves this device."""
@@ -213,6 +217,9 @@ class CpuPlatform(Platform):
 
     def synchronize(self) -> None:
         return None
+
+    def free_memory(self) -> int | None:
+        return host_available_bytes()
 
     @property
     def dist_backend(self) -> str:
@@ -283,6 +290,10 @@ class CudaPlatform(Platform):
 
     def empty_cache(self) -> None:
         torch.cuda.empty_cache()
+
+    def free_memory(self) -> int | None:
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(free)
 
     @property
     def dist_backend(self) -> str:
@@ -403,6 +414,18 @@ def process_rss_bytes() -> int:
             return int(f.read().split()[1]) * page_size()
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where unavailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def process_peak_rss_bytes() -> int:

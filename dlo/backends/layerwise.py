@@ -39,6 +39,7 @@ from torch import nn
 
 from dlo import faults
 from dlo.agreement import RankReport, Verdict, decide, exchange
+from dlo.backends.auto import is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
     install_state_dict_hooks,
@@ -124,6 +125,7 @@ class LayerwiseBackend(OffloadBackend):
         self._enable_time_s = 0.0
         self._enable_peak_rss = 0
         self._fallback_blocks: tuple[str, ...] = ()
+        self._policy: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def _check_can_enable(self) -> None:
@@ -154,6 +156,10 @@ class LayerwiseBackend(OffloadBackend):
                 f"components (warnings: {list(plan.warnings) or 'none'})",
                 rank=world.rank,
             )
+        if is_automatic(cfg):  # before any layout: it may change group sizes
+            cfg, plan, self._policy = resolve_automatic(
+                pipeline, plan, cfg, par, self.platform, world
+            )
         self.plan = plan
         claim_components(
             [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)],
@@ -161,12 +167,6 @@ class LayerwiseBackend(OffloadBackend):
             journal,
             rank=world.rank,
         )
-        for s in plan.stacks:
-            if s.transfer == "auto":
-                raise ValueError(
-                    f"transfer='auto' for {s.container_path!r} is not supported yet; choose "
-                    "'rank-local' or 'allgather'"
-                )
         distributed = any(s.group_size > 1 for s in plan.stacks)
         copy_gather = distributed and cfg.gather_engine == "copy"
         if copy_gather and not self.platform.has_streams:
@@ -215,6 +215,7 @@ class LayerwiseBackend(OffloadBackend):
                 if any(not b.resident for b in blocks)
                 else 0
             )
+            assert isinstance(cfg.num_slots, int)
             self._pool = SlotPool.allocate(
                 self.platform, cfg.num_slots, slot_nbytes, symmetric=copy_gather
             )
@@ -521,6 +522,7 @@ class LayerwiseBackend(OffloadBackend):
             "pageable_blocks": list(self._fallback_blocks),
             "enable_time_s": self._enable_time_s,
             "enable_peak_rss_nbytes": self._enable_peak_rss,
+            "policy": self._policy,
         }
 
 

@@ -88,8 +88,11 @@ def test_bench_smoke_json(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(path.read_text())
     methods = {r["method"] for r in report["results"]}
-    assert methods == {"resident", "dlo-ring"}  # FSDP2 and diffusers need GPUs / N > 1
+    assert methods == {"resident", "dlo-ring", "dlo-auto"}  # FSDP2, diffusers: GPUs / N > 1
     assert all(r["median_ms"] > 0 for r in report["results"])
+    auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
+    assert all(r["transfer"] == "rank-local" and r["x_best_manual"] > 0 for r in auto)
+    assert report["policy"]["num_slots"] == 2  # one rank: rank-local, two slots
 
 
 def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -133,5 +136,9 @@ def test_torchrun_bench_two_cpu_ranks(tmp_path: Path) -> None:
         str(path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    methods = {r["method"] for r in json.loads(path.read_text())["results"]}
-    assert methods == {"resident", "dlo-rank-local", "dlo-allgather"}
+    report = json.loads(path.read_text())
+    methods = {r["method"] for r in report["results"]}
+    assert methods == {"resident", "dlo-rank-local", "dlo-allgather", "dlo-auto"}
+    assert report["limits"]["allgather_GBps"] > 0  # the shared probes run on gloo too
+    auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
+    assert [r["transfer"] for r in auto] == [report["policy"]["stacks"]["blocks"]["transfer"]]

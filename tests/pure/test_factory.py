@@ -225,38 +225,56 @@ def test_enable_offload_returns_an_enabled_backend(
         dlo.OffloadConfig(mode="layer", components=("dit",), transfer="auto"),
         dlo.OffloadConfig(mode="layer", layer_options={"dit": {"weight_transfer": "auto"}}),
         dlo.OffloadConfig(mode="layer", layer_options={"encoder": {"weight_transfer": "auto"}}),
+        dlo.OffloadConfig(mode="layer", num_slots="auto", resident_layers="auto"),
+        dlo.OffloadConfig(mode="layer", layer_options={"dit": {"resident_layers": "auto"}}),
     ],
 )
-def test_transfer_auto_is_refused_at_enable(
+def test_automatic_settings_resolve_at_enable(
     config: dlo.OffloadConfig, tiny_inputs: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
+    """One rank: "auto" resolves to concrete values (no peers: rank-local), recorded in
+    stats()["policy"]; the output is bitwise the resident one and disable restores the model."""
     model = _tiny()
     ids, latents = tiny_inputs
+    with torch.no_grad():
+        ref = model.denoise(latents, model.encode(ids), steps=1)
     before = _state(model)
-    backend = get_offload_backend(config, dlo.ParallelConfig(), "cpu")
+    backend = enable_offload(model, config, dlo.ParallelConfig(), "cpu")
     assert isinstance(backend, LayerwiseBackend)
-    with pytest.raises(ValueError, match=r"transfer='auto'.*'rank-local' or 'allgather'"):
-        backend.enable(model)
-    assert not backend.is_enabled()
-    _assert_untouched(model, before)
-    _assert_nothing_installed(model)
-    # the same through enable_offload
-    with pytest.raises(ValueError, match="transfer='auto'"):
-        enable_offload(model, config, dlo.ParallelConfig(), "cpu")
-    _assert_untouched(model, before)
-    _assert_nothing_installed(model)
-    # nothing was claimed either: an explicit transfer enables on the same pipeline
-    fixed = get_offload_backend(
-        config.replace(transfer="rank-local", layer_options={}), None, "cpu"
-    )
-    assert fixed is not None
-    fixed.enable(model)
     try:
-        assert fixed.is_enabled()
+        st = backend.stats()
+        policy = st["policy"]
+        assert policy is not None and "dlo policy" in policy["explanation"]
+        assert st["transfer"] == "rank-local" and st["group_size"] == 1
+        assert all(s["transfer"] == "rank-local" for s in policy["stacks"].values())
+        assert st["num_slots"] == policy["num_slots"] >= 2
+        assert st["num_resident_blocks"] == sum(
+            s["num_resident"] for s in policy["stacks"].values()
+        )
+        assert backend.plan is not None
+        assert all(s.transfer != "auto" for s in backend.plan.stacks)
         with torch.no_grad():
-            model.denoise(latents, model.encode(ids), steps=1)
+            assert torch.equal(model.denoise(latents, model.encode(ids), steps=1), ref)
     finally:
-        fixed.disable()
+        backend.disable()
+    after = _state(model)  # same objects, devices, dtypes and values (new storage)
+    assert after.keys() == before.keys()
+    for name, (ident, _ptr, device, dtype, value) in before.items():
+        a_ident, _a_ptr, a_device, a_dtype, a_value = after[name]
+        assert (a_ident, a_device, a_dtype) == (ident, device, dtype), name
+        assert torch.equal(a_value, value), name
+    _assert_nothing_installed(model)
+
+
+def test_device_budget_too_small_is_refused_and_leaves_nothing(
+    tiny_inputs: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    model = _tiny()
+    before = _state(model)
+    cfg = dlo.OffloadConfig(mode="layer", device_budget_gb=1e-6)
+    with pytest.raises(ValueError, match=r"device_budget_gb=1e-06 cannot hold"):
+        enable_offload(model, cfg, dlo.ParallelConfig(), "cpu")
+    _assert_untouched(model, before)
     _assert_nothing_installed(model)
 
 

@@ -1,0 +1,234 @@
+"""Resolving the automatic settings of a layer config at enable.
+
+``transfer="auto"``, ``num_slots="auto"``, ``resident_layers="auto"`` and
+``device_budget_gb`` are decided here, after the topology is resolved and before any block
+is laid out: the decision changes a stack's group size, hence its layout, its manifest
+digest and the groups compared at the startup agreement. Steps:
+
+1. local sizing (pure): every block's payload bytes, the non-block weights;
+2. a readiness exchange through the store (a rank that failed step 1, or never came, is
+   named on every rank before anyone enters a probe collective);
+3. probes (:func:`dlo.measure.measure_rank`): free device memory, host-to-device bandwidth
+   with every rank copying, and the AllGather of each weight group an ``"auto"`` stack
+   would use (the groups are created here, once, and reused by the ring);
+4. one exchange of the measurements; every rank takes the minimum of each
+   ([Note: one set of numbers]) and calls the pure :func:`dlo.policy.decide`
+   ([Note: policy model]);
+5. the plan's stacks and the config are rewritten with concrete values, so the rest of the
+   install sees no ``"auto"``.
+
+Nothing here is journaled: no host or device memory outlives it, and a failure raises on
+every rank (from the exchanges) before the backend has touched the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from dlo import measure
+from dlo.agreement import share
+from dlo.blocks import non_block_tensors
+from dlo.config import COMPONENTS, LayerOptions, OffloadConfig, ParallelConfig
+from dlo.errors import OffloadError
+from dlo.hooks import is_dtensor
+from dlo.layout import MIB, describe_module, plan_block_layout
+from dlo.parallel import World, weight_group
+from dlo.plan import ResolvedOffloadPlan, get_by_path, resident_dit_paths_of
+from dlo.platform import Platform
+from dlo.policy import Measurements, PolicyDecision, PolicyInput, StackSpec, decide
+
+logger = logging.getLogger(__name__)
+
+
+def is_automatic(cfg: OffloadConfig) -> bool:
+    """Whether ``cfg`` leaves anything for the policy to decide."""
+    return (
+        any(cfg.transfer_for(k) == "auto" for k in COMPONENTS)
+        or cfg.resident_layers_for("dit") == "auto"
+        or cfg.num_slots == "auto"
+        or cfg.device_budget_gb is not None
+    )
+
+
+def resolve_automatic(
+    pipeline: Any,
+    plan: ResolvedOffloadPlan,
+    cfg: OffloadConfig,
+    par: ParallelConfig,
+    platform: Platform,
+    world: World,
+) -> tuple[OffloadConfig, ResolvedOffloadPlan, dict[str, Any]]:
+    """Decide every automatic setting (see the module docstring).
+
+    Returns:
+        ``(config, plan, policy)``: the config with concrete ``num_slots`` and
+        ``resident_layers`` (no budget left to re-check), the plan with a concrete transfer,
+        group and resident count per stack, and the policy record for ``stats()["policy"]``.
+    Raises:
+        ValueError: a device budget too small for the non-block weights and one slot.
+        OffloadError: a rank failed to size or measure, or never arrived (named).
+    """
+    ready: tuple[bool, str] = (True, "")
+    inp: PolicyInput | None = None
+    try:
+        inp = _policy_input(pipeline, plan, cfg, platform)
+    except Exception as e:
+        if not world.distributed:
+            raise
+        ready = (False, f"{type(e).__name__}: {e}")
+    replies = share(
+        ready,
+        rank=world.rank,
+        world_size=world.size,
+        timeout_s=cfg.collective_timeout_s,
+        topic="policy-ready",
+        what="policy readiness exchange",
+    )
+    failed = [(r, msg) for r, (ok, msg) in enumerate(replies) if not ok]
+    if failed:
+        raise OffloadError(
+            "the automatic policy could not size the model on rank(s) "
+            f"{[r for r, _ in failed]}: " + "; ".join(f"rank {r}: {m}" for r, m in failed),
+            rank=world.rank,
+        )
+    assert inp is not None
+
+    axes = sorted({s.group_axis for s in plan.stacks if s.transfer == "auto" and s.group_size > 1})
+    if axes and not world.distributed:
+        raise OffloadError(
+            "transfer='auto' with a weight group of more than one rank needs a process group: "
+            "run under torchrun with the ParallelConfig's world size",
+            rank=world.rank,
+        )
+    groups = {
+        a: weight_group(
+            par,
+            a,
+            rank=world.rank,
+            timeout_s=cfg.collective_timeout_s,
+            max_ctas=cfg.nccl_max_ctas,
+        )[0]
+        for a in axes
+    }
+    largest = max((b for s in inp.stacks for b in s.block_nbytes), default=0)
+    mine = measure.measure_rank(
+        platform,
+        rank=world.rank,
+        nbytes=measure.probe_nbytes(largest),
+        pinned=cfg.pin_memory,
+        groups=groups,
+    )
+    measured, records = measure.agree(
+        mine, world_size=world.size, timeout_s=cfg.collective_timeout_s
+    )
+    decision = decide(dataclasses.replace(inp, measured=measured))
+    if world.rank == 0:
+        logger.info("%s", decision.explanation)
+    else:
+        logger.debug("%s", decision.explanation)
+    record = decision.as_dict()
+    record["per_rank"] = [
+        {
+            "rank": r.rank,
+            "h2d_GBps": r.h2d_bps / measure.GB,
+            "allgather_GBps": {a: v / measure.GB for a, v in sorted(r.allgather_bps.items())},
+            "free_device_nbytes": r.free_device_nbytes,
+        }
+        for r in records
+    ]
+    return _concrete_config(cfg, decision), _concrete_plan(plan, decision), record
+
+
+def _policy_input(
+    pipeline: Any, plan: ResolvedOffloadPlan, cfg: OffloadConfig, platform: Platform
+) -> PolicyInput:
+    chunk = cfg.chunk_mb * MIB
+    eligible = resident_dit_paths_of(pipeline)
+    specs = []
+    block_ids: set[int] = set()
+    for s in plan.stacks:
+        sizes = []
+        for path in s.block_paths:
+            module = get_by_path(pipeline, path)
+            block_ids.update(id(t) for t in module.parameters())
+            block_ids.update(id(t) for t in module.buffers())
+            layout = plan_block_layout(
+                path, describe_module(module), group_size=1, chunk_nbytes=chunk
+            )
+            sizes.append(layout.nbytes)
+        specs.append(
+            StackSpec(
+                name=s.container_path,
+                component=s.component,
+                dit_path=s.component_path,
+                block_nbytes=tuple(sizes),
+                transfer=s.transfer,
+                group_axis=s.group_axis,
+                group_size=s.group_size,
+                num_resident=s.num_resident,
+                resident_eligible=eligible is None or s.component_path in eligible,
+            )
+        )
+    non_block, to_place = 0, 0
+    seen: set[int] = set()
+    paths = list(dict.fromkeys(s.component_path for s in plan.stacks))
+    for path in [*paths, *plan.resident_modules]:
+        for _name, t in non_block_tensors(get_by_path(pipeline, path), block_ids):
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+            nbytes = local.numel() * local.element_size()
+            non_block += nbytes
+            if local.device != platform.device:
+                to_place += nbytes
+    budget = cfg.device_budget_gb
+    resident = cfg.resident_layers_for("dit")
+    if budget is not None and resident == 0:
+        resident = "auto"  # a budget sizes the resident blocks (see OffloadConfig)
+    return PolicyInput(
+        stacks=tuple(specs),
+        chunk_nbytes=chunk,
+        measured=Measurements(h2d_bps=1.0),  # replaced once measured
+        num_slots=cfg.num_slots,
+        resident_layers=resident,
+        device_budget_gb=budget,
+        non_block_nbytes=non_block,
+        non_block_to_place_nbytes=to_place,
+    )
+
+
+def _concrete_config(cfg: OffloadConfig, d: PolicyDecision) -> OffloadConfig:
+    def fix(o: LayerOptions) -> LayerOptions:
+        if o.resident_layers == "auto":
+            return dataclasses.replace(o, resident_layers=d.resident_layers)
+        return o
+
+    options = {k: fix(o) for k, o in cfg.layer_options.items()}
+    resident = cfg.resident_layers
+    if resident == "auto" or cfg.device_budget_gb is not None:
+        resident = d.resident_layers
+    return cfg.replace(
+        num_slots=d.num_slots,
+        resident_layers=resident,
+        layer_options=options,
+        device_budget_gb=None,
+    )
+
+
+def _concrete_plan(plan: ResolvedOffloadPlan, d: PolicyDecision) -> ResolvedOffloadPlan:
+    stacks = []
+    for s, c in zip(plan.stacks, d.stacks):
+        assert s.container_path == c.name
+        stacks.append(
+            dataclasses.replace(
+                s,
+                transfer=c.transfer,
+                group_axis=c.group_axis,
+                group_size=c.group_size,
+                num_resident=c.num_resident,
+            )
+        )
+    return dataclasses.replace(plan, stacks=tuple(stacks))

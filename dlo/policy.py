@@ -1,0 +1,493 @@
+"""The automatic policy: transfer, slots and resident blocks from measured numbers. Pure.
+
+Everything here is a function of frozen dataclasses (block sizes, group sizes, measured
+bandwidths, a memory capacity, the requested settings): no process group, no device, no
+clock. The runtime measures (:mod:`dlo.measure`), agrees on one set of numbers for the whole
+job, and hands them to :func:`decide`; every rank computes the same decision because it
+feeds the same inputs to the same deterministic function.
+
+[Note: policy model]
+A block of ``nbytes`` payload bytes moves as ``n`` chunks of ``C`` bytes (the layout's
+chunking for its group size G; see [Note: chunks and shards]). With ``h`` the per-rank
+host-to-device bandwidth while every rank copies at once and ``a`` the AllGather bandwidth
+of the weight group (output bytes per second):
+
+* rank-local: one copy of the whole padded block; latency ``L = P = n * C / h``.
+* AllGather: a two-stage pipeline per chunk, copy ``c = (C / G) / h`` then gather
+  ``g = C / a``, where the gather of chunk k overlaps the copy of chunk k+1 ([Note: chunk
+  pipeline]). The busiest stage is occupied ``P = n * max(c, g)`` per block; the block's
+  latency is ``L = c + g + (n - 1) * max(c, g) = P + min(c, g)`` (the first copy or the last
+  gather is never overlapped).
+
+``transfer="auto"`` picks, per stack, the transfer with the smaller summed latency ``L`` over
+the stack's blocks; a tie goes to rank-local (fewer moving parts, no lock step). A stack
+whose weight axis has one rank has nothing to gather with and is rank-local.
+
+Slots. With S slots a slot is reused every S blocks, and one slot's cycle is the block's
+load latency plus its compute ``t_c`` (the copy of block i+S waits for block i's ``free``).
+So the ring runs at ``max(P, t_c, (L + t_c) / S)`` per block and needs
+``S = ceil((L + t_c) / max(P, t_c))`` slots to hide its cycle. The compute time is not known
+at enable (it depends on the request), and the cycle matters most when compute is about as
+long as the transfer, so ``num_slots="auto"`` takes ``t_c = P``: rank-local has ``L = P`` and
+needs 2; AllGather has ``P < L <= 2P`` and needs 3 (measured on 2 x H200 at 4096 tokens, a
+third slot took AllGather from 83.5 to 81.6 ms per forward). Slots come before resident
+blocks in the budget: the third slot is one block's bytes, and it helps every streamed block.
+
+Memory. Device weight bytes are the non-block weights, ``num_slots`` slots of the largest
+padded streamed block, and the padded bytes of every resident block. The capacity is
+``device_budget_gb`` when given, else ``(1 - FREE_MEMORY_HEADROOM)`` of the free device
+memory minus the non-block weights not yet on the device (the headroom is left for
+activations, the allocator and communication buffers). ``resident_layers="auto"`` keeps the
+largest number r of leading blocks of each eligible DiT whose total fits, scanning every r
+(the slot shrinks once the largest block is resident, so the cost is not monotonic in r).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlo.layout import chunking
+
+GIB = 1 << 30
+GB = 1e9
+FREE_MEMORY_HEADROOM = 0.2
+"""Fraction of the free device memory ``resident_layers="auto"`` leaves for activations."""
+MAX_AUTO_SLOTS = 4
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """The numbers every rank of the job decides from (the group-wide minimum of each)."""
+
+    h2d_bps: float
+    """Host-to-device bytes per second of one rank while every rank copies at once."""
+    allgather_bps: Mapping[str, float] = field(default_factory=dict)
+    """Weight axis -> AllGather output bytes per second of that axis's group."""
+    free_device_nbytes: int | None = None
+    """Free device memory at enable, before dlo allocates (None: unknown)."""
+    num_ranks: int = 1
+    """How many ranks measured (the minimum is over all of them)."""
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """One block stack as the policy sees it."""
+
+    name: str
+    """The stack's container path."""
+    component: str
+    """``"dit"`` or ``"encoder"``."""
+    dit_path: str
+    """The component path; resident counts are per DiT over its stacks, in order."""
+    block_nbytes: tuple[int, ...]
+    """Payload bytes of each block, in execution order."""
+    transfer: str
+    """Requested: ``"rank-local"``, ``"allgather"`` or ``"auto"``."""
+    group_axis: str
+    """The weight axis AllGather would use."""
+    group_size: int
+    """Ranks on that axis (1: nobody to gather with)."""
+    num_resident: int = 0
+    """Resident leading blocks when ``resident_layers`` is explicit."""
+    resident_eligible: bool = True
+    """May keep resident blocks (a DiT allowed by ``OffloadPlan.resident_dit_paths``)."""
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """Everything :func:`decide` needs."""
+
+    stacks: tuple[StackSpec, ...]
+    chunk_nbytes: int
+    measured: Measurements
+    num_slots: int | str = 2
+    """An int is kept; ``"auto"`` is decided (see [Note: policy model])."""
+    resident_layers: int | str = 0
+    """``"auto"`` is decided; an int is kept (the stacks' ``num_resident``)."""
+    device_budget_gb: float | None = None
+    """``OffloadConfig.device_budget_gb`` (GiB of device memory for weights)."""
+    non_block_nbytes: int = 0
+    """Non-block weights of the streamed components and resident modules (device bytes)."""
+    non_block_to_place_nbytes: int = 0
+    """Of which not on the device yet (they will take free memory at enable)."""
+    block_compute_s: float | None = None
+    """Known compute time of one block; None assumes it is about the transfer time."""
+
+
+@dataclass(frozen=True)
+class StackChoice:
+    name: str
+    transfer: str
+    """Concrete: ``"rank-local"`` or ``"allgather"``."""
+    group_axis: str
+    group_size: int
+    num_resident: int
+    requested: str
+    rank_local_ms: float | None
+    """Modeled latency per block (mean over the stack), rank-local."""
+    allgather_ms: float | None
+    """Modeled latency per block, AllGather (None: no group or no measurement)."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """What :func:`decide` chose, and why."""
+
+    stacks: tuple[StackChoice, ...]
+    num_slots: int
+    resident_layers: int
+    """Resident leading blocks per eligible DiT (the ``resident_layers`` it amounts to)."""
+    slot_nbytes: int
+    device_weight_nbytes: int
+    """Modeled device bytes of weights: non-block + slots + resident blocks."""
+    capacity_nbytes: int | None
+    measured: Measurements
+    lines: tuple[str, ...]
+
+    @property
+    def explanation(self) -> str:
+        return "\n".join(self.lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (for ``stats()["policy"]`` and JSON)."""
+        m = self.measured
+        return {
+            "stacks": {
+                s.name: {
+                    "transfer": s.transfer,
+                    "requested": s.requested,
+                    "group_axis": s.group_axis,
+                    "group_size": s.group_size,
+                    "num_resident": s.num_resident,
+                    "rank_local_ms_per_block": s.rank_local_ms,
+                    "allgather_ms_per_block": s.allgather_ms,
+                    "reason": s.reason,
+                }
+                for s in self.stacks
+            },
+            "num_slots": self.num_slots,
+            "resident_layers": self.resident_layers,
+            "slot_nbytes": self.slot_nbytes,
+            "device_weight_nbytes": self.device_weight_nbytes,
+            "capacity_nbytes": self.capacity_nbytes,
+            "measured": {
+                "h2d_GBps": m.h2d_bps / GB,
+                "allgather_GBps": {k: v / GB for k, v in sorted(m.allgather_bps.items())},
+                "free_device_nbytes": m.free_device_nbytes,
+                "num_ranks": m.num_ranks,
+            },
+            "explanation": self.explanation,
+        }
+
+
+def _size(nbytes: float) -> str:
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / (1 << 20):.2f} MiB"
+
+
+# ----------------------------------------------------------------------------- the model
+def padded_nbytes(nbytes: int, group_size: int, chunk_nbytes: int) -> int:
+    chunk, n = chunking(nbytes, group_size=group_size, chunk_nbytes=chunk_nbytes)
+    return chunk * n
+
+
+def block_times(
+    nbytes: int, *, group_size: int, chunk_nbytes: int, h2d_bps: float, allgather_bps: float
+) -> tuple[float, float]:
+    """``(latency L, busiest-stage occupancy P)`` of one block's load, in seconds (see
+    [Note: policy model]); ``group_size == 1`` is rank-local and ignores ``allgather_bps``."""
+    chunk, n = chunking(nbytes, group_size=group_size, chunk_nbytes=chunk_nbytes)
+    if n == 0:
+        return 0.0, 0.0
+    if group_size == 1:
+        t = n * chunk / h2d_bps
+        return t, t
+    c = chunk / group_size / h2d_bps
+    g = chunk / allgather_bps
+    busiest = n * max(c, g)
+    return busiest + min(c, g), busiest
+
+
+def slots_needed(latency_s: float, occupancy_s: float, compute_s: float | None) -> int:
+    """Slots that hide one slot's cycle: ``ceil((L + t_c) / max(P, t_c))``, t_c = P when
+    unknown, clamped to ``2..MAX_AUTO_SLOTS``."""
+    t_c = occupancy_s if compute_s is None else compute_s
+    period = max(occupancy_s, t_c)
+    if period <= 0:
+        return 2
+    return max(2, min(MAX_AUTO_SLOTS, math.ceil((latency_s + t_c) / period - 1e-9)))
+
+
+def _check_input(inp: PolicyInput) -> None:
+    m = inp.measured
+    if not (math.isfinite(m.h2d_bps) and m.h2d_bps > 0):
+        raise ValueError(f"measured h2d_bps={m.h2d_bps!r} must be a finite number > 0")
+    for axis, bw in m.allgather_bps.items():
+        if not (math.isfinite(bw) and bw > 0):
+            raise ValueError(f"measured allgather_bps[{axis!r}]={bw!r} must be finite and > 0")
+    if inp.chunk_nbytes < 1:
+        raise ValueError(f"chunk_nbytes={inp.chunk_nbytes} must be >= 1")
+    if inp.num_slots != "auto" and (
+        isinstance(inp.num_slots, bool) or not isinstance(inp.num_slots, int) or inp.num_slots < 1
+    ):
+        raise ValueError(f"num_slots={inp.num_slots!r} must be an int >= 1 or 'auto'")
+    if inp.resident_layers != "auto" and (
+        isinstance(inp.resident_layers, bool)
+        or not isinstance(inp.resident_layers, int)
+        or inp.resident_layers < 0
+    ):
+        raise ValueError(f"resident_layers={inp.resident_layers!r} must be an int >= 0 or 'auto'")
+    gb = inp.device_budget_gb
+    if gb is not None and (
+        isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0
+    ):
+        raise ValueError(f"device_budget_gb={gb!r} must be a finite number > 0")
+    for s in inp.stacks:
+        if s.transfer not in ("rank-local", "allgather", "auto"):
+            raise ValueError(f"stack {s.name!r}: transfer={s.transfer!r} is not a transfer")
+        if s.group_size < 1:
+            raise ValueError(f"stack {s.name!r}: group_size={s.group_size} must be >= 1")
+
+
+def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
+    m, chunk = inp.measured, inp.chunk_nbytes
+    n = max(1, len(s.block_nbytes))
+    rl = sum(
+        block_times(b, group_size=1, chunk_nbytes=chunk, h2d_bps=m.h2d_bps, allgather_bps=1.0)[0]
+        for b in s.block_nbytes
+    )
+    ag: float | None = None
+    ag_bw = m.allgather_bps.get(s.group_axis)
+    if s.group_size > 1 and ag_bw is not None:
+        ag = sum(
+            block_times(
+                b,
+                group_size=s.group_size,
+                chunk_nbytes=chunk,
+                h2d_bps=m.h2d_bps,
+                allgather_bps=ag_bw,
+            )[0]
+            for b in s.block_nbytes
+        )
+    rl_ms, ag_ms = rl / n * 1e3, (ag / n * 1e3 if ag is not None else None)
+    if s.transfer != "auto":
+        transfer, reason = s.transfer, "explicit"
+    elif s.group_size == 1:
+        transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
+    elif ag is None:
+        raise ValueError(f"stack {s.name!r}: no AllGather measurement for axis {s.group_axis!r}")
+    elif ag < rl:
+        transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
+    else:
+        transfer, reason = "rank-local", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"
+    local = transfer == "rank-local"
+    return StackChoice(
+        name=s.name,
+        transfer=transfer,
+        group_axis="local" if local else s.group_axis,
+        group_size=1 if local else s.group_size,
+        num_resident=s.num_resident,
+        requested=s.transfer,
+        rank_local_ms=rl_ms,
+        allgather_ms=ag_ms,
+        reason=reason,
+    )
+
+
+def _resident_split(stacks: tuple[StackSpec, ...], per_dit: int) -> list[int]:
+    """Resident count per stack for ``per_dit`` leading blocks of every eligible DiT."""
+    left: dict[str, int] = {}
+    out = []
+    for s in stacks:
+        if s.component != "dit" or not s.resident_eligible:
+            out.append(0)
+            continue
+        k = min(left.setdefault(s.dit_path, per_dit), len(s.block_nbytes))
+        left[s.dit_path] -= k
+        out.append(k)
+    return out
+
+
+def _weights(
+    stacks: tuple[StackSpec, ...],
+    choices: list[StackChoice],
+    resident: list[int],
+    num_slots: int,
+    chunk: int,
+) -> tuple[int, int]:
+    """``(slot_nbytes, slots + resident bytes)`` for one candidate."""
+    slot, resident_nbytes = 0, 0
+    for s, c, r in zip(stacks, choices, resident):
+        for i, b in enumerate(s.block_nbytes):
+            p = padded_nbytes(b, c.group_size, chunk)
+            if i < r:
+                resident_nbytes += p
+            else:
+                slot = max(slot, p)
+    return slot, num_slots * slot + resident_nbytes
+
+
+def decide(inp: PolicyInput) -> PolicyDecision:
+    """The automatic settings for ``inp`` (see [Note: policy model]). Deterministic.
+
+    Args:
+        inp: block sizes, groups, measured numbers, capacity and the requested settings.
+    Returns:
+        The :class:`PolicyDecision`: a concrete transfer per stack, the slot count, the
+        resident count, the modeled bytes, and the explanation lines.
+    Raises:
+        ValueError: malformed input, or a ``device_budget_gb`` that cannot hold the
+            non-block weights and one slot (naming ``device_budget_gb`` and its value).
+
+    Example:
+        >>> m = Measurements(h2d_bps=50e9, allgather_bps={"data": 500e9}, num_ranks=2)
+        >>> s = StackSpec(name="blocks", component="dit", dit_path="", block_nbytes=(1 << 28,),
+        ...               transfer="auto", group_axis="data", group_size=2)
+        >>> decide(PolicyInput(stacks=(s,), chunk_nbytes=1 << 26, measured=m)).stacks[0].transfer
+        'allgather'
+    """
+    _check_input(inp)
+    chunk, m = inp.chunk_nbytes, inp.measured
+    choices = [_choose_transfer(s, inp) for s in inp.stacks]
+
+    # slots: hide the longest per-slot cycle of any streamed block
+    cycle_slots = 2
+    for s, c in zip(inp.stacks, choices):
+        for b in s.block_nbytes:
+            lat, occ = block_times(
+                b,
+                group_size=c.group_size,
+                chunk_nbytes=chunk,
+                h2d_bps=m.h2d_bps,
+                allgather_bps=m.allgather_bps.get(c.group_axis, 1.0),
+            )
+            cycle_slots = max(cycle_slots, slots_needed(lat, occ, inp.block_compute_s))
+
+    budget = int(inp.device_budget_gb * GIB) if inp.device_budget_gb is not None else None
+    capacity: int | None = None
+    if budget is not None:
+        capacity = budget - inp.non_block_nbytes
+    elif m.free_device_nbytes is not None and (
+        inp.resident_layers == "auto" or inp.num_slots == "auto"
+    ):
+        usable = int(m.free_device_nbytes * (1 - FREE_MEMORY_HEADROOM))
+        capacity = usable - inp.non_block_to_place_nbytes
+
+    # candidate resident splits: every per-DiT count when "auto", else the explicit one
+    if inp.resident_layers == "auto":
+        dits: dict[str, int] = {}
+        for s in inp.stacks:
+            if s.component == "dit" and s.resident_eligible:
+                dits[s.dit_path] = dits.get(s.dit_path, 0) + len(s.block_nbytes)
+        r_max = min(dits.values(), default=0)
+        splits = {r: _resident_split(inp.stacks, r) for r in range(r_max + 1)}
+    else:
+        assert isinstance(inp.resident_layers, int)
+        r_max = inp.resident_layers
+        splits = {r_max: [s.num_resident for s in inp.stacks]}
+
+    def fitting(slots: int) -> list[int]:
+        return [
+            r
+            for r, split in splits.items()
+            if capacity is None or _weights(inp.stacks, choices, split, slots, chunk)[1] <= capacity
+        ]
+
+    slot_note = "explicit"
+    if inp.num_slots == "auto":
+        num_slots = cycle_slots
+        while num_slots > 1 and not fitting(num_slots):
+            num_slots -= 1
+        slot_note = f"auto: a slot's cycle (load latency + compute) needs {cycle_slots}" + (
+            f", {num_slots} fit" if num_slots < cycle_slots else ""
+        )
+    else:
+        assert isinstance(inp.num_slots, int)
+        num_slots = inp.num_slots
+    fits = fitting(num_slots)
+    if budget is not None and not fits:
+        need = min(
+            _weights(inp.stacks, choices, split, num_slots, chunk)[1] for split in splits.values()
+        )
+        raise ValueError(
+            f"device_budget_gb={inp.device_budget_gb!r} cannot hold the non-block weights "
+            f"({_size(inp.non_block_nbytes)}) and {num_slots} slot(s) "
+            f"({_size(need)}): {_size(need + inp.non_block_nbytes)} needed"
+        )
+    if inp.resident_layers == "auto":
+        # the cost is not monotonic in r (the slot shrinks once the largest block is
+        # resident, and disappears once every block is): take the largest r that fits
+        per_dit = max(fits) if fits and capacity is not None else 0
+        resident_note = (
+            f"auto: the most leading blocks of each DiT that fit ({per_dit} of {r_max})"
+            if capacity is not None
+            else "auto: capacity unknown, none kept"
+        )
+    else:
+        per_dit, resident_note = r_max, "explicit"
+    resident = splits[per_dit]
+    choices = [dataclasses.replace(c, num_resident=r) for c, r in zip(choices, resident)]
+    slot_nbytes, dlo_nbytes = _weights(inp.stacks, choices, resident, num_slots, chunk)
+    device_nbytes = dlo_nbytes + inp.non_block_nbytes
+    lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
+    if budget is not None:
+        bound = f" (device_budget_gb: {_size(budget)})"
+    elif capacity is not None:
+        bound = f" (free memory less headroom: {_size(capacity + inp.non_block_nbytes)})"
+    else:
+        bound = ""
+    lines.append(
+        f"  device weights: {_size(device_nbytes)} = non-block {_size(inp.non_block_nbytes)}"
+        f" + {num_slots} slot(s) x {_size(slot_nbytes)} + resident "
+        f"{_size(dlo_nbytes - num_slots * slot_nbytes)}{bound}"
+    )
+    return PolicyDecision(
+        stacks=tuple(choices),
+        num_slots=num_slots,
+        resident_layers=per_dit,
+        slot_nbytes=slot_nbytes,
+        device_weight_nbytes=device_nbytes,
+        capacity_nbytes=capacity,
+        measured=m,
+        lines=tuple(lines),
+    )
+
+
+def _explain(
+    inp: PolicyInput,
+    choices: list[StackChoice],
+    num_slots: int,
+    slot_note: str,
+    per_dit: int,
+    resident_note: str,
+    slot_nbytes: int,
+) -> list[str]:
+    m = inp.measured
+    ag = ", ".join(f"AllGather[{k}] {v / GB:.2f} GB/s" for k, v in sorted(m.allgather_bps.items()))
+    free = (
+        f", free device {_size(m.free_device_nbytes)}" if m.free_device_nbytes is not None else ""
+    )
+    lines = [
+        f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",
+        f"  measured: host-to-device {m.h2d_bps / GB:.2f} GB/s per rank (all ranks copying)"
+        + (f", {ag}" if ag else "")
+        + free,
+    ]
+    for s, c in zip(inp.stacks, choices):
+        mean = sum(s.block_nbytes) / max(1, len(s.block_nbytes))
+        ag_ms = f"{c.allgather_ms:.3f} ms" if c.allgather_ms is not None else "-"
+        lines.append(
+            f"  stack {s.name}: {len(s.block_nbytes)} blocks x {mean / 1e6:.2f} MB, "
+            f"axis {s.group_axis!r} of {s.group_size}; modeled per block: rank-local "
+            f"{c.rank_local_ms:.3f} ms, allgather {ag_ms} -> {c.transfer} ({c.reason}); "
+            f"{c.num_resident} resident"
+        )
+    lines.append(f"  num_slots: {num_slots} x {_size(slot_nbytes)} ({slot_note})")
+    lines.append(f"  resident_layers: {per_dit} per DiT ({resident_note})")
+    return lines

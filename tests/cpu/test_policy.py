@@ -1,0 +1,274 @@
+"""The automatic policy with real gloo process groups: ranks that measure different numbers
+still take one decision, and the pipeline stays bitwise equal to a resident run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.backends.layerwise import LayerwiseBackend
+from dlo.cli import main
+from dlo.host import LEDGER
+from dlo.platform import CpuPlatform
+from tests.cpu.test_cli import ROOT, _env
+from tests.harness import assert_all_ok, run_ranks
+from tests.toys import ToyDiT, TwoStackDiT, clone
+
+DIM = 16
+GBPS = 1e9
+
+
+def _x(rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(2, 3, DIM, generator=g)
+
+
+def _steps(model: torch.nn.Module, rank: int, n: int) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for s in range(n):
+            out.append(model(_x(rank, s)).clone())
+    return out
+
+
+def _fake_probes(rank: int, numbers: dict[int, tuple[float, float]] | None) -> None:
+    """Make this rank measure ``numbers[rank]`` (GB/s of H2D, AllGather). The real probes
+    still run (the gather is a real collective); only the reported value changes."""
+    if numbers is None:
+        return
+    import dlo.measure as measure
+
+    h2d, ag = numbers[min(rank, max(numbers))]
+    real_h2d, real_ag = measure.h2d_bandwidth, measure.allgather_bandwidth
+
+    def fake_h2d(*a: Any, **k: Any) -> float:
+        real_h2d(*a, **k)
+        return h2d * GBPS
+
+    def fake_ag(*a: Any, **k: Any) -> float:
+        real_ag(*a, **k)
+        return ag * GBPS
+
+    measure.h2d_bandwidth = fake_h2d  # type: ignore[assignment]
+    measure.allgather_bandwidth = fake_ag  # type: ignore[assignment]
+
+
+def _auto(
+    rank: int, world: int, numbers: dict[int, tuple[float, float]] | None, cfg_kw: dict[str, Any]
+) -> dict[str, Any]:
+    _fake_probes(rank, numbers)
+    model = TwoStackDiT(5, num_blocks2=2) if cfg_kw.pop("two_stacks", False) else ToyDiT(5)
+    ref = _steps(clone(model), rank, 3)
+    cfg = dlo.OffloadConfig(mode="layer", collective_timeout_s=20.0, **cfg_kw)
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    backend.enable(model)
+    got = _steps(model, rank, 3)
+    st = backend.stats()
+    stacks = {s.container_path: (s.transfer, s.group_size) for s in backend.plan.stacks}  # type: ignore[union-attr]
+    backend.disable()
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(ref, got)),
+        "policy": st["policy"],
+        "transfer": st["transfer"],
+        "group_size": st["group_size"],
+        "num_slots": st["num_slots"],
+        "num_resident": st["num_resident_blocks"],
+        "allgather_nbytes": st["allgather_nbytes"],
+        "stacks": stacks,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+# rank -> (H2D GB/s, AllGather GB/s); ranks above the last key use the last entry.
+# Blocks are one chunk, G = 2: AllGather wins roughly when AllGather > 2 x H2D.
+DISAGREE_PICK_ALLGATHER = {0: (10.0, 1000.0), 1: (100.0, 40.0)}  # min (10, 40): allgather
+DISAGREE_PICK_RANK_LOCAL = {0: (10.0, 1000.0), 1: (100.0, 12.0)}  # min (10, 12): rank-local
+
+
+@pytest.mark.parametrize(
+    "numbers, expected",
+    [(DISAGREE_PICK_ALLGATHER, "allgather"), (DISAGREE_PICK_RANK_LOCAL, "rank-local")],
+)
+def test_ranks_measuring_differently_take_one_decision(
+    numbers: dict[int, tuple[float, float]], expected: str
+) -> None:
+    """Alone, rank 0 would pick AllGather and rank 1 rank-local (a layout mismatch); with
+    the group-wide minimum they agree, and the output is bitwise the resident one."""
+    res = assert_all_ok(
+        run_ranks(_auto, 2, numbers, {"transfer": "auto", "num_slots": "auto"}, timeout_s=120)
+    )
+    assert all(r["same"] for r in res)
+    assert res[0]["policy"] == res[1]["policy"]
+    assert {r["transfer"] for r in res} == {expected}
+    assert all(r["group_size"] == (2 if expected == "allgather" else 1) for r in res)
+    assert all((r["allgather_nbytes"] > 0) == (expected == "allgather") for r in res)
+    assert all(r["num_slots"] == (3 if expected == "allgather" else 2) for r in res)
+    policy = res[0]["policy"]
+    # every rank's raw numbers were different, and the decision used the minimum of each
+    raw = [(p["h2d_GBps"], p["allgather_GBps"]["data"]) for p in policy["per_rank"]]
+    assert raw == [numbers[0], numbers[1]]
+    assert policy["measured"]["h2d_GBps"] == pytest.approx(10.0)
+    assert policy["measured"]["allgather_GBps"]["data"] == pytest.approx(
+        min(numbers[0][1], numbers[1][1])
+    )
+    assert all(r["ledger"] == (0, 0) for r in res)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_larger_groups_agree_too(world: int) -> None:
+    numbers = {0: (10.0, 1000.0), 1: (100.0, 40.0), 2: (30.0, 500.0)}
+    res = assert_all_ok(
+        run_ranks(
+            _auto,
+            world,
+            numbers,
+            {"transfer": "auto", "two_stacks": True},
+            timeout_s=180,
+        )
+    )
+    assert all(r["same"] for r in res)
+    assert all(r["policy"] == res[0]["policy"] for r in res)
+    assert all(r["stacks"] == res[0]["stacks"] for r in res)
+    # min (10, 40) with G >= 3: C/G/10 + C/40 < C/10, AllGather on every stack
+    assert set(res[0]["stacks"].values()) == {("allgather", world)}
+
+
+def test_real_probes_and_every_automatic_setting() -> None:
+    """No fakes: the real probes run on gloo, every setting is automatic, and every rank
+    ends with the same concrete values."""
+    cfg = {"transfer": "auto", "num_slots": "auto", "resident_layers": "auto"}
+    res = assert_all_ok(run_ranks(_auto, 2, None, cfg, timeout_s=120))
+    assert all(r["same"] for r in res)
+    assert res[0]["policy"] == res[1]["policy"]
+    assert res[0]["num_resident"] == res[1]["num_resident"] == 5  # host RAM: all fit
+    measured = res[0]["policy"]["measured"]
+    assert measured["h2d_GBps"] > 0 and measured["allgather_GBps"]["data"] > 0
+    assert measured["num_ranks"] == 2
+
+
+def test_budget_sizes_resident_blocks_identically() -> None:
+    # a budget that holds about half of the toy's blocks beside two slots
+    cfg = {"transfer": "rank-local", "device_budget_gb": 12_000 / (1 << 30)}
+    res = assert_all_ok(run_ranks(_auto, 2, None, cfg, timeout_s=120))
+    assert all(r["same"] for r in res)
+    assert res[0]["policy"] == res[1]["policy"]
+    n = res[0]["num_resident"]
+    assert 0 < n < 5 and res[1]["num_resident"] == n
+    assert res[0]["policy"]["device_weight_nbytes"] <= 12_000
+
+
+def _failing_probe(rank: int, world: int) -> str:
+    import dlo.measure as measure
+
+    if rank == 1:
+
+        def broken(*a: Any, **k: Any) -> float:
+            raise RuntimeError("probe broke")
+
+        measure.h2d_bandwidth = broken  # type: ignore[assignment]
+    model = ToyDiT(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = dlo.OffloadConfig(mode="layer", transfer="auto", collective_timeout_s=20.0)
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    try:
+        backend.enable(model)
+    except dlo.OffloadError as e:
+        assert not backend.is_enabled()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(e)
+    return "enabled"
+
+
+def test_a_failed_probe_fails_every_rank_naming_it() -> None:
+    res = assert_all_ok(run_ranks(_failing_probe, 2, timeout_s=90))
+    for msg in res:
+        assert "measurement for the automatic policy failed on rank(s) [1]" in msg
+        assert "probe broke" in msg
+
+
+# ----------------------------------------------------------------------------- dlo run --explain
+def test_run_explain_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(
+        [
+            "run",
+            "--steps",
+            "2",
+            "--device",
+            "cpu",
+            "--transfer",
+            "auto",
+            "--num-slots",
+            "auto",
+            "--resident-layers",
+            "auto",
+            "--explain",
+            "--check",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "dlo policy (group-wide minimum over 1 rank(s))" in out
+    assert "host-to-device" in out and "GB/s" in out
+    assert "num_slots: 2" in out and "resident_layers: 5 per DiT" in out
+    assert "bitwise equal" in out
+
+
+def test_run_explain_without_automatic_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--steps", "1", "--device", "cpu", "--explain"]) == 0
+    assert "nothing automatic" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--num-slots", "many"], "'many' is not an int or 'auto'"),
+        (["run", "--device-budget-gb", "0"], "device_budget_gb must be a finite number > 0"),
+        (
+            ["run", "--resident-layers", "2", "--device-budget-gb", "4"],
+            "resident_layers=2 conflicts with device_budget_gb=4.0",
+        ),
+    ],
+)
+def test_bad_policy_flags_are_one_clear_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def test_torchrun_run_auto_explain_two_cpu_ranks() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=2",
+        "--standalone",
+        "-m",
+        "dlo",
+        "run",
+        "--transfer",
+        "auto",
+        "--num-slots",
+        "auto",
+        "--steps",
+        "2",
+        "--check",
+        "--json",
+        "--explain",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout[proc.stdout.index("[") :])
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["parity"] is True for r in reports)
+    assert reports[0]["policy"] == reports[1]["policy"] is not None
+    assert reports[0]["transfer"] == reports[1]["transfer"]
+    # --json keeps stdout machine-readable: rank 0's explanation went to stderr, once
+    assert proc.stderr.count("dlo policy (group-wide minimum over 2 rank(s))") == 1

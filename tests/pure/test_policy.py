@@ -1,0 +1,410 @@
+"""The automatic policy's decision model (dlo.policy) and its config knobs. Pure: no process
+group, no device, no clock."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlo.config import LayerOptions, OffloadConfig
+from dlo.layout import ALIGN, MIB
+from dlo.policy import (
+    FREE_MEMORY_HEADROOM,
+    GIB,
+    Measurements,
+    PolicyInput,
+    StackSpec,
+    block_times,
+    decide,
+    padded_nbytes,
+    slots_needed,
+)
+
+H = 50e9  # host-to-device, bytes/s
+
+
+def _stack(
+    sizes: tuple[int, ...] = (64 * MIB,),
+    *,
+    transfer: str = "auto",
+    group_size: int = 2,
+    name: str = "dit.blocks",
+    component: str = "dit",
+    dit_path: str = "dit",
+    num_resident: int = 0,
+    eligible: bool = True,
+) -> StackSpec:
+    return StackSpec(
+        name=name,
+        component=component,
+        dit_path=dit_path,
+        block_nbytes=sizes,
+        transfer=transfer,
+        group_axis="data" if group_size > 1 else "local",
+        group_size=group_size,
+        num_resident=num_resident,
+        resident_eligible=eligible,
+    )
+
+
+def _input(
+    *stacks: StackSpec,
+    h2d: float = H,
+    ag: float | None = 500e9,
+    chunk: int = 64 * MIB,
+    free: int | None = None,
+    **kw: Any,
+) -> PolicyInput:
+    return PolicyInput(
+        stacks=stacks or (_stack(),),
+        chunk_nbytes=chunk,
+        measured=Measurements(
+            h2d_bps=h2d,
+            allgather_bps={"data": ag} if ag is not None else {},
+            free_device_nbytes=free,
+            num_ranks=2,
+        ),
+        **kw,
+    )
+
+
+# ----------------------------------------------------------------------------- the time model
+def test_block_times_rank_local_is_one_copy() -> None:
+    lat, occ = block_times(
+        100 * MIB, group_size=1, chunk_nbytes=64 * MIB, h2d_bps=H, allgather_bps=1.0
+    )
+    assert lat == occ == pytest.approx(padded_nbytes(100 * MIB, 1, 64 * MIB) / H)
+
+
+def test_block_times_allgather_is_a_two_stage_pipeline() -> None:
+    # 4 chunks of 64 MiB, G = 2: copy c = 32 MiB / h, gather g = 64 MiB / a
+    lat, occ = block_times(
+        256 * MIB, group_size=2, chunk_nbytes=64 * MIB, h2d_bps=H, allgather_bps=525e9
+    )
+    c, g = 32 * MIB / H, 64 * MIB / 525e9
+    assert occ == pytest.approx(4 * max(c, g))
+    assert lat == pytest.approx(c + g + 3 * max(c, g))
+    assert lat == pytest.approx(occ + min(c, g))
+
+
+@pytest.mark.parametrize("g", [2, 3, 4, 8])
+def test_crossover_where_allgather_starts_to_win(g: int) -> None:
+    """One chunk: AllGather wins iff C/G/h + C/a < C/h, i.e. a > h * G / (G - 1)."""
+    size = 24 * MIB  # a multiple of G * ALIGN for every G here: same padding for both
+    assert size % (g * ALIGN) == 0
+    crossover = H * g / (g - 1)
+    above = decide(_input(_stack((size,), group_size=g), ag=crossover * 1.01))
+    below = decide(_input(_stack((size,), group_size=g), ag=crossover * 0.99))
+    assert above.stacks[0].transfer == "allgather"
+    assert (above.stacks[0].group_axis, above.stacks[0].group_size) == ("data", g)
+    assert below.stacks[0].transfer == "rank-local"
+    assert (below.stacks[0].group_axis, below.stacks[0].group_size) == ("local", 1)
+
+
+@pytest.mark.parametrize("h2d", [10e9, 25e9, 54e9, 200e9])
+def test_crossover_moves_with_host_bandwidth(h2d: float) -> None:
+    # G = 2, one chunk: the crossover is a = 2h; the same AllGather flips with h
+    inp = _input(_stack((8 * MIB,)), h2d=h2d, ag=2 * 54e9 * 1.01)
+    expected = "allgather" if h2d <= 54e9 else "rank-local"
+    assert decide(inp).stacks[0].transfer == expected
+
+
+def test_tie_goes_to_rank_local() -> None:
+    # G = 2, one chunk, a = 2h exactly: c + g == C / h bit for bit
+    d = decide(_input(_stack((MIB,)), h2d=1e9, ag=2e9))
+    s = d.stacks[0]
+    assert s.rank_local_ms == s.allgather_ms
+    assert s.transfer == "rank-local"
+
+
+def test_h200_reference_numbers_pick_allgather_with_three_slots() -> None:
+    """2 x H200: ~54 GB/s H2D per rank with both copying, ~525 GB/s AllGather."""
+    d = decide(_input(_stack((340 * MIB,) * 40), h2d=54e9, ag=525e9, num_slots="auto"))
+    s = d.stacks[0]
+    assert s.transfer == "allgather"
+    assert s.allgather_ms is not None and s.allgather_ms < s.rank_local_ms / 1.8
+    assert d.num_slots == 3
+
+
+def test_one_rank_axis_is_rank_local_without_a_gather_measurement() -> None:
+    d = decide(_input(_stack(group_size=1), ag=None))
+    s = d.stacks[0]
+    assert (s.transfer, s.group_size, s.allgather_ms) == ("rank-local", 1, None)
+    assert "one rank" in s.reason
+
+
+@pytest.mark.parametrize("transfer", ["rank-local", "allgather"])
+@pytest.mark.parametrize("ag", [1e9, 5000e9])
+def test_explicit_transfer_is_kept_whatever_the_model_says(transfer: str, ag: float) -> None:
+    d = decide(_input(_stack(transfer=transfer), ag=ag))
+    s = d.stacks[0]
+    assert (s.transfer, s.requested, s.reason) == (transfer, transfer, "explicit")
+    assert s.group_size == (2 if transfer == "allgather" else 1)
+
+
+def test_stacks_decide_independently() -> None:
+    """Per stack: a stack with no peers stays rank-local beside one that gathers."""
+    dit = _stack((64 * MIB,) * 4)
+    enc = _stack((MIB,) * 2, name="enc.layers", component="encoder", dit_path="enc", group_size=1)
+    d = decide(_input(dit, enc))
+    assert [s.transfer for s in d.stacks] == ["allgather", "rank-local"]
+
+
+# ----------------------------------------------------------------------------- slots
+def test_slots_needed_formula() -> None:
+    assert slots_needed(1.0, 1.0, None) == 2  # rank-local: L == P
+    assert slots_needed(1.2, 1.0, None) == 3  # AllGather: P < L <= 2P
+    assert slots_needed(1.2, 1.0, 10.0) == 2  # compute dominates: the cycle is hidden
+    assert slots_needed(3.5, 1.0, 0.5) == 4  # long latency, short compute: capped at 4
+    assert slots_needed(0.0, 0.0, None) == 2  # an empty block
+
+
+@pytest.mark.parametrize(
+    "stack, ag, expected",
+    [
+        (_stack(transfer="rank-local"), 500e9, 2),
+        (_stack(group_size=1), None, 2),
+        (_stack(), 500e9, 3),  # auto -> allgather
+        (_stack(), 10e9, 2),  # auto -> rank-local
+        (_stack(transfer="allgather"), 10e9, 3),
+    ],
+)
+def test_auto_slots(stack: StackSpec, ag: float | None, expected: int) -> None:
+    assert decide(_input(stack, ag=ag, num_slots="auto")).num_slots == expected
+
+
+def test_auto_slots_with_a_known_long_compute_stay_at_two() -> None:
+    d = decide(_input(_stack(), num_slots="auto", block_compute_s=1.0))
+    assert d.stacks[0].transfer == "allgather" and d.num_slots == 2
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_explicit_slots_are_kept(n: int) -> None:
+    assert decide(_input(_stack(), num_slots=n)).num_slots == n
+
+
+def test_auto_slots_shrink_to_fit_the_budget() -> None:
+    slot = padded_nbytes(64 * MIB, 2, 64 * MIB)
+    budget = (2 * slot + MIB) / GIB  # room for two slots, not three
+    d = decide(_input(_stack(), num_slots="auto", device_budget_gb=budget))
+    assert d.num_slots == 2 and d.resident_layers == 0
+
+
+# ----------------------------------------------------------------------------- resident blocks
+@pytest.mark.parametrize("k", [0, 1, 3, 7])
+def test_budget_keeps_as_many_leading_blocks_as_fit(k: int) -> None:
+    n, size, non_block = 10, 16 * MIB, 5 * MIB
+    p = padded_nbytes(size, 2, 64 * MIB)
+    budget = (non_block + 2 * p + k * p + p // 2) / GIB
+    d = decide(
+        _input(
+            _stack((size,) * n),
+            resident_layers="auto",
+            device_budget_gb=budget,
+            non_block_nbytes=non_block,
+        )
+    )
+    assert d.resident_layers == k
+    assert d.stacks[0].num_resident == k
+    assert d.device_weight_nbytes == non_block + 2 * p + k * p
+    assert d.device_weight_nbytes <= budget * GIB
+
+
+def test_all_blocks_resident_frees_the_slots() -> None:
+    """The cost is not monotonic: once every block is resident no slot is needed."""
+    sizes = (4 * MIB, MIB, MIB, MIB)
+    pad = [padded_nbytes(s, 1, 64 * MIB) for s in sizes]
+    stack = _stack(sizes, transfer="rank-local")
+    # r=0: 2*4 = 8; r=1: 4+2 = 6; r=2: 5+2 = 7; r=3: 6+2 = 8; r=4: 7 + 0 slots
+    everything = sum(pad)
+    d = decide(_input(stack, resident_layers="auto", device_budget_gb=everything / GIB))
+    assert d.resident_layers == 4 and d.slot_nbytes == 0
+    d = decide(_input(stack, resident_layers="auto", device_budget_gb=(pad[0] + 2 * pad[1]) / GIB))
+    assert d.resident_layers == 1 and d.slot_nbytes == pad[1]
+
+
+def test_resident_auto_from_free_memory_leaves_headroom() -> None:
+    size = 16 * MIB
+    p = padded_nbytes(size, 2, 64 * MIB)
+    to_place = 3 * MIB
+    free = int((to_place + 2 * p + 3 * p + p // 2) / (1 - FREE_MEMORY_HEADROOM)) + 1
+    d = decide(
+        _input(
+            _stack((size,) * 10),
+            resident_layers="auto",
+            free=free,
+            non_block_nbytes=to_place,
+            non_block_to_place_nbytes=to_place,
+        )
+    )
+    assert d.resident_layers == 3
+
+
+def test_resident_auto_without_any_capacity_keeps_none() -> None:
+    d = decide(_input(_stack((MIB,) * 4), resident_layers="auto", free=None))
+    assert d.resident_layers == 0 and "unknown" in d.explanation
+
+
+def test_resident_split_per_dit_over_its_stacks_and_eligibility() -> None:
+    a1 = _stack((MIB,) * 2, name="a.blocks", dit_path="a", transfer="rank-local")
+    a2 = _stack((MIB,) * 3, name="a.single", dit_path="a", transfer="rank-local")
+    b = _stack((MIB,) * 4, name="b.blocks", dit_path="b", transfer="rank-local")
+    c = _stack((MIB,) * 4, name="c.blocks", dit_path="c", transfer="rank-local", eligible=False)
+    enc = _stack(
+        (MIB,) * 4, name="e.layers", component="encoder", dit_path="e", transfer="rank-local"
+    )
+    d = decide(_input(a1, a2, b, c, enc, resident_layers="auto", device_budget_gb=1.0))
+    # every eligible DiT keeps the same count, capped by the smallest eligible DiT (b: 4)
+    assert d.resident_layers == 4
+    assert [s.num_resident for s in d.stacks] == [2, 2, 4, 0, 0]
+
+
+def test_explicit_resident_is_kept() -> None:
+    d = decide(_input(_stack((MIB,) * 4, num_resident=2), resident_layers=2, free=GIB))
+    assert d.resident_layers == 2 and d.stacks[0].num_resident == 2
+
+
+def test_budget_too_small_names_the_field_and_value() -> None:
+    with pytest.raises(ValueError, match=r"device_budget_gb=0\.001 cannot hold"):
+        decide(_input(_stack((64 * MIB,)), device_budget_gb=0.001, non_block_nbytes=MIB))
+
+
+# ----------------------------------------------------------------------------- determinism, output
+def test_decision_is_deterministic_and_plain() -> None:
+    inp = _input(_stack((64 * MIB,) * 6), num_slots="auto", resident_layers="auto", free=GIB)
+    a, b = decide(inp), decide(inp)
+    assert a == b and a.explanation == b.explanation
+    d = json.loads(json.dumps(a.as_dict()))
+    assert d["num_slots"] == a.num_slots
+    assert d["stacks"]["dit.blocks"]["transfer"] == "allgather"
+    assert d["measured"]["h2d_GBps"] == pytest.approx(50.0)
+    assert "GB/s" in d["explanation"] and "allgather" in d["explanation"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    h2d=st.floats(1e8, 1e12),
+    ag=st.floats(1e8, 1e13),
+    g=st.integers(2, 8),
+    sizes=st.lists(st.integers(1, 512 * MIB), min_size=1, max_size=4),
+    chunk_mb=st.sampled_from([1, 16, 64]),
+)
+def test_auto_picks_the_smaller_modeled_time(
+    h2d: float, ag: float, g: int, sizes: list[int], chunk_mb: int
+) -> None:
+    inp = _input(_stack(tuple(sizes), group_size=g), h2d=h2d, ag=ag, chunk=chunk_mb * MIB)
+    s = decide(inp).stacks[0]
+    assert s.allgather_ms is not None
+    best = min(s.rank_local_ms, s.allgather_ms)
+    chosen = s.allgather_ms if s.transfer == "allgather" else s.rank_local_ms
+    assert chosen == best
+    assert (s.transfer == "allgather") == (s.allgather_ms < s.rank_local_ms)
+    assert decide(inp) == decide(inp)
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"measured": Measurements(h2d_bps=0.0)}, "h2d_bps=0.0"),
+        ({"measured": Measurements(h2d_bps=math.nan)}, "h2d_bps=nan"),
+        (
+            {"measured": Measurements(h2d_bps=H, allgather_bps={"data": -1.0})},
+            "allgather_bps['data']=-1.0",
+        ),
+        ({"num_slots": "three"}, "num_slots='three'"),
+        ({"num_slots": 0}, "num_slots=0"),
+        ({"resident_layers": -1}, "resident_layers=-1"),
+        ({"resident_layers": True}, "resident_layers=True"),
+        ({"device_budget_gb": 0}, "device_budget_gb=0"),
+        ({"chunk_nbytes": 0}, "chunk_nbytes=0"),
+        ({"stacks": (_stack(transfer="nccl"),)}, "transfer='nccl'"),
+    ],
+)
+def test_bad_input_is_rejected_naming_the_field(change: dict[str, Any], needle: str) -> None:
+    import dataclasses
+
+    inp = dataclasses.replace(_input(_stack()), **change)
+    with pytest.raises(ValueError) as info:
+        decide(inp)
+    assert needle in str(info.value)
+
+
+def test_auto_with_peers_but_no_measurement_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no AllGather measurement for axis 'data'"):
+        decide(_input(_stack(), ag=None))
+
+
+# ----------------------------------------------------------------------------- config knobs
+def test_config_accepts_auto_and_budget() -> None:
+    cfg = OffloadConfig(
+        transfer="auto", resident_layers="auto", num_slots="auto", device_budget_gb=40.0
+    )
+    assert cfg.resident_layers_for("dit") == "auto" and cfg.num_slots == "auto"
+    assert OffloadConfig(device_budget_gb=8).device_budget_gb == 8
+    opts = OffloadConfig(layer_options={"dit": {"resident_layers": "auto"}})
+    assert opts.resident_layers_for("dit") == "auto"
+    assert OffloadConfig.from_dict(
+        {"mode": "layer", "num_slots": "auto", "resident_layers": "auto", "device_budget_gb": 2}
+    ) == OffloadConfig(num_slots="auto", resident_layers="auto", device_budget_gb=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, needles",
+    [
+        ({"num_slots": "Auto"}, TypeError, ["num_slots", "'Auto'"]),
+        ({"resident_layers": "all"}, TypeError, ["resident_layers", "'all'"]),
+        ({"device_budget_gb": 0}, ValueError, ["device_budget_gb", "0"]),
+        ({"device_budget_gb": math.inf}, ValueError, ["device_budget_gb", "inf"]),
+        ({"device_budget_gb": "40"}, TypeError, ["device_budget_gb", "'40'"]),
+        ({"device_budget_gb": True}, TypeError, ["device_budget_gb", "True"]),
+        (
+            {"resident_layers": 3, "device_budget_gb": 40.0},
+            ValueError,
+            ["resident_layers=3", "device_budget_gb=40.0"],
+        ),
+        (
+            {"layer_options": {"dit": {"resident_layers": 2}}, "device_budget_gb": 1.0},
+            ValueError,
+            ["resident_layers=2", "device_budget_gb=1.0"],
+        ),
+        ({"mode": "module", "num_slots": "auto"}, ValueError, ["num_slots='auto'", "module"]),
+        (
+            {"mode": "module", "resident_layers": "auto"},
+            ValueError,
+            ["resident_layers='auto'", "module"],
+        ),
+        ({"mode": "module", "device_budget_gb": 8.0}, ValueError, ["device_budget_gb=8.0"]),
+        (
+            {"components": ("encoder",), "resident_layers": "auto"},
+            ValueError,
+            ["resident_layers=auto", "('encoder',)"],
+        ),
+        (
+            {
+                "components": ("dit", "encoder"),
+                "layer_options": {"encoder": {"resident_layers": "auto"}},
+            },
+            ValueError,
+            ["layer_options['encoder'].resident_layers=auto"],
+        ),
+    ],
+)
+def test_config_rejects_bad_policy_knobs(
+    kwargs: dict[str, Any], exc: type[Exception], needles: list[str]
+) -> None:
+    with pytest.raises(exc) as info:
+        OffloadConfig(**kwargs)
+    for n in needles:
+        assert n in str(info.value), (n, str(info.value))
+
+
+def test_layer_options_resident_auto_type() -> None:
+    assert LayerOptions(resident_layers="auto").resident_layers == "auto"
+    with pytest.raises(TypeError, match=r"layer_options\.resident_layers"):
+        LayerOptions(resident_layers="some")
