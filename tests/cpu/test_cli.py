@@ -132,3 +132,24 @@ def test_torchrun_bench_two_cpu_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     methods = {r["method"] for r in json.loads(path.read_text())["results"]}
     assert methods == {"resident", "dlo-rank-local", "dlo-allgather"}
+
+
+@pytest.mark.parametrize("load", ["mapped", "copy"])
+def test_save_checkpoint_then_run_from_it(
+    load: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ckpt"
+    assert (
+        main(["save-checkpoint", "--preset", "tiny", "--out", str(out), "--shard-gb", "0.0002"])
+        == 0
+    )
+    assert (out / "model.safetensors.index.json").exists()
+    capsys.readouterr()
+    argv = ["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--checkpoint"]
+    assert main([*argv, str(out), "--checkpoint-load", load]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["parity"] is True and report["load"] == f"checkpoint-{load}"
+    assert report["enable_s"] > 0 and report["enable_peak_rss_nbytes"] > 0
+    # a float32 run cannot take the bf16 checkpoint: one clear line, exit 2
+    assert main([*argv, str(out), "--dtype", "float32"]) == 2
+    assert "shape or dtype differs" in capsys.readouterr().err
