@@ -7,6 +7,8 @@ rebuilds each block with an AllGather while the previous block computes. See
 """
 
 from dlo.backends.factory import enable_offload, get_offload_backend
+from dlo.backends.loading import load_pipeline
+from dlo.checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from dlo.config import LayerOptions, OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.hooks import HookRegistry, ModelHook
@@ -23,6 +25,8 @@ from dlo.plan import (
 __all__ = [
     "BackendPoisonedError",
     "BlockStack",
+    "Checkpoint",
+    "CheckpointError",
     "HookRegistry",
     "LayerOptions",
     "ModelHook",
@@ -36,6 +40,8 @@ __all__ = [
     "SupportsModelOffload",
     "enable_offload",
     "get_offload_backend",
+    "load_pipeline",
     "resolve_offload_plan",
+    "save_checkpoint",
 ]
 __version__ = "0.1.0"

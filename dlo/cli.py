@@ -1,9 +1,11 @@
-"""The ``dlo`` command: ``dlo run`` (the main job) and ``dlo bench``.
+"""The ``dlo`` command: ``dlo run`` (the main job), ``dlo bench`` and ``dlo save-checkpoint``.
 
 ``dlo run`` runs a denoising loop of the embedded default pipeline (:mod:`dlo.models`)
 under a chosen strategy, on one process or under ``torchrun`` (data-parallel ranks run
 different seeds of the same shapes, in lock step). Rank 0 prints a progress bar and a
 summary; ``--check`` compares every rank's output bit for bit with a fully resident run.
+``dlo save-checkpoint`` writes the pipeline's weights as safetensors; ``dlo run --checkpoint``
+then loads them into a meta skeleton (:func:`dlo.load_pipeline`) instead of building them.
 """
 
 from __future__ import annotations
@@ -91,6 +93,25 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="HSDP replicate-axis size (ranks = replicate x shard)",
     )
+    r.add_argument(
+        "--checkpoint",
+        default=None,
+        help="load the weights from this safetensors checkpoint (file, directory or index) "
+        "into a meta skeleton instead of building them (see dlo save-checkpoint)",
+    )
+    r.add_argument(
+        "--checkpoint-load",
+        default="mapped",
+        choices=["mapped", "copy"],
+        help="mapped: each rank reads only its slices (default); copy: the ordinary path, "
+        "a full pageable copy first (for comparison)",
+    )
+    s = sub.add_parser("save-checkpoint", help="save the embedded pipeline as safetensors")
+    s.add_argument("--preset", default="tiny", help="tiny | medium | wan14b-like")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    s.add_argument("--seed", type=int, default=0, help="weight seed")
+    s.add_argument("--shard-gb", type=float, default=4.0, help="maximum GiB per file")
     b = sub.add_parser("bench", help="benchmark dlo against peers and the physical limits")
     from dlo.bench import add_arguments
 
@@ -110,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             rc = bench_main(args)
             shutdown()
             return rc
+        if args.command == "save-checkpoint":
+            return save(args)
         return run(args)
     except _UsageError as e:
         print(str(e), file=sys.stderr)
@@ -133,10 +156,29 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
     )
 
 
+def save(args: argparse.Namespace) -> int:
+    """``dlo save-checkpoint``: the embedded pipeline's weights as safetensors."""
+    from dlo.checkpoint import save_checkpoint
+    from dlo.models import build_pipeline
+
+    if args.shard_gb <= 0:
+        raise ValueError(f"--shard-gb={args.shard_gb} must be > 0")
+    t0 = time.perf_counter()
+    pipe = build_pipeline(args.preset, dtype=getattr(torch, args.dtype), seed=args.seed)
+    path = save_checkpoint(pipe, args.out, max_shard_nbytes=int(args.shard_gb * (1 << 30)))
+    nbytes = sum(t.numel() * t.element_size() for t in pipe.state_dict().values())
+    print(
+        f"dlo save-checkpoint: {nbytes / (1 << 30):.2f} GiB -> {path} in "
+        f"{time.perf_counter() - t0:.1f}s"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """``dlo run``: see the module docstring."""
     from dlo.backends.factory import get_offload_backend
     from dlo.backends.hsdp import shard_non_block
+    from dlo.backends.loading import load_pipeline
     from dlo.models import build_pipeline, get_preset, make_inputs
     from dlo.parallel import init, shutdown
     from dlo.platform import default_device, get_platform, process_peak_rss_bytes, torchrun_env
@@ -158,21 +200,36 @@ def run(args: argparse.Namespace) -> int:
     )
     if par.use_hsdp and cfg.mode != "layer":
         raise ValueError(f"--hsdp-shard/--hsdp-replicate compose with --mode layer, not {cfg.mode}")
+    if par.use_hsdp and args.checkpoint is not None:
+        raise ValueError("--checkpoint does not compose with --hsdp-shard/--hsdp-replicate yet")
     world = init(par, device=device)
     platform = get_platform(device)
     rank0 = world.rank == 0
     seed = args.seed + world.rank  # DP ranks: different requests, same shapes
 
-    pipe = build_pipeline(preset, dtype=dtype, device="cpu" if cfg.enabled else device)
+    def skeleton() -> Any:
+        return build_pipeline(preset, dtype=dtype, device="meta")
+
     ids, latents = make_inputs(preset, tokens=args.tokens, seed=seed, device=device, dtype=dtype)
-    backend = get_offload_backend(cfg, par, device)
     t0 = time.perf_counter()
-    if backend is not None:
-        if cfg.mode == "layer":
+    if args.checkpoint is not None:
+        build_s = 0.0
+        pipe, backend = load_pipeline(
+            skeleton, args.checkpoint, cfg, par, device, copy=args.checkpoint_load == "copy"
+        )
+        if backend is not None and cfg.mode == "layer":
             pipe.vae.to(device)  # the layer backend streams DiT and encoder blocks only
-        if par.use_hsdp:
-            shard_non_block(pipe, cfg, par, device_type=device.type)
-        backend.enable(pipe)
+    else:
+        pipe = build_pipeline(preset, dtype=dtype, device="cpu" if cfg.enabled else device)
+        build_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        backend = get_offload_backend(cfg, par, device)
+        if backend is not None:
+            if cfg.mode == "layer":
+                pipe.vae.to(device)  # the layer backend streams DiT and encoder blocks only
+            if par.use_hsdp:
+                shard_non_block(pipe, cfg, par, device_type=device.type)
+            backend.enable(pipe)
     enable_s = time.perf_counter() - t0
     platform.reset_peak_memory_stats()
     if args.explain and rank0:
@@ -218,7 +275,10 @@ def run(args: argparse.Namespace) -> int:
     if backend is not None:
         backend.disable()  # frees host and device memory before the reference run
     if args.check:
-        ref = build_pipeline(preset, dtype=dtype, device=device)
+        if args.checkpoint is not None:
+            ref, _ = load_pipeline(skeleton, args.checkpoint, None, par, device)
+        else:
+            ref = build_pipeline(preset, dtype=dtype, device=device)
         parity = bool(torch.equal(ref.generate(ids, latents, args.steps), out))
         del ref
     report = {
@@ -233,7 +293,10 @@ def run(args: argparse.Namespace) -> int:
         "step_ms_median": sorted(step_ms[1:] or step_ms)[len(step_ms[1:] or step_ms) // 2],
         "first_step_ms": step_ms[0],
         "wall_s": wall,
+        "load": "built" if args.checkpoint is None else f"checkpoint-{args.checkpoint_load}",
+        "build_s": build_s,
         "enable_s": enable_s,
+        "enable_peak_rss_nbytes": stats.get("enable_peak_rss_nbytes", process_peak_rss_bytes()),
         "hbm_peak_nbytes": hbm_peak,
         "device_slot_nbytes": stats.get("device_slot_nbytes", 0),
         "host_nbytes": stats.get("host_nbytes", 0),
@@ -278,10 +341,11 @@ def _summary(reports: list[dict[str, Any]]) -> str:
     gib = float(1 << 30)
     lines = [
         f"dlo run: preset={r0['preset']} mode={r0['mode']} transfer={r0['transfer']} "
-        f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']}",
+        f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']} "
+        f"weights={r0['load']}",
         "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | pinned host "
-        "GiB | exposed wait ms | enable s | parity |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "GiB | exposed wait ms | enable s | enable peak RSS GiB | parity |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         parity = {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[r["parity"]]
@@ -289,6 +353,6 @@ def _summary(reports: list[dict[str, Any]]) -> str:
             f"| {r['rank']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f} | "
             f"{r['hbm_peak_nbytes'] / gib:.2f} | {r['device_slot_nbytes'] / gib:.3f} | "
             f"{r['host_pinned_nbytes'] / gib:.3f} | {r['exposed_wait_ms']:.1f} | "
-            f"{r['enable_s']:.2f} | {parity} |"
+            f"{r['enable_s']:.2f} | {r['enable_peak_rss_nbytes'] / gib:.2f} | {parity} |"
         )
     return "\n".join(lines)

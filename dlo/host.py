@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -109,9 +110,15 @@ class HostRegion:
         return self._buffer is None
 
     # ------------------------------------------------------------------ pinning
-    def pin(self, platform: Platform, *, budget_nbytes: int | None = None) -> PinReport:
-        """Page-lock every block's range, in block order, until the budget is used.
+    def pin(
+        self, platform: Platform, *, budget_nbytes: int | None = None, num_workers: int = 4
+    ) -> PinReport:
+        """Page-lock every block's range until the budget is used.
 
+        Which blocks fit the budget is decided first, in block order (each block whole);
+        those are registered by ``num_workers`` threads (registration is per block and
+        mostly kernel page walking, which runs in parallel). If a registration fails, the
+        budget it left unused goes to the blocks that did not fit, again in block order.
         Blocks that do not fit the budget or whose registration fails stay pageable and are
         listed in the report; the caller decides (alone or group-wide) what that means.
         """
@@ -119,22 +126,69 @@ class HostRegion:
         if not platform.can_pin:
             return report
         self._platform = platform
-        used = 0
+        used = self.pinned_nbytes
+        chosen: list[int] = []
         for i, n in enumerate(self.block_nbytes):
             if n == 0 or self._pinned[i]:
                 continue
             if budget_nbytes is not None and used + n > budget_nbytes:
                 report.over_budget_blocks.append(i)
                 continue
-            faults.check("pin_allocation")
-            if platform.register_host(self.view(i)):
-                self._pinned[i] = True
-                used += n
-                LEDGER.add(pinned=n)
-                report.pinned_blocks.append(i)
-            else:
-                report.failed_blocks.append(i)
+            chosen.append(i)
+            used += n
+        used -= self._register(chosen, report, num_workers)
+        retry, report.over_budget_blocks = report.over_budget_blocks, []
+        for i in retry:  # only after a failed registration freed some budget
+            n = self.block_nbytes[i]
+            if budget_nbytes is not None and used + n > budget_nbytes:
+                report.over_budget_blocks.append(i)
+                continue
+            used += n - self._register([i], report, 1)
+        report.pinned_blocks.sort()
+        report.failed_blocks.sort()
         return report
+
+    def _register(self, blocks: list[int], report: PinReport, num_workers: int) -> int:
+        """Register ``blocks``; returns the bytes of those that failed."""
+        assert self._platform is not None
+        platform = self._platform
+
+        def one(i: int) -> bool:
+            faults.check("pin_allocation")
+            return platform.register_host(self.view(i))
+
+        if num_workers > 1 and len(blocks) > 1:
+            with ThreadPoolExecutor(max_workers=min(num_workers, len(blocks))) as pool:
+                futures = [pool.submit(one, i) for i in blocks]
+                outcomes: list[bool | BaseException] = []
+                for f in futures:  # wait for all, so nothing is registered behind our back
+                    try:
+                        outcomes.append(f.result())
+                    except BaseException as e:
+                        outcomes.append(e)
+        else:
+            outcomes = []
+            for i in blocks:
+                try:
+                    outcomes.append(one(i))
+                except BaseException as e:
+                    outcomes.append(e)
+                    break
+        failed_nbytes = 0
+        error: BaseException | None = None
+        for i, ok in zip(blocks, outcomes):
+            if ok is True:
+                self._pinned[i] = True
+                LEDGER.add(pinned=self.block_nbytes[i])
+                report.pinned_blocks.append(i)
+            elif ok is False:
+                report.failed_blocks.append(i)
+                failed_nbytes += self.block_nbytes[i]
+            elif error is None:
+                error = ok
+        if error is not None:
+            raise error  # the registered blocks are recorded: close() unregisters them
+        return failed_nbytes
 
     def unpin(self, blocks: Sequence[int] | None = None) -> None:
         """Unregister the pinned ``blocks`` (default: all); idempotent."""
@@ -169,24 +223,29 @@ def span_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(t, (n,), (1,), t.storage_offset()).view(torch.uint8)
 
 
+def shard_copies(layout: BlockLayout, rank: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(tensor_index, tensor_byte_start, nbytes, shard_byte_start)`` of every piece of a
+    tensor that lies in one of ``rank``'s slices: the only bytes that rank reads."""
+    for block_start, block_end, shard_off in layout.shard_ranges(rank):
+        for i, spec in enumerate(layout.tensors):
+            lo, hi = max(block_start, spec.offset), min(block_end, spec.end)
+            if lo < hi:
+                yield i, lo - spec.offset, hi - lo, shard_off + lo - block_start
+
+
 def pack_shard(
     dst: torch.Tensor, layout: BlockLayout, rank: int, sources: Sequence[torch.Tensor]
 ) -> None:
     """Copy ``rank``'s slices of a block from its source tensors into ``dst`` (its shard).
 
-    Only the bytes of this rank's slices are read, so no rank builds a full block. Padding
-    and alignment gaps stay as they are in ``dst`` (zero in a fresh region).
+    Only the bytes of this rank's slices are read (:func:`shard_copies`), so no rank builds
+    a full block, and a source that aliases a mapped checkpoint has only those pages read.
+    Padding and alignment gaps stay as they are in ``dst`` (zero in a fresh region).
     """
     assert dst.numel() == layout.shard_nbytes and len(sources) == len(layout.tensors)
     spans = [span_bytes(s) for s in sources]
-    for block_start, block_end, shard_off in layout.shard_ranges(rank):
-        for spec, src in zip(layout.tensors, spans):
-            lo, hi = max(block_start, spec.offset), min(block_end, spec.end)
-            if lo >= hi:
-                continue
-            dst[shard_off + lo - block_start : shard_off + hi - block_start].copy_(
-                src[lo - spec.offset : hi - spec.offset]
-            )
+    for i, src_lo, n, dst_lo in shard_copies(layout, rank):
+        dst[dst_lo : dst_lo + n].copy_(spans[i][src_lo : src_lo + n])
 
 
 def unpack_tensor(shard: torch.Tensor, spec: TensorSpec, device: torch.device) -> torch.Tensor:

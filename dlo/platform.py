@@ -257,9 +257,10 @@ class CudaPlatform(Platform):
         assert tensor.device.type == "cpu" and tensor.is_contiguous()
         if tensor.numel() == 0:
             return True
-        err = torch.cuda.cudart().cudaHostRegister(
-            tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0
-        )
+        with torch.cuda.device(self.device):  # pinning threads start on device 0
+            err = torch.cuda.cudart().cudaHostRegister(
+                tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0
+            )
         code = _cuda_error_code(err)
         if code != 0:
             logger.warning("cudaHostRegister of %d bytes failed (error %d)", tensor.nbytes, code)

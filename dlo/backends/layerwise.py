@@ -51,7 +51,7 @@ from dlo.ce_gather import CopyEngineGather
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.hooks import HookRegistry, is_dtensor
-from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
+from dlo.host import HostRegion, shard_view, unpack_tensor
 from dlo.layout import (
     MIB,
     BlockLayout,
@@ -61,6 +61,7 @@ from dlo.layout import (
     plan_block_layout,
 )
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
+from dlo.loader import pack_block
 from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
 from dlo.plan import BlockStack, ResolvedOffloadPlan, get_by_path, resolve_offload_plan
 from dlo.platform import Platform, process_peak_rss_bytes
@@ -298,7 +299,8 @@ class LayerwiseBackend(OffloadBackend):
                 else 0
             )
             faults.check("host_fill")
-            pack_shard(region.view(i), b.layout, rank, b.tensors)
+            # pack_shard, or straight from the file for checkpoint-mapped tensors
+            pack_block(region.view(i), b.layout, rank, b.tensors)
             if b.layout.group_size == 1:
                 # the region now holds every byte of this block: release the originals
                 self._release_originals(b)

@@ -142,3 +142,24 @@ def test_torchrun_bench_two_cpu_ranks(tmp_path: Path) -> None:
     assert report["limits"]["allgather_GBps"] > 0  # the shared probes run on gloo too
     auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
     assert [r["transfer"] for r in auto] == [report["policy"]["stacks"]["blocks"]["transfer"]]
+
+
+@pytest.mark.parametrize("load", ["mapped", "copy"])
+def test_save_checkpoint_then_run_from_it(
+    load: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "ckpt"
+    assert (
+        main(["save-checkpoint", "--preset", "tiny", "--out", str(out), "--shard-gb", "0.0002"])
+        == 0
+    )
+    assert (out / "model.safetensors.index.json").exists()
+    capsys.readouterr()
+    argv = ["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--checkpoint"]
+    assert main([*argv, str(out), "--checkpoint-load", load]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["parity"] is True and report["load"] == f"checkpoint-{load}"
+    assert report["enable_s"] > 0 and report["enable_peak_rss_nbytes"] > 0
+    # a float32 run cannot take the bf16 checkpoint: one clear line, exit 2
+    assert main([*argv, str(out), "--dtype", "float32"]) == 2
+    assert "shape or dtype differs" in capsys.readouterr().err

@@ -1,0 +1,368 @@
+"""Fill a model skeleton (built on the ``meta`` device) from a safetensors checkpoint.
+
+[Note: loading from a checkpoint]
+:func:`plan_load` checks, before anything is touched, that every tensor the skeleton needs
+(parameters and persistent buffers, by state-dict name) has exactly one source in the
+checkpoint with the same shape and dtype, that the checkpoint holds nothing else, and that
+every non-persistent buffer left on ``meta`` can be computed (its module defines
+``init_buffers()``, the convention of :mod:`dlo.models`). Every problem is reported in one
+:class:`~dlo.checkpoint.CheckpointError` naming the tensors and the files; the skeleton is
+unchanged.
+
+:func:`materialize` then gives every tensor its bytes, journaled so that a failure (here or
+in the backend's enable that follows) puts the skeleton back exactly:
+
+- *mapped* (the default): the tensor aliases the checkpoint's private mapping (see [Note:
+  mapped checkpoint tensors]). Nothing is read yet. The layerwise backend then packs each
+  block's shard for this rank with :func:`pack_block`, which reads with ``pread`` only the
+  byte ranges of this rank's slices straight into the host region: the process holds its
+  host shards and nothing of the file (the page cache, shared by the ranks of a node, is
+  not in any process's RSS). Reading through the mapping instead would map whole page-cache
+  folios (up to 2 MiB on current kernels for a 4 KiB touch) and count them in RSS.
+- *copied*: the tensor gets its own memory, exactly as ``load_state_dict`` would, on the
+  compute device when the backend would put it there anyway. Only block tensors are mapped:
+  non-block weights are used in place by the model, and a tensor aliasing the file is
+  aligned only to its dtype, which changes CPU kernels' vectorization and so their rounding
+  (a resident run would not be bitwise equal). ``load_pipeline(copy=True)`` copies every
+  tensor to the CPU: the ordinary path, for comparison. Block tensors that cannot be mapped
+  fall back to a copy one by one, with a logged reason: a skeleton tensor that is not
+  contiguous (the file is row-major), or data not aligned to its dtype in the file.
+
+Dtypes are the skeleton's: a checkpoint tensor of another dtype is an error, never a cast.
+Tied tensors need one source, under any of their names.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.checkpoint import Checkpoint, CheckpointError
+from dlo.host import pack_shard, shard_copies, span_bytes
+from dlo.layout import BlockLayout
+from dlo.lifecycle import Journal
+
+logger = logging.getLogger(__name__)
+
+_MAX_LISTED = 12
+_READERS = 8
+
+
+@dataclass(eq=False)
+class _Target:
+    """One tensor of the skeleton that the checkpoint must provide."""
+
+    name: str
+    """The first (canonical) state-dict name."""
+    kind: str
+    """``"param"`` or ``"buffer"``."""
+    tensor: torch.Tensor
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)
+    source: str = ""
+    """The checkpoint name that serves it (the canonical name or an alias)."""
+
+
+@dataclass(eq=False)
+class LoadPlan:
+    """What :func:`plan_load` found: the tensors to serve and the buffers to compute."""
+
+    model: nn.Module
+    checkpoint: Checkpoint
+    targets: list[_Target]
+    computed_buffers: list[tuple[nn.Module, str]]
+    """Non-persistent buffers on ``meta``: allocated on the CPU, then ``init_buffers()``."""
+
+
+@dataclass
+class LoadReport:
+    """What :func:`materialize` did."""
+
+    num_mapped: int = 0
+    num_copied: int = 0
+    mapped_nbytes: int = 0
+    copied_nbytes: int = 0
+    copy_reasons: dict[str, str] = field(default_factory=dict)
+    """Tensor name -> why it was copied instead of mapped."""
+
+
+def _join(names: list[str]) -> str:
+    more = f" (+{len(names) - _MAX_LISTED} more)" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+def _skeleton_targets(
+    model: nn.Module,
+) -> tuple[list[_Target], list[tuple[str, nn.Module, str, torch.Tensor]]]:
+    by_id: dict[int, _Target] = {}
+    targets: list[_Target] = []
+    non_persistent: list[tuple[str, nn.Module, str, torch.Tensor]] = []
+    for mpath, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mpath}." if mpath else ""
+        entries = [(n, "param", t) for n, t in module._parameters.items()]
+        entries += [(n, "buffer", t) for n, t in module._buffers.items()]
+        for local, kind, t in entries:
+            if t is None:
+                continue
+            name = prefix + local
+            if kind == "buffer" and local in module._non_persistent_buffers_set:
+                if t.is_meta and all(
+                    m is not module or n != local for _, m, n, _ in non_persistent
+                ):
+                    non_persistent.append((name, module, local, t))
+                continue
+            target = by_id.get(id(t))
+            if target is None:
+                target = _Target(name, kind, t)
+                by_id[id(t)] = target
+                targets.append(target)
+            elif name != target.name and name not in target.aliases:
+                target.aliases.append(name)
+            if (module, local) not in [(m, n) for m, n in target.places]:
+                target.places.append((module, local))
+    return targets, non_persistent
+
+
+def plan_load(model: nn.Module, checkpoint: Checkpoint) -> LoadPlan:
+    """Check ``checkpoint`` against ``model`` (see [Note: loading from a checkpoint]).
+
+    Args:
+        model: the skeleton (tensors on ``meta``, or already real: both are served).
+        checkpoint: the parsed checkpoint.
+    Returns:
+        The plan for :func:`materialize`.
+    Raises:
+        CheckpointError: missing, extra, duplicated (under two names of one tied tensor),
+            mis-shaped or mis-typed tensors, or non-persistent buffers that cannot be
+            computed; all of them, in one message. Nothing is changed.
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     skeleton = MyModel()
+        >>> plan = plan_load(skeleton, Checkpoint("ckpt/"))
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"loading from a checkpoint needs an nn.Module pipeline, got {type(model).__name__}"
+        )
+    targets, non_persistent = _skeleton_targets(model)
+    entries = checkpoint.entries
+    missing, twice, mismatched = [], [], []
+    used: set[str] = set()
+    for t in targets:
+        names = [n for n in (t.name, *t.aliases) if n in entries]
+        used.update(names)
+        if not names:
+            missing.append(t.name)
+            continue
+        if len(names) > 1:
+            twice.append(" and ".join(names))
+            continue
+        t.source = names[0]
+        e = entries[t.source]
+        want = (tuple(t.tensor.shape), t.tensor.dtype)
+        if (e.shape, e.dtype) != want:
+            mismatched.append(
+                f"{t.source} (checkpoint {list(e.shape)} {e.dtype} in {e.file.name}, "
+                f"model {list(want[0])} {want[1]})"
+            )
+    extra = sorted(f"{n} ({entries[n].file.name})" for n in set(entries) - used)
+    uncomputable = [
+        name
+        for name, module, _, _ in non_persistent
+        if not callable(getattr(module, "init_buffers", None))
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {_join(missing)}")
+    if extra:
+        problems.append(f"not in the model: {_join(extra)}")
+    if twice:
+        problems.append(f"stored under two names of one tied tensor: {_join(twice)}")
+    if mismatched:
+        problems.append(f"shape or dtype differs: {_join(mismatched)}")
+    if uncomputable:
+        problems.append(
+            f"non-persistent buffers left on meta whose module has no init_buffers(): "
+            f"{_join(uncomputable)} (compute them in the factory, or define init_buffers())"
+        )
+    if problems:
+        files = ", ".join(str(f) for f in checkpoint.files[:4])
+        raise CheckpointError(
+            f"checkpoint {files} cannot serve {type(model).__name__}: " + "; ".join(problems)
+        )
+    computed = [(module, local) for _, module, local, _ in non_persistent]
+    return LoadPlan(model, checkpoint, targets, computed)
+
+
+# ----------------------------------------------------------------------------- mapping registry
+# id(tensor) -> (weak ref to it, checkpoint, name): tensors whose bytes alias a checkpoint
+# mapping, so that the backend packs them from the file (pack_block). Keyed by id because
+# tensors compare elementwise.
+_MAPPED: dict[int, tuple[weakref.ref[torch.Tensor], Checkpoint, str]] = {}
+
+
+def _forget(key: int, _ref: object) -> None:
+    _MAPPED.pop(key, None)
+
+
+def _register(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
+    _MAPPED[id(t)] = (weakref.ref(t, functools.partial(_forget, id(t))), checkpoint, name)
+
+
+def _unregister(t: torch.Tensor) -> None:
+    _MAPPED.pop(id(t), None)
+
+
+def pack_block(
+    dst: torch.Tensor, layout: BlockLayout, rank: int, sources: Sequence[torch.Tensor]
+) -> None:
+    """:func:`~dlo.host.pack_shard`, reading tensors that alias a checkpoint straight from
+    the file with ``pread`` (same ranges, :func:`~dlo.host.shard_copies`): the file's pages
+    are never mapped into this process, so they never count in its RSS."""
+    files: list[tuple[Checkpoint, str] | None] = []
+    for t in sources:
+        item = _MAPPED.get(id(t))
+        files.append((item[1], item[2]) if item is not None and item[0]() is t else None)
+    if not any(files):
+        pack_shard(dst, layout, rank, sources)
+        return
+    assert dst.numel() == layout.shard_nbytes and len(sources) == len(layout.tensors)
+    out = _bytes_of(dst)
+    spans = [span_bytes(s) if f is None else None for s, f in zip(sources, files)]
+    reads = []
+    for i, src_lo, n, dst_lo in shard_copies(layout, rank):
+        f, span = files[i], spans[i]
+        if f is None:
+            assert span is not None
+            dst[dst_lo : dst_lo + n].copy_(span[src_lo : src_lo + n])
+        else:
+            reads.append((f, src_lo, out[dst_lo : dst_lo + n]))
+    # several reads in flight keep a fast disk busy (and page-cache copies run in parallel)
+    with ThreadPoolExecutor(max_workers=min(_READERS, len(reads))) as pool:
+        for fut in [pool.submit(f[0].read_into, f[1], lo, buf) for f, lo, buf in reads]:
+            fut.result()
+
+
+# ----------------------------------------------------------------------------- materialize
+def _copy_reason(target: _Target, checkpoint: Checkpoint, mapped: bool) -> str | None:
+    if not mapped:
+        return "copy requested"
+    if not target.tensor.is_contiguous():
+        return f"not contiguous in the model (stride {tuple(target.tensor.stride())})"
+    if not checkpoint.is_aligned(target.source):
+        return f"not aligned to {target.tensor.dtype} in {checkpoint.entries[target.source].file}"
+    return None
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU uint8 tensor."""
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
+
+
+def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) -> torch.Tensor:
+    """``target``'s tensor in its own memory on ``device``, read with ``pread`` (nothing of
+    the file is mapped into the process)."""
+    old = target.tensor
+    e = ckpt.entries[target.source]
+    host = torch.empty(e.shape, dtype=e.dtype)
+    if e.nbytes:
+        ckpt.read_into(target.source, 0, _bytes_of(host.reshape(-1).view(torch.uint8)))
+    if old.is_contiguous() and torch.device(device).type == "cpu":
+        return host
+    data = torch.empty_strided(
+        tuple(old.shape), tuple(old.stride()), dtype=old.dtype, device=device
+    )
+    data.copy_(host)
+    return data
+
+
+def _install(target: _Target, data: torch.Tensor, journal: Journal) -> torch.Tensor:
+    """Give ``target`` the bytes of ``data``; returns the tensor now in the model."""
+    old = target.tensor
+    if not old.is_meta:
+        previous = old.data
+        old.data = data
+        journal.record(f"load {target.name}", functools.partial(setattr, old, "data", previous))
+        return old
+    # a meta tensor cannot take real data in place (incompatible tensor types): a new
+    # object goes into every place that held the old one
+    new: torch.Tensor
+    if isinstance(old, nn.Parameter):
+        new = nn.Parameter(data, requires_grad=old.requires_grad)
+    else:
+        new = data
+    for module, local in target.places:
+        store: dict[str, Any] = module._parameters if target.kind == "param" else module._buffers
+        store[local] = new
+        journal.record(f"load {target.name}", functools.partial(store.__setitem__, local, old))
+    return new
+
+
+def materialize(
+    plan: LoadPlan,
+    journal: Journal,
+    *,
+    mapped: Callable[[str], bool] = lambda name: False,
+    device: torch.device | str = "cpu",
+) -> LoadReport:
+    """Give every tensor of the skeleton its bytes (see [Note: loading from a checkpoint]).
+
+    Args:
+        plan: from :func:`plan_load`.
+        journal: records every change; ``journal.rollback()`` restores the skeleton.
+        mapped: which tensors (by state-dict name) alias the checkpoint mapping: the ones a
+            backend packs into host shards. The others are copied to ``device``.
+        device: where copied tensors are allocated.
+    """
+    report = LoadReport()
+    ckpt = plan.checkpoint
+    for target in plan.targets:
+        nbytes = ckpt.entries[target.source].nbytes
+        reason = _copy_reason(target, ckpt, mapped(target.name))
+        if reason is None:
+            new = _install(target, ckpt.tensor(target.source), journal)
+            _register(new, ckpt, target.source)
+            journal.record(f"map {target.name}", functools.partial(_unregister, new))
+            report.num_mapped += 1
+            report.mapped_nbytes += nbytes
+            continue
+        data = _read_copy(ckpt, target, device)
+        _install(target, data, journal)
+        report.num_copied += 1
+        report.copied_nbytes += nbytes
+        if reason != "copy requested":
+            report.copy_reasons[target.name] = reason
+    modules: list[nn.Module] = []
+    for module, local in plan.computed_buffers:
+        old = module._buffers[local]
+        assert old is not None
+        module._buffers[local] = torch.empty_strided(
+            tuple(old.shape), tuple(old.stride()), dtype=old.dtype
+        )
+        journal.record(
+            f"compute {local}", functools.partial(module._buffers.__setitem__, local, old)
+        )
+        if module not in modules:
+            modules.append(module)
+    with torch.no_grad():
+        for module in modules:
+            init: Callable[[], object] = module.init_buffers  # type: ignore[assignment]
+            init()
+    if report.copy_reasons:
+        first = next(iter(report.copy_reasons.items()))
+        logger.warning(
+            "dlo: %d checkpoint tensors are copied instead of mapped (first: %s: %s)",
+            len(report.copy_reasons),
+            *first,
+        )
+    return report
