@@ -91,6 +91,19 @@ def torchrun_env() -> TorchrunEnv:
     )
 
 
+def cpu_share() -> int:
+    """CPUs this process may use, divided among the ranks of its node (at least 1).
+
+    torchrun sets ``OMP_NUM_THREADS=1``, so host-side work that parallelizes by Python
+    threads (deterministic weight init) sizes its pool from this instead.
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // torchrun_env().local_world_size)
+
+
 def env_str(name: str, default: str | None = None) -> str | None:
     """Read one environment variable (the only ``os.environ`` access outside this module)."""
     return os.environ.get(name, default)

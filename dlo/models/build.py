@@ -24,6 +24,7 @@ from torch import nn
 
 from dlo.models.pipeline import DemoPipeline
 from dlo.models.presets import Preset, get_preset
+from dlo.platform import cpu_share
 
 WEIGHT_STD = 0.02
 """Std of Linear, Embedding and other free weights (modulation tables, positions)."""
@@ -88,7 +89,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
             jobs.append((param, _init_rule(module, local_name, param), tensor_seed(seed, name)))
     # largest first, so one big tensor does not start last
     jobs.sort(key=lambda job: -job[0].numel())
-    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads())) as pool:
+    with ThreadPoolExecutor(max_workers=max(torch.get_num_threads(), cpu_share())) as pool:
         for future in [pool.submit(_fill, *job) for job in jobs]:
             future.result()
     with torch.no_grad():

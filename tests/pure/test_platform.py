@@ -315,3 +315,19 @@ def test_cpu_ring_never_initializes_cuda_in_process(clean_env: pytest.MonkeyPatc
     finally:
         backend.disable()
     assert not torch.cuda.is_initialized()
+
+
+def test_cpu_share_divides_the_cpus_among_the_ranks_of_a_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dlo.platform import cpu_share
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert cpu_share() == 16
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cpu_share() == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert cpu_share() == 1  # never zero
