@@ -172,6 +172,10 @@ class Platform:
     def synchronize(self) -> None:
         raise NotImplementedError
 
+    def stream_capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (never on CPU)."""
+        return False
+
     # host memory
     def register_host(self, tensor: torch.Tensor) -> bool:
         """Page-lock a CPU tensor's memory in place; False when the platform refused."""
@@ -265,6 +269,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def stream_capturing(self) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
 
     def register_host(self, tensor: torch.Tensor) -> bool:
         assert tensor.device.type == "cpu" and tensor.is_contiguous()

@@ -188,6 +188,16 @@ class RingScheduler:
                 rank=self.rank,
                 block=block.name,
             )
+        if self.platform.stream_capturing():
+            # [Note: CUDA graphs] a graph would replay one step's loads into fixed slots and
+            # its waits on events recorded by streams outside the capture; refuse before
+            # anything is enqueued, so the capture holds nothing of dlo's
+            raise OffloadError(
+                "CUDA graph capture around modules whose blocks dlo streams is not supported: "
+                "capture code inside the blocks' forward, or disable offload",
+                rank=self.rank,
+                block=block.name,
+            )
         self._check_inputs(block, args, kwargs)
         compute = self.platform.current_stream()
         try:

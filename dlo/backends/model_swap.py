@@ -224,6 +224,12 @@ class ModelSwapBackend(OffloadBackend):
                 "inside the components' forward, or disable offload",
                 block=unit.path,
             )
+        if self.platform.stream_capturing():  # see [Note: CUDA graphs] in dlo.ring
+            raise OffloadError(
+                "CUDA graph capture around components dlo swaps is not supported: capture code "
+                "inside the components' forward, or disable offload",
+                block=unit.path,
+            )
         for other in self._units:
             if other is unit or other.buffer is None:
                 continue

@@ -136,3 +136,62 @@ def test_nccl_diverging_sequence_reported(engine: str) -> None:
     outs = run_ranks(_diverge, 2, engine, backend="nccl", timeout_s=120, env=NCCL_ENV)
     values = [o.value for o in outs if o.ok]
     assert values and all("different blocks" in v for v in values), outs
+
+
+def _one_rank_fails(rank: int, world: int, how: str, engine: str) -> str:
+    import os
+    import time
+
+    from dlo import faults
+
+    model = ToyDiT(6, dim=64)
+    b = _backend(rank, world, gather_engine=engine, collective_timeout_s=10.0)
+    b.enable(model)
+    t0 = time.monotonic()
+    if rank == 1:
+        if how == "kill":  # the process dies inside block 2, a prefetch in flight
+            model.blocks[2].register_forward_pre_hook(lambda m, a: os._exit(3))
+            with torch.no_grad():
+                model(_x(rank, 0, 64))
+        with faults.inject("block_forward", after=2), torch.no_grad():
+            model(_x(rank, 0, 64))
+        return "no error"
+    try:
+        with torch.no_grad():
+            for s in range(3):
+                model(_x(rank, s, 64))
+        torch.cuda.synchronize()
+    except Exception as e:
+        return f"{type(e).__name__} after {time.monotonic() - t0:.1f}s: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["raise", "kill"])
+@ENGINES
+def test_nccl_one_rank_failing_ends_its_peer_within_the_bound(how: str, engine: str) -> None:
+    # FAULTS.md B: the survivor is discarded (an error, or the NCCL watchdog's abort), never
+    # left hanging; the bound here is the harness's, well under the CI limit
+    outs = run_ranks(_one_rank_fails, 2, how, engine, backend="nccl", timeout_s=150, env=NCCL_ENV)
+    survivor, failed = outs
+    if how == "raise":
+        assert failed.error_type == "InjectedFault", failed
+    else:
+        assert failed.exitcode == 3 or failed.error_type == "died", failed
+    assert not survivor.timed_out, survivor
+    assert not (survivor.ok and survivor.value == "no error"), survivor
+
+
+def _missing_peer(rank: int, world: int) -> str:
+    if rank == 1:
+        return "skipped enable"
+    b = _backend(rank, world, collective_timeout_s=5.0)
+    try:
+        b.enable(ToyDiT(2, dim=64))
+    except dlo.OffloadError as e:
+        return str(e)
+    return "enabled"
+
+
+def test_nccl_rank_that_never_enables_is_named_within_the_timeout() -> None:
+    outs = assert_all_ok(run_ranks(_missing_peer, 2, backend="nccl", timeout_s=90, env=NCCL_ENV))
+    assert "rank(s) [1] never reached enable" in outs[0]
