@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|cetests|run|bench1|bench2|profile|ctas|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|cetests|run|bench1|bench2|profile|ctas|ckpt|sweep]...
 #        (default: tests run bench1 bench2)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8)
@@ -65,6 +65,17 @@ for s in $steps; do
           --preset "$preset" --methods dlo-allgather --tokens 4096,16384 --nccl-max-ctas "$c" \
           --json "$out/ctas$c.json"
       done ;;
+    ckpt)  # issue 10: checkpoint straight to per-rank shards vs the plain path (wan14b-like)
+      ck=${DLO_SUITE_CKPT_PRESET:-wan14b-like}
+      step ckpt_save 300 python3 -m dlo save-checkpoint --preset "$ck" --out /tmp/dlo_ckpt \
+        --shard-gb 4
+      for load in mapped copy; do
+        [ "$ngpu" -ge 2 ] && step "ckpt_$load" 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
+          --preset "$ck" --checkpoint /tmp/dlo_ckpt --checkpoint-load "$load" \
+          --transfer allgather --steps 2 --tokens 4096 --json
+      done
+      [ "$ngpu" -ge 2 ] && step ckpt_built 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
+        --preset "$ck" --transfer allgather --steps 2 --tokens 4096 --json ;;
     sweep) for c in 16 32 128; do
         [ "$ngpu" -ge 2 ] && step "sweep_chunk$c" 300 torchrun --nproc-per-node="$ngpu" -m dlo bench \
           --preset "$preset" --methods dlo-allgather --tokens 4096 --chunk-mb "$c" \
