@@ -101,7 +101,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     platform = get_platform(None)
     dtype = getattr(torch, args.dtype)
     preset = get_preset(args.preset)
-    tokens_list = [int(t) for t in str(args.tokens).split(",")]
+    tokens_list = int_list("--tokens", args.tokens)
+    slots = int_list("--num-slots", args.num_slots)
+    chunks = int_list("--chunk-mb", args.chunk_mb)
+    # every (slots, chunk) pair for each manual dlo method; dlo-auto picks its own slots
+    settings = [(s, c) for s in slots for c in chunks]
+    sweep = len(settings) > 1
     methods = args.methods.split(",")
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -118,8 +123,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "num_blocks": preset.num_blocks,
         "block_nbytes": block_nbytes,
         "date": time.strftime("%Y-%m-%d"),
-        "chunk_mb": args.chunk_mb,
-        "num_slots": args.num_slots,
+        "chunk_mb": chunks,
+        "num_slots": slots,
         "limits": {},
         "results": [],
     }
@@ -159,9 +164,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if world.size == 1
         else ["dlo-rank-local", "dlo-allgather", "dlo-allgather-copy"]
     )
-    for method in [*dlo_methods, "dlo-auto"]:
-        if method not in methods:
-            continue
+    runs: list[tuple[str, int | str, int]] = [
+        (m, s, c) for m in dlo_methods if m in methods for s, c in settings
+    ]
+    if "dlo-auto" in methods:
+        runs.append(("dlo-auto", "auto", chunks[0]))
+    for method, num_slots, chunk_mb in runs:
         if method == "dlo-allgather-copy" and not platform.has_streams:
             logger.warning("dlo-allgather-copy: needs CUDA GPUs; method skipped")
             continue
@@ -175,8 +183,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         cfg = OffloadConfig(
             mode="layer",
             transfer=transfer,
-            num_slots="auto" if method == "dlo-auto" else args.num_slots,
-            chunk_mb=args.chunk_mb,
+            num_slots=num_slots,
+            chunk_mb=chunk_mb,
             verify_block_sequence=not args.no_verify,
             nccl_max_ctas=args.nccl_max_ctas,
             gather_engine="copy" if method == "dlo-allgather-copy" else "nccl",
@@ -195,8 +203,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
             st = backend.stats()
             if args.profile:  # every rank runs the forward; rank 0 writes the files
+                tag = f"{method}_s{num_slots}_c{chunk_mb}" if sweep else method
                 _profile(
-                    fwd, platform, args.profile if world.rank == 0 else None, f"{method}_{tokens}"
+                    fwd, platform, args.profile if world.rank == 0 else None, f"{tag}_{tokens}"
                 )
             # every streamed block crosses this rank's link once per forward (its shard)
             limit_ms = st["host_nbytes"] / (bw * GB) * 1e3 if bw else 0.0
@@ -217,6 +226,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "enable_s": enable_s,
                     "transfer": st["transfer"],
                     "num_slots": st["num_slots"],
+                    "chunk_mb": chunk_mb,
+                    "setting": f"{st['num_slots']} slots, {chunk_mb} MiB" if sweep else None,
                 },
             )
             if st.get("policy") is not None:
@@ -394,6 +405,31 @@ def _clean(platform: Platform) -> None:
     platform.reset_peak_memory_stats()
 
 
+MANUAL_DLO_METHODS = ("dlo-ring", "dlo-rank-local", "dlo-allgather", "dlo-allgather-copy")
+"""The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
+
+
+def int_list(flag: str, text: Any) -> list[int]:
+    """``"2,3"`` -> ``[2, 3]``: positive ints, or a ValueError naming the flag and value."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas")
+    return values
+
+
+def label(row: dict[str, Any]) -> str:
+    """A result row's name in tables and plots: the method, with its setting in a sweep."""
+    setting = row.get("setting")
+    return f"{row['method']} [{setting}]" if setting else str(row["method"])
+
+
+def _listed(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
 def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
     resident = {r["tokens"]: r["median_ms"] for r in report["results"] if r["method"] == "resident"}
     for r in report["results"]:
@@ -411,7 +447,7 @@ def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
     # the automatic policy against the best manual dlo setting of this run (issue: <= 1.05)
     manual: dict[int, float] = {}
     for r in report["results"]:
-        if r["method"] in ("dlo-ring", "dlo-rank-local", "dlo-allgather"):
+        if r["method"] in MANUAL_DLO_METHODS:
             manual[r["tokens"]] = min(manual.get(r["tokens"], float("inf")), r["median_ms"])
     for r in report["results"]:
         if r["method"] == "dlo-auto" and r["tokens"] in manual:
@@ -424,8 +460,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['preset']} ({report['num_blocks']} blocks x {report['block_nbytes'] / 1e6:.0f} MB,"
         f" {report['dtype']}), {report['world_size']} x {report['device']}, torch "
-        f"{report['torch']}, {report['date']}; chunk {report['chunk_mb']} MiB, "
-        f"{report['num_slots']} slots",
+        f"{report['torch']}, {report['date']}; chunk {_listed(report['chunk_mb'])} MiB, "
+        f"{_listed(report['num_slots'])} slots",
         "",
         f"Limits: pinned H2D {lim['h2d_pinned_alone_GBps']:.1f} GB/s alone, "
         f"{lim['h2d_pinned_concurrent_GBps']:.1f} GB/s per rank with all ranks copying; pageable "
@@ -440,8 +476,8 @@ def markdown(report: dict[str, Any]) -> str:
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
     for r in report["results"]:
-        name = r["method"]
-        if name == "dlo-auto":
+        name = label(r)
+        if r["method"] == "dlo-auto":
             name += f" ({r['transfer']}, {r['num_slots']} slots, x{f(r.get('x_best_manual'))} best manual)"
         lines.append(
             f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
@@ -466,9 +502,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
-    methods = sorted({r["method"] for r in report["results"]})
+    methods = sorted({label(r) for r in report["results"]})
     for m in methods:
-        rows = sorted((r for r in report["results"] if r["method"] == m), key=lambda r: r["tokens"])
+        rows = sorted((r for r in report["results"] if label(r) == m), key=lambda r: r["tokens"])
         ax_t.plot([r["tokens"] for r in rows], [r["median_ms"] for r in rows], marker="o", label=m)
     limit = [r for r in report["results"] if r.get("h2d_limit_ms")]
     if limit:
@@ -486,7 +522,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     ax_t.set_xscale("log", base=2)
     ax_t.legend(fontsize=8)
     peaks = [
-        max(r["peak_device_nbytes"] for r in report["results"] if r["method"] == m) / GB
+        max(r["peak_device_nbytes"] for r in report["results"] if label(r) == m) / GB
         for m in methods
     ]
     ax_m.barh(methods, peaks)
@@ -512,8 +548,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--num-slots", type=int, default=2)
-    p.add_argument("--chunk-mb", type=int, default=64)
+    p.add_argument(
+        "--num-slots", default="2", help="slots of the dlo methods; a comma list sweeps them"
+    )
+    p.add_argument(
+        "--chunk-mb", default="64", help="chunk MiB of the dlo methods; a comma list sweeps them"
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
     p.add_argument(
         "--nccl-max-ctas", type=int, default=None, help="cap the SMs NCCL may use for dlo's gathers"

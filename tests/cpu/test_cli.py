@@ -52,6 +52,9 @@ def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[st
         (["run", "--mode", "module", "--transfer", "allgather"], "applies to mode='layer' only"),
         (["run", "--mode", "module", "--num-slots", "3"], "num_slots=3 applies to mode='layer'"),
         (["bench", "--methods", "resident,magic"], "unknown ['magic']"),
+        (["bench", "--num-slots", "2,0"], "--num-slots='2,0': expected positive integers"),
+        (["bench", "--chunk-mb", "64,x"], "--chunk-mb='64,x'"),
+        (["bench", "--tokens", ""], "--tokens=''"),
     ],
 )
 def test_bad_flags_are_one_clear_line(
@@ -163,3 +166,21 @@ def test_save_checkpoint_then_run_from_it(
     # a float32 run cannot take the bf16 checkpoint: one clear line, exit 2
     assert main([*argv, str(out), "--dtype", "float32"]) == 2
     assert "shape or dtype differs" in capsys.readouterr().err
+
+
+def test_bench_sweeps_slots_and_chunks_in_one_run(tmp_path: Path) -> None:
+    path = tmp_path / "sweep.json"
+    argv = ["bench", "--preset", "tiny", "--methods", "resident,dlo-ring,dlo-auto"]
+    argv += ["--num-slots", "1,2", "--chunk-mb", "1,2", "--tokens", "32", "--warmup", "1"]
+    rc = main([*argv, "--reps", "1", "--json", str(path), "--markdown", str(tmp_path / "s.md")])
+    assert rc == 0
+    report = json.loads(path.read_text())
+    assert report["num_slots"] == [1, 2] and report["chunk_mb"] == [1, 2]
+    ring = [r for r in report["results"] if r["method"] == "dlo-ring"]
+    assert sorted((r["num_slots"], r["chunk_mb"]) for r in ring) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert len({r["setting"] for r in ring}) == 4
+    (auto,) = [r for r in report["results"] if r["method"] == "dlo-auto"]
+    best = min(r["median_ms"] for r in ring)
+    assert auto["x_best_manual"] == pytest.approx(auto["median_ms"] / best)
+    table = (tmp_path / "s.md").read_text()
+    assert "dlo-ring [1 slots, 2 MiB]" in table and "chunk 1,2 MiB, 1,2 slots" in table
