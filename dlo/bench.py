@@ -227,6 +227,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "transfer": st["transfer"],
                     "num_slots": st["num_slots"],
                     "chunk_mb": chunk_mb,
+                    "gather_sync": st.get("gather_sync"),
                     "setting": f"{st['num_slots']} slots, {chunk_mb} MiB" if sweep else None,
                 },
             )

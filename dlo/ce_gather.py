@@ -26,15 +26,50 @@ pulls are done.
 Pulling from the same slot index on every rank relies on lock step: ranks that run the same
 block sequence make the same slot choices ([Note: ring protocol]); the lock-step check
 compares the slot index as well as the block.
+
+[Note: barriers without kernels]
+torch's symmetric-memory barrier is a kernel: one CTA that spins on the signal pads until
+every peer arrived. A spinning CTA holds its SM; the GEMMs of the running block are
+persistent kernels sized to the whole GPU, so one of their CTAs cannot start until the
+barrier exits, and every barrier that waits on a late peer stretches a GEMM. When the driver
+has stream memory operations, dlo's barrier uses none: each rank keeps one 32-bit counter
+per peer in its symmetric allocation (after the slots); barrier number n writes n into its
+own word on every peer (``cuStreamWriteValue32``: a fenced write, after the stream's earlier
+copies) and waits until every peer's word on this rank reaches n (``cuStreamWaitValue32``,
+cyclic >=, so the counters may wrap). The stream's front end does both; no SM is involved.
+Counters only grow and every rank counts the same barriers (lock step), so a rank that is
+ahead simply leaves a larger number. A stream wait has no timeout of its own: a watchdog
+thread follows the barriers (an event after each) and, when one has been the oldest
+unfinished barrier for ``collective_timeout_s``, logs which block it belongs to and ends the
+process (as NCCL's watchdog does after a collective timeout), since a device stream that
+never finishes leaves no other bounded way out. Which barrier is used is agreed by the group
+at enable (stream memory operations only if every rank can use them).
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
+import time
+from collections import deque
 from typing import Any
 
 import torch
 
 from dlo.layout import BlockLayout
+from dlo.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+FLAG_NBYTES = 4096
+"""Bytes after the slots in the symmetric allocation: one uint32 counter per peer, and a
+probe word (zeroed before the rendezvous)."""
+PROBE_WORD = FLAG_NBYTES // 4 - 1
+
+DEFAULT_SYNC = "auto"
+"""``"auto"`` (stream memory operations when every rank of the group can use them, else
+kernels), ``"stream"`` or ``"kernel"``; tests pin one."""
 
 
 def symmetric_empty(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -44,53 +79,229 @@ def symmetric_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     return symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+class SyncWatchdog:
+    """Ends the process when one barrier stays unfinished too long (see [Note: barriers
+    without kernels]); ``on_expire`` is replaceable for tests."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        timeout_s: float,
+        *,
+        poll_s: float = 0.05,
+        on_expire: Any = None,
+    ) -> None:
+        self.platform = platform
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.on_expire = on_expire or _abort
+        self._pending: deque[tuple[Any, str]] = deque()
+        self._spare: deque[Any] = deque()
+        self._head_since = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def track(self, stream: Any, what: str) -> None:
+        """Follow the barrier just enqueued on ``stream`` (an event after it)."""
+        event = self._spare.popleft() if self._spare else self.platform.new_event()
+        event.record(stream)
+        if not self._pending:
+            self._head_since = time.monotonic()
+        self._pending.append((event, what))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dlo-ce-watchdog", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        """Drop finished barriers; fire when the oldest has waited past the timeout."""
+        while self._pending and self._pending[0][0].query():
+            self._spare.append(self._pending.popleft()[0])
+            self._head_since = time.monotonic()
+        if self._pending and time.monotonic() - self._head_since > self.timeout_s:
+            what = self._pending[0][1]
+            self._pending.clear()
+            self.on_expire(
+                f"dlo: copy-engine gather of block {what!r} did not complete within "
+                f"{self.timeout_s:.0f}s (collective_timeout_s): a peer is missing or runs a "
+                "different block sequence; ending this worker"
+            )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.check()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        self._pending.clear()
+
+
+def _abort(message: str) -> None:
+    logger.critical(message)
+    os._exit(70)
+
+
+class _KernelBarrier:
+    """torch's symmetric-memory barrier kernel (traps on the device at its timeout)."""
+
+    name = "kernel"
+
+    def __init__(self, handle: Any, timeout_s: float) -> None:
+        self.handle = handle
+        self.timeout_ms = max(1, int(timeout_s * 1000))
+
+    def __call__(self, stream: Any, what: str, *, track: bool = False) -> None:
+        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+
+    def close(self) -> None:
+        pass
+
+
+class _FlagBarrier:
+    """Counters and stream memory operations (see [Note: barriers without kernels])."""
+
+    name = "stream"
+
+    def __init__(
+        self,
+        platform: Platform,
+        mine: dict[int, int],
+        theirs: dict[int, int],
+        watchdog: SyncWatchdog,
+    ) -> None:
+        self.platform = platform
+        self.mine = mine
+        """peer -> address of that peer's counter in this rank's allocation."""
+        self.theirs = theirs
+        """peer -> address of this rank's counter in that peer's allocation."""
+        self.watchdog = watchdog
+        self.count = 0
+
+    def __call__(self, stream: Any, what: str, *, track: bool = False) -> None:
+        """One barrier on ``stream``; ``track``: follow it with the watchdog (a block's last
+        barrier: any earlier one that never completes holds it back too)."""
+        self.count += 1
+        for address in self.theirs.values():
+            self.platform.stream_write_u32(stream, address, self.count)
+        for address in self.mine.values():
+            self.platform.stream_wait_u32(stream, address, self.count)
+        if track:
+            self.watchdog.track(stream, what)
+
+    def close(self) -> None:
+        self.watchdog.close()
+
+
+def can_use_stream_ops(platform: Platform, probe: torch.Tensor) -> bool:
+    """Whether this rank's driver runs stream memory operations (a write then a wait on
+    ``probe``, one zeroed uint32 of its own allocation, on a fresh stream)."""
+    try:
+        stream = platform.new_stream()
+        platform.stream_write_u32(stream, probe.data_ptr(), 1)
+        platform.stream_wait_u32(stream, probe.data_ptr(), 1)
+        stream.synchronize()
+        ok = int(probe.item()) == 1
+        probe.zero_()
+        return ok
+    except (RuntimeError, OSError, AttributeError, NotImplementedError) as e:
+        logger.info("stream memory operations unavailable (%s): kernel barriers", e)
+        return False
+
+
 class CopyEngineGather:
     """Pulls peers' slices out of their copies of a symmetric slot buffer.
 
     Args:
-        base: this rank's symmetric buffer holding every slot (from :func:`symmetric_empty`).
+        platform: this rank's CUDA platform.
+        base: this rank's symmetric buffer: every slot, then :data:`FLAG_NBYTES` of zeroed
+            counters (see :class:`dlo.slots.SlotPool`).
         group: the weight-collective process group (every rank passes its own buffer of the
-            same size; the rendezvous is a collective on ``group``).
+            same size; the rendezvous and the choice of barrier are collectives on it).
         group_rank, group_size: this rank's place in ``group``.
         timeout_s: bound of every barrier.
+        sync: ``"auto"``, ``"stream"`` or ``"kernel"`` (see [Note: barriers without
+            kernels]); None: :data:`DEFAULT_SYNC`.
     """
 
     def __init__(
         self,
+        platform: Platform,
         base: torch.Tensor,
         group: Any,
         *,
         group_rank: int,
         group_size: int,
         timeout_s: float,
+        sync: str | None = None,
     ) -> None:
+        import torch.distributed as dist
         from torch.distributed import _symmetric_memory as symm_mem
 
-        self.handle = symm_mem.rendezvous(base, group)
+        sync = sync or DEFAULT_SYNC
+        if sync not in ("auto", "stream", "kernel"):
+            raise ValueError(f"sync={sync!r} is not one of 'auto', 'stream', 'kernel'")
+        self.platform = platform
         self.group_rank = group_rank
         self.base_ptr = base.data_ptr()
         self.nbytes = base.numel()
-        self.timeout_ms = max(1, int(timeout_s * 1000))
+        flags = base[self.nbytes - FLAG_NBYTES :].view(torch.int32)
+        local_ok = sync != "kernel" and can_use_stream_ops(
+            platform, flags[PROBE_WORD : PROBE_WORD + 1]
+        )
+        platform.synchronize()  # counters zeroed before any peer can write to them
+        self.handle = symm_mem.rendezvous(base, group)
         self.peers = {
             p: self.handle.get_buffer(p, (self.nbytes,), torch.uint8)
             for p in range(group_size)
             if p != group_rank
         }
+        oks: list[Any] = [None] * group_size
+        dist.all_gather_object(oks, local_ok, group=group)
+        everyone_ok = all(oks)
+        if sync == "stream" and not everyone_ok:
+            raise RuntimeError("sync='stream': a rank of the group has no stream memory operations")
+        if everyone_ok:
+            word = flags.element_size()
+            counters = self.nbytes - FLAG_NBYTES
+            self.barrier: _KernelBarrier | _FlagBarrier = _FlagBarrier(
+                platform,
+                mine={p: self.base_ptr + counters + p * word for p in self.peers},
+                theirs={
+                    p: peer.data_ptr() + counters + group_rank * word
+                    for p, peer in self.peers.items()
+                },
+                watchdog=SyncWatchdog(platform, timeout_s),
+            )
+        else:
+            self.barrier = _KernelBarrier(self.handle, timeout_s)
+        logger.info("dlo copy-engine gather: %s barriers", self.barrier.name)
+
+    @property
+    def sync(self) -> str:
+        return self.barrier.name
 
     def covers(self, dst: torch.Tensor) -> bool:
-        """Whether ``dst`` lies in the symmetric buffer (resident blocks do not: NCCL)."""
+        """Whether ``dst`` lies in the slots (resident blocks do not: NCCL gathers them)."""
         off = dst.data_ptr() - self.base_ptr
-        return off >= 0 and off + dst.numel() <= self.nbytes
+        return off >= 0 and off + dst.numel() <= self.nbytes - FLAG_NBYTES
 
-    def gather_chunk(self, dst: torch.Tensor, layout: BlockLayout, k: int) -> None:
-        """Enqueue, on the current stream, the pull of every peer's slice of chunk ``k``
+    def gather_chunk(
+        self, dst: torch.Tensor, layout: BlockLayout, k: int, stream: Any, what: str
+    ) -> None:
+        """Enqueue on ``stream`` (current) the pull of every peer's slice of chunk ``k``
         into ``dst`` (a slot); this rank's slice must already be in place."""
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self.barrier(stream, what)
         off = dst.data_ptr() - self.base_ptr
         for p, peer in self.peers.items():
             s, e = layout.slice_range(k, p)
             dst[s:e].copy_(peer[off + s : off + e], non_blocking=True)
 
-    def finish(self) -> None:
+    def finish(self, stream: Any, what: str) -> None:
         """Enqueue the trailing barrier of a block (every peer is done reading)."""
-        self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        self.barrier(stream, what, track=True)
+
+    def close(self) -> None:
+        """Stop the watchdog (disable; the device was synchronized)."""
+        self.barrier.close()

@@ -176,6 +176,17 @@ class Platform:
         """Whether the current stream is capturing a CUDA graph (never on CPU)."""
         return False
 
+    # stream memory operations (the copy-engine gather's kernel-free barrier)
+    def stream_write_u32(self, stream: Any, address: int, value: int) -> None:
+        """Enqueue on ``stream``: after every earlier operation of the stream, write
+        ``value`` to the 32-bit device word at ``address`` (with a fence before it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no stream memory operations")
+
+    def stream_wait_u32(self, stream: Any, address: int, value: int) -> None:
+        """Enqueue on ``stream``: wait, without a kernel, until the 32-bit word at
+        ``address`` is >= ``value`` (cyclic comparison, so counters may wrap)."""
+        raise NotImplementedError(f"{type(self).__name__} has no stream memory operations")
+
     # host memory
     def register_host(self, tensor: torch.Tensor) -> bool:
         """Page-lock a CPU tensor's memory in place; False when the platform refused."""
@@ -273,6 +284,12 @@ class CudaPlatform(Platform):
     def stream_capturing(self) -> bool:
         return bool(torch.cuda.is_current_stream_capturing())
 
+    def stream_write_u32(self, stream: Any, address: int, value: int) -> None:
+        _stream_mem_op("write", stream.cuda_stream, address, value)
+
+    def stream_wait_u32(self, stream: Any, address: int, value: int) -> None:
+        _stream_mem_op("wait", stream.cuda_stream, address, value)
+
     def register_host(self, tensor: torch.Tensor) -> bool:
         assert tensor.device.type == "cpu" and tensor.is_contiguous()
         if tensor.numel() == 0:
@@ -328,6 +345,30 @@ def _cuda_error_code(err: Any) -> int:
     if isinstance(value, int):
         return value
     return int(err)
+
+
+_STREAM_MEM_OPS: dict[str, Any] = {}
+
+
+def _stream_mem_op(kind: str, stream: int, address: int, value: int) -> None:
+    """``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (flags 0: fenced write; wait
+    until ``(int32)(*address - value) >= 0``) from the driver, loaded once by ctypes."""
+    if not _STREAM_MEM_OPS:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name, base in (("write", "cuStreamWriteValue32"), ("wait", "cuStreamWaitValue32")):
+            fn = getattr(lib, f"{base}_v2", None) or getattr(lib, base)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _STREAM_MEM_OPS[name] = fn
+        _STREAM_MEM_OPS["error_name"] = lib.cuGetErrorName
+    code = _STREAM_MEM_OPS[kind](stream, address, value & 0xFFFFFFFF, 0)
+    if code != 0:
+        text = ctypes.c_char_p()
+        _STREAM_MEM_OPS["error_name"](code, ctypes.byref(text))
+        raise RuntimeError(
+            f"cuStream{'Write' if kind == 'write' else 'Wait'}Value32 failed: "
+            f"{(text.value or b'?').decode()} ({code})"
+        )
 
 
 def _clear_cuda_error() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dlo import faults
-from dlo.ce_gather import symmetric_empty
+from dlo.ce_gather import FLAG_NBYTES, symmetric_empty
 from dlo.platform import Platform
 
 
@@ -39,7 +39,8 @@ class SlotPool:
     slot_nbytes: int = 0
 
     base: torch.Tensor | None = None
-    """With ``symmetric``: the one symmetric-memory buffer every slot is a view of."""
+    """With ``symmetric``: the one symmetric-memory buffer every slot is a view of (and,
+    after the slots, the copy-engine gather's barrier counters)."""
 
     @classmethod
     def allocate(
@@ -52,7 +53,9 @@ class SlotPool:
         try:
             if symmetric:
                 faults.check("slot_allocation")
-                pool.base = symmetric_empty(max(1, num_slots * slot_nbytes), platform.device)
+                slots_nbytes = num_slots * slot_nbytes
+                pool.base = symmetric_empty(slots_nbytes + FLAG_NBYTES, platform.device)
+                pool.base[slots_nbytes:].zero_()  # the barrier counters
             for i in range(num_slots):
                 faults.check("slot_allocation")
                 if pool.base is not None:

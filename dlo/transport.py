@@ -233,12 +233,12 @@ class BlockTransport:
             with nvtx_range("dlo::allgather"), pf.stream(self.comm_stream):
                 self.comm_stream.wait_event(self._chunk_events[k])
                 if ce is not None:
-                    ce.gather_chunk(slot, layout, k)
+                    ce.gather_chunk(slot, layout, k, self.comm_stream, layout.name)
                 else:
                     all_gather_into(slot[c0:c1], mine, self.group)
         with pf.stream(self.comm_stream):
             if ce is not None:
-                ce.finish()
+                ce.finish(self.comm_stream, layout.name)
             ready_event.record(self.comm_stream)
         self.counters.h2d_nbytes += layout.shard_nbytes
         self.counters.allgather_nbytes += layout.padded_nbytes

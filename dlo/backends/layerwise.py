@@ -126,6 +126,8 @@ class LayerwiseBackend(OffloadBackend):
         self._enable_time_s = 0.0
         self._enable_peak_rss = 0
         self._fallback_blocks: tuple[str, ...] = ()
+        self._gather_sync: str | None = None
+        """The copy-engine gather's barrier (``"stream"`` or ``"kernel"``), None with NCCL."""
         self._policy: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -374,12 +376,15 @@ class LayerwiseBackend(OffloadBackend):
             ce = None
             if group is not None and self._pool.base is not None:
                 ce = CopyEngineGather(
+                    pf,
                     self._pool.base,
                     group,
                     group_rank=group_rank,
                     group_size=len(ranks),
                     timeout_s=cfg.collective_timeout_s,
                 )
+                journal.record("copy-engine gather", ce.close)
+                self._gather_sync = ce.sync
             transports[stack.group_axis] = BlockTransport(
                 pf,
                 group=group,
@@ -521,6 +526,7 @@ class LayerwiseBackend(OffloadBackend):
             "num_resident_blocks": sum(b.resident for b in self._blocks),
             "num_slots": len(pool.slots) if pool else 0,
             "gather_engine": "copy" if pool is not None and pool.base is not None else "nccl",
+            "gather_sync": self._gather_sync,
             "pageable_blocks": list(self._fallback_blocks),
             "enable_time_s": self._enable_time_s,
             "enable_peak_rss_nbytes": self._enable_peak_rss,

@@ -29,7 +29,14 @@ def _x(rank: int, step: int, dim: int) -> torch.Tensor:
 
 
 def _backend(rank: int, world: int, **kw: Any) -> LayerwiseBackend:
+    """``gather_engine="copy-kernel"``: the copy engine with torch's barrier kernels (the
+    plain ``"copy"`` picks stream memory operations where the driver has them)."""
     kw.setdefault("collective_timeout_s", 30.0)
+    if kw.get("gather_engine") == "copy-kernel":
+        import dlo.ce_gather
+
+        dlo.ce_gather.DEFAULT_SYNC = "kernel"
+        kw["gather_engine"] = "copy"
     cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", **kw)
     return LayerwiseBackend(
         cfg, dlo.ParallelConfig(data_parallel_size=world), CudaPlatform(torch.device("cuda", rank))
@@ -86,11 +93,13 @@ def _parity(rank: int, world: int, delayed: bool, engine: str) -> dict[str, Any]
         "pinned": st["host_pinned_nbytes"],
         "new_segments": a1 - a0,
         "engine": st["gather_engine"],
+        "sync": st["gather_sync"],
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
     }
 
 
-ENGINES = pytest.mark.parametrize("engine", ["nccl", "copy"])
+ENGINES = pytest.mark.parametrize("engine", ["nccl", "copy", "copy-kernel"])
+SYNC = {"nccl": None, "copy": "stream", "copy-kernel": "kernel"}
 
 
 @ENGINES
@@ -99,7 +108,8 @@ def test_nccl_parity_half_bytes_no_alloc(engine: str) -> None:
         run_ranks(_parity, 2, False, engine, backend="nccl", timeout_s=240, env=NCCL_ENV)
     )
     for r in res:
-        assert r["same"] and r["engine"] == engine
+        assert r["same"] and r["engine"] == engine.split("-")[0]
+        assert r["sync"] == SYNC[engine]
         assert r["shard"] * 2 == r["padded"] and r["pinned"] == r["shard"]
         assert r["h2d"] * 2 == r["gathered"]  # each rank moved half of what it gathered
         assert r["new_segments"] == 0 and r["ledger"] == (0, 0)

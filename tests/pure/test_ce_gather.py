@@ -1,0 +1,76 @@
+"""The copy-engine gather's watchdog (pure: fake events, no device)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dlo.ce_gather import SyncWatchdog
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = False
+
+    def record(self, stream: Any) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class _Platform:
+    def __init__(self) -> None:
+        self.events: list[_Event] = []
+
+    def new_event(self) -> _Event:
+        self.events.append(_Event())
+        return self.events[-1]
+
+
+def _wait_for(cond: Any, seconds: float) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_barrier_that_never_completes_fires_once_naming_its_block() -> None:
+    fired: list[str] = []
+    dog = SyncWatchdog(_Platform(), 0.2, poll_s=0.01, on_expire=fired.append)  # type: ignore[arg-type]
+    dog.track(None, "blocks.3")
+    assert _wait_for(lambda: fired, 3.0)
+    time.sleep(0.3)
+    dog.close()
+    assert len(fired) == 1 and "'blocks.3'" in fired[0] and "collective_timeout_s" in fired[0]
+
+
+def test_completing_barriers_never_fire_and_events_are_reused() -> None:
+    fired: list[str] = []
+    pf = _Platform()
+    dog = SyncWatchdog(pf, 0.2, poll_s=0.01, on_expire=fired.append)  # type: ignore[arg-type]
+    for i in range(20):  # 20 blocks, each done within a tenth of the timeout
+        dog.track(None, f"blocks.{i}")
+        for e in pf.events:
+            e.done = True
+        time.sleep(0.02)
+    time.sleep(0.4)
+    dog.close()
+    assert fired == []
+    assert len(pf.events) < 20  # finished events went back to the pool
+
+
+def test_the_clock_starts_when_a_barrier_becomes_the_oldest() -> None:
+    fired: list[str] = []
+    pf = _Platform()
+    dog = SyncWatchdog(pf, 0.3, poll_s=0.01, on_expire=fired.append)  # type: ignore[arg-type]
+    dog.track(None, "blocks.0")
+    dog.track(None, "blocks.1")
+    time.sleep(0.2)
+    pf.events[0].done = True  # blocks.0 took 0.2 s: blocks.1's clock starts only now
+    time.sleep(0.2)
+    assert fired == []  # 0.4 s since blocks.1 was enqueued, 0.2 s as the oldest
+    assert _wait_for(lambda: fired, 3.0) and "'blocks.1'" in fired[0]
+    dog.close()
