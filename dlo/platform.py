@@ -172,6 +172,11 @@ class Platform:
     def synchronize(self) -> None:
         raise NotImplementedError
 
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Make this platform's device current (for threads dlo starts: they begin on
+        device 0)."""
+        return contextlib.nullcontext()
+
     # host memory
     def register_host(self, tensor: torch.Tensor) -> bool:
         """Page-lock a CPU tensor's memory in place; False when the platform refused."""
@@ -265,6 +270,9 @@ class CudaPlatform(Platform):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.device)
 
     def register_host(self, tensor: torch.Tensor) -> bool:
         assert tensor.device.type == "cpu" and tensor.is_contiguous()
