@@ -219,6 +219,7 @@ class Checkpoint:
         self._lock = threading.Lock()
         self.read_nbytes = 0
         """Bytes read with :meth:`read_into` so far."""
+        self._users = 0
 
     def _read_source(self, path: Path) -> dict[str, TensorEntry]:
         files, index = _find_files(path)
@@ -298,10 +299,28 @@ class Checkpoint:
         e = self.entries[name]
         return e.start % _itemsize(e.dtype) == 0
 
+    def retain(self) -> None:
+        """Keep the files open across :meth:`close` until the matching :meth:`release` (a
+        backend that reads blocks from the file while the model runs)."""
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        """End one :meth:`retain`; the last one closes the files."""
+        with self._lock:
+            assert self._users > 0, "release without retain"
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.close()
+
     def close(self) -> None:
         """Forget the mappings (each is unmapped once no tensor aliases it any more) and
-        close the files read with :meth:`read_into`."""
+        close the files read with :meth:`read_into`; deferred while a user :meth:`retain` s
+        the checkpoint (a closed checkpoint reopens its files on the next read)."""
         with self._lock:
+            if self._users:
+                return
             self._maps.clear()
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:

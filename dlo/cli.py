@@ -22,7 +22,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.config import GATHER_ENGINES, MODES, TRANSFERS, OffloadConfig, ParallelConfig
+from dlo.config import (
+    GATHER_ENGINES,
+    HOST_BACKINGS,
+    MODES,
+    TRANSFERS,
+    OffloadConfig,
+    ParallelConfig,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="mapped: each rank reads only its slices (default); copy: the ordinary path, "
         "a full pageable copy first (for comparison)",
     )
+    r.add_argument(
+        "--host-backing",
+        default="region",
+        choices=HOST_BACKINGS,
+        help="region: each rank copies its blocks into its own host memory (default); "
+        "mapped: rank-local blocks are read from the --checkpoint file (page cache shared "
+        "by the node's ranks) through two pinned staging buffers",
+    )
     s = sub.add_parser("save-checkpoint", help="save the embedded pipeline as safetensors")
     s.add_argument("--preset", default="tiny", help="tiny | medium | wan14b-like")
     s.add_argument("--out", required=True, help="output directory")
@@ -153,6 +168,7 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
         pin_memory=not args.no_pin,
         gather_engine=args.gather_engine,
         device_budget_gb=args.device_budget_gb,
+        host_backing=args.host_backing,
     )
 
 
@@ -200,6 +216,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if par.use_hsdp and cfg.mode != "layer":
         raise ValueError(f"--hsdp-shard/--hsdp-replicate compose with --mode layer, not {cfg.mode}")
+    if cfg.host_backing == "mapped" and (
+        args.checkpoint is None or args.checkpoint_load != "mapped"
+    ):
+        raise ValueError(
+            "--host-backing mapped reads blocks from the checkpoint: it needs --checkpoint "
+            "(with --checkpoint-load mapped)"
+        )
     if par.use_hsdp and args.checkpoint is not None:
         raise ValueError("--checkpoint does not compose with --hsdp-shard/--hsdp-replicate yet")
     world = init(par, device=device)
@@ -301,6 +324,8 @@ def run(args: argparse.Namespace) -> int:
         "device_slot_nbytes": stats.get("device_slot_nbytes", 0),
         "host_nbytes": stats.get("host_nbytes", 0),
         "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
+        "host_backing": stats.get("host_backing", "-"),
+        "host_mapped_nbytes": stats.get("host_mapped_nbytes", 0),
         "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
         "peak_rss_nbytes": process_peak_rss_bytes(),
         "parity": parity,
@@ -342,16 +367,18 @@ def _summary(reports: list[dict[str, Any]]) -> str:
     lines = [
         f"dlo run: preset={r0['preset']} mode={r0['mode']} transfer={r0['transfer']} "
         f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']} "
-        f"weights={r0['load']}",
-        "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | pinned host "
-        "GiB | exposed wait ms | enable s | enable peak RSS GiB | parity |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"weights={r0['load']} host={r0['host_backing']}",
+        "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | host GiB "
+        "private / mapped | pinned host GiB | exposed wait ms | enable s | enable peak RSS GiB "
+        "| parity |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         parity = {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[r["parity"]]
         lines.append(
             f"| {r['rank']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f} | "
             f"{r['hbm_peak_nbytes'] / gib:.2f} | {r['device_slot_nbytes'] / gib:.3f} | "
+            f"{r['host_nbytes'] / gib:.3f} / {r['host_mapped_nbytes'] / gib:.3f} | "
             f"{r['host_pinned_nbytes'] / gib:.3f} | {r['exposed_wait_ms']:.1f} | "
             f"{r['enable_s']:.2f} | {r['enable_peak_rss_nbytes'] / gib:.2f} | {parity} |"
         )

@@ -34,6 +34,7 @@ MODES = ("none", "module", "layer")
 COMPONENTS = ("dit", "encoder")
 TRANSFERS = ("rank-local", "allgather", "auto")
 GATHER_ENGINES = ("nccl", "copy")
+HOST_BACKINGS = ("region", "mapped")
 PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")
 WEIGHT_AXES = ("auto", "shard", "data", "sequence", "local")
 
@@ -242,6 +243,13 @@ class OffloadConfig:
     """How AllGather rebuilds streamed blocks: ``"nccl"`` (NCCL's kernels, any topology) or
     ``"copy"`` (copy engines pulling peers' slices from symmetric-memory slots: no SMs
     taken from compute; CUDA GPUs of one node with peer access)."""
+    host_backing: str = "region"
+    """Host bytes of streamed blocks: ``"region"`` (each rank copies its shards into its own
+    exact-size host region) or ``"mapped"`` (rank-local stacks of a model loaded with
+    :func:`dlo.load_pipeline` keep no private copy: blocks are read from the checkpoint file,
+    whose page cache the ranks of a node share, through a few pinned staging buffers; see
+    [Note: mapped host backing]). ``"mapped"`` is refused at enable for an AllGather stack
+    or a model whose blocks do not come from a checkpoint."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -271,6 +279,7 @@ class OffloadConfig:
         if self.nccl_max_ctas is not None:
             _check_int("nccl_max_ctas", self.nccl_max_ctas, minimum=1)
         _check_choice("gather_engine", self.gather_engine, GATHER_ENGINES)
+        _check_choice("host_backing", self.host_backing, HOST_BACKINGS)
         self._validate_layer_options()
         if self.mode == "module":
             layer_only = {
@@ -279,6 +288,7 @@ class OffloadConfig:
                 "weight_axis": "auto",
                 "num_slots": 2,
                 "device_budget_gb": None,
+                "host_backing": "region",
             }
             for name, default in layer_only.items():
                 if getattr(self, name) != default:

@@ -28,6 +28,7 @@ POINTS = (
     "pin_allocation",
     "host_fill",
     "slot_allocation",
+    "staging_allocation",
     "device_placement",
     "hook_install",
     "agreement",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -223,14 +223,44 @@ def span_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.as_strided(t, (n,), (1,), t.storage_offset()).view(torch.uint8)
 
 
-def shard_copies(layout: BlockLayout, rank: int) -> Iterator[tuple[int, int, int, int]]:
-    """``(tensor_index, tensor_byte_start, nbytes, shard_byte_start)`` of every piece of a
-    tensor that lies in one of ``rank``'s slices: the only bytes that rank reads."""
-    for block_start, block_end, shard_off in layout.shard_ranges(rank):
+def range_copies(
+    layout: BlockLayout, ranges: Iterable[tuple[int, int, int]]
+) -> Iterator[tuple[int, int, int, int]]:
+    """``(tensor_index, tensor_byte_start, nbytes, dst_byte_start)`` of every piece of a
+    tensor that lies in one of ``ranges`` (``(block_start, block_end, dst_offset)``: the
+    block bytes ``[block_start, block_end)`` go to ``dst[dst_offset:]``). Bytes of a range
+    that no tensor covers (alignment gaps, padding) are not listed (:func:`gap_ranges`)."""
+    for block_start, block_end, dst_off in ranges:
         for i, spec in enumerate(layout.tensors):
             lo, hi = max(block_start, spec.offset), min(block_end, spec.end)
             if lo < hi:
-                yield i, lo - spec.offset, hi - lo, shard_off + lo - block_start
+                yield i, lo - spec.offset, hi - lo, dst_off + lo - block_start
+
+
+def shard_copies(layout: BlockLayout, rank: int) -> Iterator[tuple[int, int, int, int]]:
+    """:func:`range_copies` of ``rank``'s slices: the only bytes that rank reads."""
+    return range_copies(layout, layout.shard_ranges(rank))
+
+
+def chunk_copies(layout: BlockLayout, k: int) -> list[tuple[int, int, int, int]]:
+    """:func:`range_copies` of chunk ``k`` of a block, into a buffer that holds that chunk
+    alone (offset 0): what one staging buffer receives."""
+    c0, c1 = layout.chunk_range(k)
+    return list(range_copies(layout, [(c0, c1, 0)]))
+
+
+def gap_ranges(copies: Iterable[tuple[int, int, int, int]], nbytes: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` byte ranges of ``[0, nbytes)`` that none of ``copies`` writes (the
+    bytes a reused buffer must zero to match a fresh, zeroed one)."""
+    out: list[tuple[int, int]] = []
+    pos = 0
+    for _i, _src, n, dst in sorted(copies, key=lambda c: c[3]):
+        if dst > pos:
+            out.append((pos, dst))
+        pos = max(pos, dst + n)
+    if pos < nbytes:
+        out.append((pos, nbytes))
+    return out
 
 
 def pack_shard(

@@ -38,7 +38,6 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,14 +45,14 @@ import torch
 from torch import nn
 
 from dlo.checkpoint import Checkpoint, CheckpointError
-from dlo.host import pack_shard, shard_copies, span_bytes
+from dlo.host import pack_shard, shard_copies
 from dlo.layout import BlockLayout
 from dlo.lifecycle import Journal
+from dlo.staging import bytes_of, fill_ranges
 
 logger = logging.getLogger(__name__)
 
 _MAX_LISTED = 12
-_READERS = 8
 
 
 @dataclass(eq=False)
@@ -223,34 +222,27 @@ def _unregister(t: torch.Tensor) -> None:
     _MAPPED.pop(id(t), None)
 
 
+def mapped_source(t: torch.Tensor) -> tuple[Checkpoint, str] | None:
+    """``(checkpoint, name)`` when ``t`` aliases a checkpoint mapping made by
+    :func:`materialize` (it can be read from the file), else None."""
+    item = _MAPPED.get(id(t))
+    return (item[1], item[2]) if item is not None and item[0]() is t else None
+
+
 def pack_block(
     dst: torch.Tensor, layout: BlockLayout, rank: int, sources: Sequence[torch.Tensor]
 ) -> None:
     """:func:`~dlo.host.pack_shard`, reading tensors that alias a checkpoint straight from
     the file with ``pread`` (same ranges, :func:`~dlo.host.shard_copies`): the file's pages
     are never mapped into this process, so they never count in its RSS."""
-    files: list[tuple[Checkpoint, str] | None] = []
-    for t in sources:
-        item = _MAPPED.get(id(t))
-        files.append((item[1], item[2]) if item is not None and item[0]() is t else None)
+    files = [mapped_source(t) for t in sources]
     if not any(files):
         pack_shard(dst, layout, rank, sources)
         return
     assert dst.numel() == layout.shard_nbytes and len(sources) == len(layout.tensors)
-    out = _bytes_of(dst)
-    spans = [span_bytes(s) if f is None else None for s, f in zip(sources, files)]
-    reads = []
-    for i, src_lo, n, dst_lo in shard_copies(layout, rank):
-        f, span = files[i], spans[i]
-        if f is None:
-            assert span is not None
-            dst[dst_lo : dst_lo + n].copy_(span[src_lo : src_lo + n])
-        else:
-            reads.append((f, src_lo, out[dst_lo : dst_lo + n]))
-    # several reads in flight keep a fast disk busy (and page-cache copies run in parallel)
-    with ThreadPoolExecutor(max_workers=min(_READERS, len(reads))) as pool:
-        for fut in [pool.submit(f[0].read_into, f[1], lo, buf) for f, lo, buf in reads]:
-            fut.result()
+    fill_ranges(
+        dst, shard_copies(layout, rank), [t if f is None else f for t, f in zip(sources, files)]
+    )
 
 
 # ----------------------------------------------------------------------------- materialize
@@ -264,11 +256,6 @@ def _copy_reason(target: _Target, checkpoint: Checkpoint, mapped: bool) -> str |
     return None
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU uint8 tensor."""
-    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
-
-
 def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) -> torch.Tensor:
     """``target``'s tensor in its own memory on ``device``, read with ``pread`` (nothing of
     the file is mapped into the process)."""
@@ -276,7 +263,7 @@ def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) ->
     e = ckpt.entries[target.source]
     host = torch.empty(e.shape, dtype=e.dtype)
     if e.nbytes:
-        ckpt.read_into(target.source, 0, _bytes_of(host.reshape(-1).view(torch.uint8)))
+        ckpt.read_into(target.source, 0, bytes_of(host.reshape(-1).view(torch.uint8)))
     if old.is_contiguous() and torch.device(device).type == "cpu":
         return host
     data = torch.empty_strided(

@@ -187,6 +187,11 @@ class Platform:
         ``address`` is >= ``value`` (cyclic comparison, so counters may wrap)."""
         raise NotImplementedError(f"{type(self).__name__} has no stream memory operations")
 
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Make this platform's device current (for threads dlo starts: they begin on
+        device 0)."""
+        return contextlib.nullcontext()
+
     # host memory
     def register_host(self, tensor: torch.Tensor) -> bool:
         """Page-lock a CPU tensor's memory in place; False when the platform refused."""
@@ -289,6 +294,9 @@ class CudaPlatform(Platform):
 
     def stream_wait_u32(self, stream: Any, address: int, value: int) -> None:
         _stream_mem_op("wait", stream.cuda_stream, address, value)
+
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.device)
 
     def register_host(self, tensor: torch.Tensor) -> bool:
         assert tensor.device.type == "cpu" and tensor.is_contiguous()

@@ -44,6 +44,7 @@ from dlo.hooks import ModelHook
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 from dlo.slots import Slot, SlotPool
+from dlo.staging import StagedTransport
 from dlo.transport import BlockTransport
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,13 @@ class StreamedBlock:
     name: str
     module: nn.Module
     layout: BlockLayout
-    shard: torch.Tensor
-    """This rank's host shard of the block (uint8)."""
+    shard: Any
+    """This rank's host shard of the block (uint8), or with ``host_backing="mapped"`` the
+    block's place in the checkpoint, a :class:`~dlo.staging.MappedBlock` (see [Note: mapped
+    host backing]): whatever its transport's ``load`` takes."""
     tensors: list[torch.Tensor]
     """The block's Parameter and buffer objects, in layout order."""
-    transport: BlockTransport
+    transport: BlockTransport | StagedTransport
     requires_grad: bool
     index: int = -1
     """Position in the manifest (identifies the block in the lock-step check)."""
@@ -219,6 +222,9 @@ class RingScheduler:
             # this hook's own post-forward will not run (its pre-forward did not complete):
             # release the block here so the ring stays sound for the next forward
             self.exit(block)
+            if block.state == LOADED and block.slot is not None:
+                # its load failed (or was never waited for): the slot holds nothing usable
+                block.slot.owner, block.slot, block.state = None, None, IDLE
             if isinstance(e, InjectedFault) or not isinstance(e, Exception):
                 raise  # an injected "user error inside the block", or KeyboardInterrupt
             if block.transport.group_size > 1:
@@ -272,6 +278,9 @@ class RingScheduler:
         assert block.wait is not None
         block.wait.begin(compute)
         with nvtx_range("dlo::wait"):
+            # a staged load records ready from its filler thread: wait (on the host, only
+            # when the filler is behind) until it has (see [Note: staged ready])
+            block.transport.wait_enqueued(slot.index, block.name)
             # [ready] producer: transport writer stream; consumer: compute stream
             compute.wait_event(slot.ready)
         block.wait.end(compute)

@@ -192,6 +192,11 @@ class BlockTransport:
         """The stream that performs the last write of a load."""
         return self.comm_stream if self.group_size > 1 else self.copy_stream
 
+    def wait_enqueued(self, slot_index: int, block: str) -> None:
+        """Nothing: every load is enqueued by the time :meth:`load` returns (a staged
+        transport's is not; see [Note: staged ready])."""
+        return None
+
     def load(
         self,
         layout: BlockLayout,

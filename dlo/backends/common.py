@@ -15,6 +15,7 @@ from dlo.errors import OffloadError
 from dlo.hooks import HookRegistry
 from dlo.host import shard_view
 from dlo.layout import BlockLayout
+from dlo.staging import MappedBlock
 
 # id -> weak reference of tensors whose bytes an AllGather disable could not restore (each
 # rank held 1/G of them). Keyed by id because tensors compare elementwise, not by identity.
@@ -58,11 +59,12 @@ def install_state_dict_hooks(
     module: nn.Module,
     name: str,
     layout: BlockLayout,
-    shard: torch.Tensor,
+    shard: torch.Tensor | MappedBlock,
     *,
     rank: int,
 ) -> None:
-    """Make ``module.state_dict()`` return real tensors (views of the host shard) instead of
+    """Make ``module.state_dict()`` return real tensors (views of the host shard, or with
+    ``host_backing="mapped"`` views of the checkpoint's private mapping) instead of
     placeholders, and refuse ``load_state_dict`` while offload is enabled.
 
     With a group size above 1 the host holds only 1/G of the module, so ``state_dict`` raises.
@@ -79,10 +81,12 @@ def install_state_dict_hooks(
                 rank=rank,
                 block=name,
             )
-        for spec in layout.tensors:
+        for i, spec in enumerate(layout.tensors):
             key = prefix + spec.name
             if key in state_dict:
-                state_dict[key] = shard_view(shard, spec)
+                state_dict[key] = (
+                    shard.tensor(i) if isinstance(shard, MappedBlock) else shard_view(shard, spec)
+                )
 
     def refuse_load(*args: Any, **kwargs: Any) -> None:
         raise OffloadError(

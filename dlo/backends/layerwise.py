@@ -61,12 +61,13 @@ from dlo.layout import (
     plan_block_layout,
 )
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
-from dlo.loader import pack_block
+from dlo.loader import mapped_source, pack_block
 from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
 from dlo.plan import BlockStack, ResolvedOffloadPlan, get_by_path, resolve_offload_plan
 from dlo.platform import Platform, process_peak_rss_bytes
 from dlo.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.slots import SlotPool
+from dlo.staging import MappedBlock, StagedTransport
 from dlo.transport import BlockTransport, SequenceCheck, TransferCounters
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,8 @@ class _Block:
     entries: list[tuple[str, str, torch.Tensor]]
     region_index: int = -1
     original_devices: list[torch.device] = field(default_factory=list)
+    mapped: MappedBlock | None = None
+    """With ``host_backing="mapped"``: the block's host backing (no region bytes)."""
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -118,6 +121,7 @@ class LayerwiseBackend(OffloadBackend):
         self._region: HostRegion | None = None
         self._pool: SlotPool | None = None
         self._scheduler: RingScheduler | None = None
+        self._staging: StagedTransport | None = None
         self._counters = TransferCounters()
         self._resident_nbytes = 0
         self._placed_nbytes = 0
@@ -164,6 +168,8 @@ class LayerwiseBackend(OffloadBackend):
                 pipeline, plan, cfg, par, self.platform, world
             )
         self.plan = plan
+        if cfg.host_backing == "mapped":
+            _check_mapped_stacks(plan)
         claim_components(
             [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)],
             f"dlo {self.name} backend #{id(self):x}",
@@ -257,13 +263,14 @@ class LayerwiseBackend(OffloadBackend):
         self._enable_peak_rss = process_peak_rss_bytes()
         logger.info(
             "dlo layer offload enabled: %d streamed + %d resident blocks, %d slots x %.1f MiB, "
-            "host %.1f MiB (pinned %.1f MiB), %.2fs",
+            "host %.1f MiB (pinned %.1f MiB), mapped from the checkpoint %.1f MiB, %.2fs",
             sum(not b.resident for b in blocks),
             sum(b.resident for b in blocks),
             cfg.num_slots,
             (self._pool.slot_nbytes if self._pool else 0) / MIB,
             self._region.nbytes / MIB if self._region else 0,
             self._region.pinned_nbytes / MIB if self._region else 0,
+            sum(b.mapped.mapped_nbytes for b in blocks if b.mapped) / MIB,
             self._enable_time_s,
         )
 
@@ -290,11 +297,25 @@ class LayerwiseBackend(OffloadBackend):
     def _prepare_host(
         self, blocks: list[_Block], journal: Journal, group_ranks: dict[str, list[int]]
     ) -> None:
-        region = HostRegion([b.layout.shard_nbytes for b in blocks])
+        if self.config.host_backing == "mapped":
+            self._map_blocks(blocks)
+            # the files stay open while blocks are read from them, and until disable has
+            # rebuilt the blocks from them (load_pipeline's close is deferred until then)
+            for ckpt in {
+                id(c): c for b in blocks if b.mapped for c in b.mapped.checkpoints
+            }.values():
+                ckpt.retain()
+                journal.record("checkpoint files", ckpt.release)
+        region = HostRegion([0 if b.mapped else b.layout.shard_nbytes for b in blocks])
         self._region = region
         journal.record("host region", self._close_region)
         for i, b in enumerate(blocks):
             b.region_index = i
+            if b.mapped is not None:
+                # its bytes stay in the checkpoint: nothing to pack, the originals go
+                self._release_originals(b)
+                journal.record(f"release {b.name}", functools.partial(self._restore_block, b))
+                continue
             rank = (
                 group_ranks[b.stack.group_axis].index(self.world.rank)
                 if self.world.distributed
@@ -308,12 +329,31 @@ class LayerwiseBackend(OffloadBackend):
                 self._release_originals(b)
                 journal.record(f"release {b.name}", functools.partial(self._restore_block, b))
 
+    def _map_blocks(self, blocks: list[_Block]) -> None:
+        """Give every block its :class:`MappedBlock` (see [Note: mapped host backing])."""
+        for b in blocks:
+            b.mapped = MappedBlock(
+                b.name, b.layout, [mapped_source(t) or t.data for t in b.tensors]
+            )
+        if not any(b.mapped is not None and b.mapped.mapped_nbytes for b in blocks):
+            for b in blocks:
+                b.mapped = None
+            raise ValueError(
+                "host_backing='mapped' serves blocks from the checkpoint they were loaded "
+                "from, but no tensor of the streamed blocks aliases a checkpoint: load the "
+                "model with dlo.load_pipeline (not copy=True), or use host_backing='region'"
+            )
+
     def _release_originals(self, b: _Block) -> None:
         b.original_devices = [t.device for t in b.tensors]
         for t in b.tensors:
             t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
 
     def _restore_block(self, b: _Block) -> None:
+        if b.mapped is not None:
+            for i, (t, dev) in enumerate(zip(b.tensors, b.original_devices)):
+                t.data = b.mapped.rebuild(i).to(dev)
+            return
         assert self._region is not None
         shard = self._region.view(b.region_index)
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
@@ -351,8 +391,25 @@ class LayerwiseBackend(OffloadBackend):
         cfg, pf = self.config, self.platform
         assert self._region is not None and self._pool is not None
         copy_stream, comm_stream = pf.new_stream(), pf.new_stream()
-        transports: dict[str, BlockTransport] = {}
+        transports: dict[str, BlockTransport | StagedTransport] = {}
         dit_group_set = False
+        mapped = [b.mapped for b in blocks if b.mapped is not None]
+        if mapped:  # every stack is rank-local (_check_mapped_stacks)
+            staging = StagedTransport(
+                pf,
+                copy_stream=copy_stream,
+                chunk_nbytes=max(m.layout.chunk_nbytes for m in mapped),
+                counters=self._counters,
+                pin=cfg.pin_memory,
+                pin_budget_nbytes=(
+                    int(cfg.pin_budget_gb * (1 << 30)) if cfg.pin_budget_gb is not None else None
+                ),
+                require_pinned=cfg.pin_failure_policy == "fail",
+                rank=world.rank,
+            )
+            self._staging = staging
+            journal.record("staging", staging.close)
+            transports = {s.group_axis: staging for s in plan.stacks}
         for stack in plan.stacks:
             if stack.group_axis in transports:
                 continue
@@ -416,7 +473,7 @@ class LayerwiseBackend(OffloadBackend):
                 name=b.name,
                 module=b.module,
                 layout=b.layout,
-                shard=self._region.view(b.region_index),
+                shard=b.mapped or self._region.view(b.region_index),
                 tensors=b.tensors,
                 transport=transports[b.stack.group_axis],
                 requires_grad=any(t.requires_grad for t in b.tensors),
@@ -466,7 +523,10 @@ class LayerwiseBackend(OffloadBackend):
             journal.record("place", functools.partial(move_tensor, t, origin))
 
     def _load_resident(
-        self, blocks: list[_Block], transports: dict[str, BlockTransport], journal: Journal
+        self,
+        blocks: list[_Block],
+        transports: dict[str, BlockTransport | StagedTransport],
+        journal: Journal,
     ) -> None:
         assert self._region is not None
         pf = self.platform
@@ -474,9 +534,10 @@ class LayerwiseBackend(OffloadBackend):
             if not b.resident:
                 continue
             buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
+            host: Any = b.mapped or self._region.view(b.region_index)
             transports[b.stack.group_axis].load(
                 b.layout,
-                self._region.view(b.region_index),
+                host,
                 buffer,
                 free_event=pf.new_event(),
                 ready_event=pf.new_event(),
@@ -487,6 +548,8 @@ class LayerwiseBackend(OffloadBackend):
             self._resident_nbytes += b.layout.padded_nbytes
             if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
                 journal.record(f"resident {b.name}", functools.partial(self._release_originals, b))
+        if self._staging is not None:
+            self._staging.drain()
         pf.synchronize()
 
     def _unbind_rings(self) -> None:
@@ -498,7 +561,7 @@ class LayerwiseBackend(OffloadBackend):
     # ------------------------------------------------------------------ telemetry
     def stats(self) -> dict[str, Any]:
         """Plain-value statistics (DESIGN.md section 2); synchronizes the device."""
-        sched, region, pool = self._scheduler, self._region, self._pool
+        sched, region, pool, staging = self._scheduler, self._region, self._pool, self._staging
         if sched is not None:
             self.platform.synchronize()
             sched.harvest_all()
@@ -509,9 +572,17 @@ class LayerwiseBackend(OffloadBackend):
             "transfer": "allgather" if "allgather" in transfers else "rank-local",
             "group_size": self._group_size,
             "group_rank": self._group_rank,
-            "host_nbytes": sum(b.layout.shard_nbytes for b in self._blocks),
+            "host_backing": self.config.host_backing,
+            "host_nbytes": sum(
+                b.mapped.private_nbytes if b.mapped else b.layout.shard_nbytes for b in self._blocks
+            ),
+            "host_mapped_nbytes": sum(b.mapped.mapped_nbytes for b in self._blocks if b.mapped),
             "host_region_nbytes": region.nbytes if region else 0,
-            "host_pinned_nbytes": region.pinned_nbytes if region else 0,
+            "host_pinned_nbytes": (region.pinned_nbytes if region else 0)
+            + (staging.pinned_nbytes if staging else 0),
+            "num_staging_buffers": staging.num_buffers if staging else 0,
+            "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
+            "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
             "device_slot_nbytes": pool.nbytes if pool else 0,
             "device_resident_block_nbytes": self._resident_nbytes,
             "device_non_block_nbytes": self._placed_nbytes,
@@ -532,6 +603,17 @@ class LayerwiseBackend(OffloadBackend):
             "enable_peak_rss_nbytes": self._enable_peak_rss,
             "policy": self._policy,
         }
+
+
+def _check_mapped_stacks(plan: ResolvedOffloadPlan) -> None:
+    for s in plan.stacks:
+        if s.group_size > 1:
+            raise ValueError(
+                f"host_backing='mapped' applies to rank-local stacks only, but stack "
+                f"{s.container_path!r} uses transfer {s.transfer!r} (group size "
+                f"{s.group_size}): AllGather stacks keep per-rank shards "
+                "(use host_backing='region')"
+            )
 
 
 def _streamed_components(plan: ResolvedOffloadPlan) -> list[str]:

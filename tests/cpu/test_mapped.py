@@ -1,0 +1,289 @@
+"""host_backing="mapped": rank-local blocks served from the checkpoint file through staging.
+
+Real gloo process groups (world sizes 1 and 2, pure data parallelism, rank-local stacks),
+the same staging thread and code path as on CUDA (ordered on the host here).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo import faults
+from dlo.backends.layerwise import LayerwiseBackend
+from dlo.backends.loading import load_pipeline
+from dlo.checkpoint import Checkpoint, save_checkpoint
+from dlo.errors import InjectedFault, OffloadError
+from dlo.hooks import HookRegistry
+from dlo.host import LEDGER
+from dlo.layout import round_up
+from dlo.models import build_pipeline, make_inputs
+from dlo.platform import CpuPlatform, page_size
+from tests.cpu.test_loader import DTYPE, PRESET
+from tests.harness import assert_all_ok, run_ranks
+
+
+def _cfg(**kw: Any) -> dlo.OffloadConfig:
+    base: dict[str, Any] = dict(
+        mode="layer",
+        components=("dit", "encoder"),
+        transfer="rank-local",
+        chunk_mb=4,  # DiT blocks of ~17 MB: five chunks, more than one staging buffer
+        host_backing="mapped",
+        collective_timeout_s=20.0,
+    )
+    base.update(kw)
+    return dlo.OffloadConfig(**base)
+
+
+def _skeleton() -> Any:
+    return build_pipeline(PRESET, dtype=DTYPE, device="meta")
+
+
+def _steps(pipe: Any, ids: torch.Tensor, latents: torch.Tensor) -> list[torch.Tensor]:
+    """Four runs of two denoising steps, alternating inference_mode and no_grad."""
+    outs = []
+    for i in range(4):
+        with torch.no_grad() if i % 2 else torch.inference_mode():
+            outs.append(pipe.decode(pipe.denoise(latents, pipe.encode(ids), 2)))
+    return outs
+
+
+def _slow_fill(delay_s: float) -> Callable[[], None]:
+    """Make every staging fill sleep first (a filler behind the compute thread)."""
+    from dlo.staging import MappedBlock
+
+    fill = MappedBlock.fill_chunk
+
+    def slow(self: MappedBlock, k: int, dst: torch.Tensor, **kw: Any) -> None:
+        time.sleep(delay_s)
+        fill(self, k, dst, **kw)
+
+    MappedBlock.fill_chunk = slow  # type: ignore[method-assign]
+
+    def undo() -> None:
+        MappedBlock.fill_chunk = fill  # type: ignore[method-assign]
+
+    return undo
+
+
+def _mapped_vs_resident(rank: int, world: int, ckpt: str, delay_s: float) -> dict[str, Any]:
+    par = dlo.ParallelConfig(data_parallel_size=world)
+    ids, latents = make_inputs(PRESET, seed=rank, dtype=DTYPE)
+    resident = build_pipeline(PRESET, dtype=DTYPE)
+    refs = _steps(resident, ids, latents)
+    state = {k: v.clone() for k, v in resident.state_dict().items()}
+    del resident
+    undo = _slow_fill(delay_s) if delay_s else (lambda: None)
+    try:
+        checkpoint = Checkpoint(ckpt)
+        pipe, backend = load_pipeline(_skeleton, checkpoint, _cfg(), par, "cpu")
+        assert isinstance(backend, LayerwiseBackend)
+        ledger_enabled = (LEDGER.host_nbytes, LEDGER.pinned_nbytes)
+        outs = _steps(pipe, ids, latents)
+        sd = pipe.state_dict()
+        st = backend.stats()
+    finally:
+        undo()
+    block_nbytes = {
+        n: e.nbytes for n, e in checkpoint.entries.items() if ".blocks." in n or ".layers." in n
+    }
+    same_state = sorted(sd) == sorted(state) and all(torch.equal(sd[k], state[k]) for k in state)
+    backend.disable()
+    after = _steps(pipe, ids, latents)  # a real model again (rebuilt from the file)
+    ref = weakref.ref(backend)
+    del backend
+    gc.collect()
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(outs, refs)),
+        "bitwise_after_disable": all(torch.equal(a, b) for a, b in zip(after, refs)),
+        "state_dict": same_state,
+        "stats": {
+            k: st[k]
+            for k in (
+                "host_backing",
+                "host_nbytes",
+                "host_mapped_nbytes",
+                "host_region_nbytes",
+                "host_pinned_nbytes",
+                "num_staging_buffers",
+                "staging_buffer_nbytes",
+                "num_loads",
+                "group_size",
+                "transfer",
+                "staging_host_wait_ms",
+            )
+        },
+        "block_nbytes": sum(block_nbytes.values()),
+        "ledger_enabled": ledger_enabled,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+        "collected": ref() is None,
+        "files_closed": not checkpoint._fds,
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("ckpt")
+    path = save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), root, max_shard_nbytes=12 << 20)
+    return str(path.parent)
+
+
+@pytest.mark.parametrize(("world", "delay_s"), [(1, 0.0), (2, 0.0), (1, 0.02), (2, 0.01)])
+def test_mapped_backing_is_bitwise_with_no_private_copy(
+    world: int, delay_s: float, checkpoint: str
+) -> None:
+    res = assert_all_ok(run_ranks(_mapped_vs_resident, world, checkpoint, delay_s, timeout_s=240))
+    for r in res:
+        st = r["stats"]
+        assert r["bitwise"] and r["bitwise_after_disable"] and r["state_dict"], r
+        assert st["host_backing"] == "mapped" and st["transfer"] == "rank-local"
+        assert st["group_size"] == 1 and st["num_loads"] > 0
+        # no private copy: every block byte is served by the file; what stays private is
+        # only the blocks' computed non-persistent buffers (RoPE tables, a few bytes)
+        assert st["host_mapped_nbytes"] == r["block_nbytes"]
+        assert st["host_nbytes"] <= r["block_nbytes"] // 1000
+        assert st["host_region_nbytes"] == 0
+        # host memory dlo holds: the two staging buffers of one chunk each, nothing else;
+        # the CPU platform cannot pin (on CUDA host_pinned_nbytes is exactly this)
+        assert st["num_staging_buffers"] == 2
+        assert 0 < st["staging_buffer_nbytes"] <= 4 << 20
+        staging = 2 * round_up(st["staging_buffer_nbytes"], page_size())
+        assert r["ledger_enabled"] == (staging, 0) and st["host_pinned_nbytes"] == 0
+        assert r["ledger"] == (0, 0) and r["collected"] and r["files_closed"]
+        if delay_s:  # the compute thread caught up with the filler and waited for it
+            assert st["staging_host_wait_ms"] > 0
+
+
+# ----------------------------------------------------------------------------- refusals
+def _allgather_refused(rank: int, world: int, ckpt: str) -> str:
+    par = dlo.ParallelConfig(data_parallel_size=world)
+    with torch.device("meta"):
+        skeleton = _skeleton()
+    try:
+        load_pipeline(skeleton, ckpt, _cfg(transfer="allgather"), par, "cpu")
+    except ValueError as e:
+        assert all(t.is_meta for t in skeleton.state_dict().values())
+        assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+        return str(e)
+    return "loaded"
+
+
+def test_allgather_stack_with_mapped_backing_is_refused(checkpoint: str) -> None:
+    res = assert_all_ok(run_ranks(_allgather_refused, 2, checkpoint, timeout_s=120))
+    for msg in res:
+        assert "host_backing='mapped'" in msg and "allgather" in msg, msg
+
+
+def test_mapped_backing_without_a_checkpoint_is_refused() -> None:
+    pipe = build_pipeline(PRESET, dtype=DTYPE)
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    backend = LayerwiseBackend(_cfg(), dlo.ParallelConfig(), CpuPlatform())
+    with pytest.raises(ValueError, match=r"host_backing='mapped'.*load_pipeline"):
+        backend.enable(pipe)
+    after = pipe.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0) and not backend.is_enabled()
+    # copy=True holds no mapped tensor either
+    with pytest.raises(ValueError, match="host_backing='mapped'"):
+        load_pipeline(_skeleton, _save(pipe), _cfg(), None, "cpu", copy=True)
+
+
+_SAVED: dict[int, str] = {}
+
+
+def _save(pipe: Any) -> str:
+    import tempfile
+
+    if id(pipe) not in _SAVED:
+        _SAVED[id(pipe)] = str(save_checkpoint(pipe, tempfile.mkdtemp(prefix="dlo-mapped-")))
+    return _SAVED[id(pipe)]
+
+
+def test_config_field_is_checked() -> None:
+    with pytest.raises(ValueError, match="host_backing='pinned'"):
+        dlo.OffloadConfig(host_backing="pinned")
+    with pytest.raises(ValueError, match="host_backing='mapped' applies to mode='layer'"):
+        dlo.OffloadConfig(mode="module", host_backing="mapped")
+    cfg = dlo.OffloadConfig.from_dict({"mode": "layer", "host_backing": "mapped"})
+    assert cfg.host_backing == "mapped"
+    assert dlo.OffloadConfig().host_backing == "region"
+
+
+# ----------------------------------------------------------------------------- failures
+def _points_of_mapped_load(path: str) -> dict[str, int]:
+    with faults.count_points() as seen:
+        _, backend = load_pipeline(_skeleton, path, _cfg(), None, "cpu")
+        assert backend is not None
+        backend.disable()
+    return dict(seen)
+
+
+def test_failure_at_every_point_of_a_mapped_enable_rolls_back(checkpoint: str) -> None:
+    points = _points_of_mapped_load(checkpoint)
+    assert {"staging_allocation", "host_allocation", "first_transfer", "commit"} <= set(points)
+    points.pop("block_forward", None)
+    for point, count in points.items():
+        for after in sorted({0, count - 1}):
+            with torch.device("meta"):
+                skeleton = _skeleton()
+            before = [(n, id(t)) for n, t in skeleton.state_dict(keep_vars=True).items()]
+            with faults.inject(point, after=after), pytest.raises(InjectedFault):
+                load_pipeline(skeleton, checkpoint, _cfg(), None, "cpu")
+            after_ids = [(n, id(t)) for n, t in skeleton.state_dict(keep_vars=True).items()]
+            assert after_ids == before and all(t.is_meta for t in skeleton.parameters()), point
+            assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0), point
+            assert all(not HookRegistry.owners_on(m) for m in skeleton.modules()), point
+
+
+def test_failed_fill_raises_naming_the_block_and_the_next_forward_is_correct(
+    checkpoint: str,
+) -> None:
+    from dlo.staging import MappedBlock
+
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    ref = build_pipeline(PRESET, dtype=DTYPE).generate(ids, latents, 2)
+    pipe, backend = load_pipeline(_skeleton, checkpoint, _cfg(), None, "cpu")
+    assert backend is not None
+    fill = MappedBlock.fill_chunk
+
+    def broken(self: MappedBlock, k: int, dst: torch.Tensor, **kw: Any) -> None:
+        if self.name == "transformer.blocks.2":
+            raise OSError("disk gone")
+        fill(self, k, dst, **kw)
+
+    MappedBlock.fill_chunk = broken  # type: ignore[method-assign]
+    try:
+        with pytest.raises(OffloadError, match="disk gone") as info:
+            pipe.generate(ids, latents, 2)
+        assert info.value.block == "transformer.blocks.2"
+    finally:
+        MappedBlock.fill_chunk = fill  # type: ignore[method-assign]
+    assert torch.equal(pipe.generate(ids, latents, 2), ref)
+    backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_cli_run_with_mapped_backing(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from dlo.cli import main
+
+    out = tmp_path / "ckpt"
+    assert main(["save-checkpoint", "--preset", "tiny", "--out", str(out)]) == 0
+    capsys.readouterr()
+    argv = ["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--chunk-mb", "1"]
+    assert main([*argv, "--checkpoint", str(out), "--host-backing", "mapped"]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["parity"] is True and report["host_backing"] == "mapped"
+    # private: the blocks' computed RoPE tables only
+    assert 0 < report["host_nbytes"] < report["host_mapped_nbytes"] // 100
+    assert main([*argv, "--host-backing", "mapped"]) == 2
+    assert "--host-backing mapped" in capsys.readouterr().err
