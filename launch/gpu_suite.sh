@@ -75,7 +75,11 @@ for s in $steps; do
           --transfer allgather --steps 2 --tokens 4096 --json
       done
       [ "$ngpu" -ge 2 ] && step ckpt_built 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
-        --preset "$ck" --transfer allgather --steps 2 --tokens 4096 --json ;;
+        --preset "$ck" --transfer allgather --steps 2 --tokens 4096 --json
+      # rank-local ranks sharing the page cache: host_backing="mapped" (bounded pinned staging)
+      [ "$ngpu" -ge 2 ] && step ckpt_mapped_backing 300 torchrun --nproc-per-node="$ngpu" -m dlo \
+        run --preset "$ck" --checkpoint /tmp/dlo_ckpt --host-backing mapped \
+        --transfer rank-local --steps 2 --tokens 4096 --json ;;
     sweep) for c in 16 32 128; do
         [ "$ngpu" -ge 2 ] && step "sweep_chunk$c" 300 torchrun --nproc-per-node="$ngpu" -m dlo bench \
           --preset "$preset" --methods dlo-allgather --tokens 4096 --chunk-mb "$c" \
