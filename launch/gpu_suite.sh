@@ -4,7 +4,8 @@
 # Usage: launch/gpu_suite.sh OUTDIR [tests|cetests|run|bench1|bench2|profile|ctas|ckpt|sweep]...
 #        (default: tests run bench1 bench2)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
-#      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8)
+#      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
+#      DLO_SUITE_BENCH_ARGS (more bench2 flags, e.g. "--num-slots 2,3")
 set -uo pipefail
 out=${1:?usage: launch/gpu_suite.sh OUTDIR [steps...]}
 shift
@@ -52,7 +53,7 @@ for s in $steps; do
         --markdown "$out/bench_1gpu.md" --plot "$out/bench_1gpu.png" ;;
     bench2) [ "$ngpu" -ge 2 ] && step bench_ngpu 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
         --preset "$preset" --tokens "$tokens" ${DLO_SUITE_METHODS:+--methods "$DLO_SUITE_METHODS"} \
-        --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" \
+        ${DLO_SUITE_BENCH_ARGS:-} --json "$out/bench_ngpu.json" --markdown "$out/bench_ngpu.md" \
         --plot "$out/bench_ngpu.png" ;;
     profile)  # the AllGather gap: NCCL vs copy-engine gather vs rank-local, profiled
       [ "$ngpu" -ge 2 ] && step run_copy 200 torchrun --nproc-per-node="$ngpu" -m dlo run \
