@@ -27,6 +27,15 @@ Pulling from the same slot index on every rank relies on lock step: ranks that r
 block sequence make the same slot choices ([Note: ring protocol]); the lock-step check
 compares the slot index as well as the block.
 
+[Note: lock-step tags]
+With kernel-free barriers, the lock-step check needs no NCCL gather either. Before a block's
+first barrier, each rank writes its (block, slot) tag into its own tag words of every rank's
+allocation (stream writes, ordered before the barrier's fenced counter write); after that
+barrier every tag of the block is in place, and each rank copies the tag words to pinned
+host memory for the usual asynchronous comparison ([Note: lock-step check]). The copy is
+enqueued before the block's trailing barrier, and a rank writes the next block's tags only
+after passing that barrier, so the copy never sees the next block's tags.
+
 [Note: barriers without kernels]
 torch's symmetric-memory barrier is a kernel: one CTA that spins on the signal pads until
 every peer arrived. A spinning CTA holds its SM; the GEMMs of the running block are
@@ -63,8 +72,13 @@ from dlo.platform import Platform
 logger = logging.getLogger(__name__)
 
 FLAG_NBYTES = 4096
-"""Bytes after the slots in the symmetric allocation: one uint32 counter per peer, and a
-probe word (zeroed before the rendezvous)."""
+"""Bytes after the slots in the symmetric allocation (zeroed before the rendezvous): one
+uint32 barrier counter per peer from word 0, the lock-step tags from :data:`TAG_WORD`, and
+a probe word at the end."""
+TAG_WORD = 256
+"""Rank p's tag of the block being gathered is the int64 pair at words ``TAG_WORD + 4p``
+(block index, written as its low 32 bits) and ``TAG_WORD + 4p + 2`` (slot index); the high
+words stay zero. Room for 192 ranks."""
 PROBE_WORD = FLAG_NBYTES // 4 - 1
 
 DEFAULT_SYNC = "auto"
@@ -169,6 +183,7 @@ class _FlagBarrier:
         platform: Platform,
         mine: dict[int, int],
         theirs: dict[int, int],
+        *,
         watchdog: SyncWatchdog,
     ) -> None:
         self.platform = platform
@@ -208,6 +223,32 @@ def can_use_stream_ops(platform: Platform, probe: torch.Tensor) -> bool:
     except (RuntimeError, OSError, AttributeError, NotImplementedError) as e:
         logger.info("stream memory operations unavailable (%s): kernel barriers", e)
         return False
+
+
+def flag_addresses(
+    rank: int, flag_bases: list[int]
+) -> tuple[dict[int, int], dict[int, int], list[int]]:
+    """Addresses of rank ``rank``'s barrier counters and tag words.
+
+    Args:
+        rank: this rank's place in the group.
+        flag_bases: for every rank q, where q's flag region (the last :data:`FLAG_NBYTES` of
+            its allocation) is mapped in this process.
+
+    Returns:
+        ``(mine, theirs, tags)``: peer -> its counter in this rank's region; peer -> this
+        rank's counter in that peer's region; for every rank q, this rank's tag words in
+        q's region (block index at the address, slot index 8 bytes on).
+    """
+    group_size = len(flag_bases)
+    if TAG_WORD + 4 * group_size > PROBE_WORD:
+        raise ValueError(f"copy-engine gather supports at most 191 ranks, got {group_size}")
+    word = 4
+    peers = [p for p in range(group_size) if p != rank]
+    mine = {p: flag_bases[rank] + p * word for p in peers}
+    theirs = {p: flag_bases[p] + rank * word for p in peers}
+    tags = [base + (TAG_WORD + 4 * rank) * word for base in flag_bases]
+    return mine, theirs, tags
 
 
 class CopyEngineGather:
@@ -263,19 +304,21 @@ class CopyEngineGather:
         if sync == "stream" and not everyone_ok:
             raise RuntimeError("sync='stream': a rank of the group has no stream memory operations")
         if everyone_ok:
-            word = flags.element_size()
-            counters = self.nbytes - FLAG_NBYTES
+            flag_bases = [
+                (self.base_ptr if q == group_rank else self.peers[q].data_ptr())
+                + self.nbytes
+                - FLAG_NBYTES
+                for q in range(group_size)
+            ]
+            mine, theirs, self._tag_addrs = flag_addresses(group_rank, flag_bases)
             self.barrier: _KernelBarrier | _FlagBarrier = _FlagBarrier(
-                platform,
-                mine={p: self.base_ptr + counters + p * word for p in self.peers},
-                theirs={
-                    p: peer.data_ptr() + counters + group_rank * word
-                    for p, peer in self.peers.items()
-                },
-                watchdog=SyncWatchdog(platform, timeout_s),
+                platform, mine, theirs, watchdog=SyncWatchdog(platform, timeout_s)
             )
         else:
+            self._tag_addrs = []
             self.barrier = _KernelBarrier(self.handle, timeout_s)
+        self.tags = flags[TAG_WORD : TAG_WORD + 4 * group_size].view(torch.int64)
+        """Every rank's (block, slot) tag in this rank's allocation (2 x group_size int64)."""
         logger.info("dlo copy-engine gather: %s barriers", self.barrier.name)
 
     @property
@@ -287,12 +330,27 @@ class CopyEngineGather:
         off = dst.data_ptr() - self.base_ptr
         return off >= 0 and off + dst.numel() <= self.nbytes - FLAG_NBYTES
 
-    def gather_chunk(
-        self, dst: torch.Tensor, layout: BlockLayout, k: int, stream: Any, what: str
-    ) -> None:
-        """Enqueue on ``stream`` (current) the pull of every peer's slice of chunk ``k``
-        into ``dst`` (a slot); this rank's slice must already be in place."""
+    @property
+    def has_tags(self) -> bool:
+        """Whether the lock-step check can use tags (kernel-free barriers only)."""
+        return bool(self._tag_addrs)
+
+    def post_tag(self, stream: Any, index: int, slot: int) -> None:
+        """Enqueue on ``stream`` the writes of this rank's (block, slot) tag into every
+        rank's allocation; the next barrier makes them visible (see [Note: lock-step
+        tags])."""
+        for address in self._tag_addrs:
+            self.platform.stream_write_u32(stream, address, index)
+            self.platform.stream_write_u32(stream, address + 8, slot)
+
+    def wait_chunk(self, stream: Any, what: str) -> None:
+        """Enqueue on ``stream`` the barrier before the pulls of a chunk (every rank's
+        slice has landed, and every rank's tag for this block is in place)."""
         self.barrier(stream, what)
+
+    def pull_chunk(self, dst: torch.Tensor, layout: BlockLayout, k: int) -> None:
+        """Enqueue on the current stream the copies of every peer's slice of chunk ``k``
+        into ``dst`` (a slot); after :meth:`wait_chunk`."""
         off = dst.data_ptr() - self.base_ptr
         for p, peer in self.peers.items():
             s, e = layout.slice_range(k, p)

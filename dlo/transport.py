@@ -113,6 +113,19 @@ class SequenceCheck:
         if not self.platform.has_streams:
             self.poll()
 
+    def read(self, tags: torch.Tensor, stream: Any, index: int, *, slot: int) -> None:
+        """Compare against tags every rank already placed on this device (2 int64 per rank,
+        ``(block, slot)``; the copy-engine gather's [Note: lock-step tags]): a copy to
+        pinned host memory on ``stream``, checked like a gathered result."""
+        self.poll()
+        if not self._free:
+            self.poll(block_host=True)
+        gathered, host, event = self._free.popleft()
+        with self.platform.stream(stream):
+            host.copy_(tags, non_blocking=True)
+            event.record(stream)
+        self._pending.append((gathered, host, event, (index, slot)))
+
     def poll(self, *, block_host: bool = False) -> None:
         """Check every completed gather (the oldest one waits if ``block_host``)."""
         while self._pending:
@@ -225,8 +238,13 @@ class BlockTransport:
             return
         r = self.group_rank
         ce = self.ce_gather if self.ce_gather is not None and self.ce_gather.covers(slot) else None
-        if self.sequence_check is not None:
-            self.sequence_check.issue(index, self.comm_stream, slot=slot_index)
+        check = self.sequence_check
+        tags = check is not None and ce is not None and ce.has_tags
+        if check is not None and not tags:
+            check.issue(index, self.comm_stream, slot=slot_index)
+        if tags:
+            assert ce is not None
+            ce.post_tag(self.comm_stream, index, slot_index)  # [Note: lock-step tags]
         with pf.stream(self.copy_stream):
             self.copy_stream.wait_event(free_event)
         for k, (start, end, shard_off) in enumerate(layout.shard_ranges(r)):
@@ -238,7 +256,11 @@ class BlockTransport:
             with nvtx_range("dlo::allgather"), pf.stream(self.comm_stream):
                 self.comm_stream.wait_event(self._chunk_events[k])
                 if ce is not None:
-                    ce.gather_chunk(slot, layout, k, self.comm_stream, layout.name)
+                    ce.wait_chunk(self.comm_stream, layout.name)
+                    if tags and k == 0:
+                        assert check is not None
+                        check.read(ce.tags, self.comm_stream, index, slot=slot_index)
+                    ce.pull_chunk(slot, layout, k)
                 else:
                     all_gather_into(slot[c0:c1], mine, self.group)
         with pf.stream(self.comm_stream):

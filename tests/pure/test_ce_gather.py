@@ -74,3 +74,39 @@ def test_the_clock_starts_when_a_barrier_becomes_the_oldest() -> None:
     assert fired == []  # 0.4 s since blocks.1 was enqueued, 0.2 s as the oldest
     assert _wait_for(lambda: fired, 3.0) and "'blocks.1'" in fired[0]
     dog.close()
+
+
+def test_flag_addresses_meet_in_real_memory_for_barriers_and_tags() -> None:
+    """Emulate every rank's stream writes with plain stores into G real flag regions: each
+    counter lands where its reader waits, and each region's tag view reads every rank's
+    (block, slot) in rank order, as the lock-step check expects."""
+    import ctypes
+
+    import torch
+
+    from dlo.ce_gather import FLAG_NBYTES, TAG_WORD, flag_addresses
+
+    group = 3
+    regions = [torch.zeros(FLAG_NBYTES, dtype=torch.uint8) for _ in range(group)]
+    bases = [r.data_ptr() for r in regions]  # one address space stands in for the mappings
+    table = [flag_addresses(rank, bases) for rank in range(group)]
+
+    def store(address: int, value: int) -> None:
+        ctypes.c_uint32.from_address(address).value = value
+
+    def load(address: int) -> int:
+        return ctypes.c_uint32.from_address(address).value
+
+    for _, theirs, tags in table:  # barrier 7, block 41 in slot 2
+        for address in theirs.values():
+            store(address, 7)
+        for address in tags:
+            store(address, 41)
+            store(address + 8, 2)
+    for mine, _, _ in table:
+        assert [load(a) for a in mine.values()] == [7] * (group - 1)
+    for region in regions:
+        words = region.view(torch.int32)
+        tags = words[TAG_WORD : TAG_WORD + 4 * group].view(torch.int64).tolist()
+        assert list(zip(tags[0::2], tags[1::2])) == [(41, 2)] * group
+        assert int(words[:TAG_WORD].sum()) == 7 * (group - 1)  # only counters below the tags
