@@ -310,6 +310,8 @@ def run(args: argparse.Namespace) -> int:
         "preset": preset.name,
         "mode": cfg.mode,
         "transfer": stats.get("transfer", "-"),
+        "gather_engine": stats.get("gather_engine"),
+        "gather_sync": stats.get("gather_sync"),
         "steps": args.steps,
         "tokens": latents.shape[1],
         "device": str(device),
@@ -367,7 +369,8 @@ def _summary(reports: list[dict[str, Any]]) -> str:
     lines = [
         f"dlo run: preset={r0['preset']} mode={r0['mode']} transfer={r0['transfer']} "
         f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']} "
-        f"weights={r0['load']} host={r0['host_backing']}",
+        f"weights={r0['load']} host={r0['host_backing']}"
+        + (f" gather={r0['gather_engine']}/{r0['gather_sync']}" if r0.get("gather_sync") else ""),
         "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | host GiB "
         "private / mapped | pinned host GiB | exposed wait ms | enable s | enable peak RSS GiB "
         "| parity |",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import dlo
@@ -15,10 +16,12 @@ from tests.multigpu.test_dlo_nccl import NCCL_ENV
 from tests.toys import ToyDiT, clone
 
 
-def _hsdp(rank: int, world: int) -> dict[str, Any]:
+def _hsdp(rank: int, world: int, engine: str) -> dict[str, Any]:
     dev = torch.device("cuda", rank)
     par = dlo.ParallelConfig(data_parallel_size=world, hsdp_shard_size=world)
-    cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", collective_timeout_s=60.0)
+    cfg = dlo.OffloadConfig(
+        mode="layer", transfer="allgather", collective_timeout_s=60.0, gather_engine=engine
+    )
     model = ToyDiT(5, dim=128)
     ref = clone(model).to(dev)
     shard_non_block(model, cfg, par, device_type="cuda")
@@ -32,10 +35,17 @@ def _hsdp(rank: int, world: int) -> dict[str, Any]:
             same.append(torch.equal(ref(x), model(x)))
     st = backend.stats()
     backend.disable()
-    return {"same": same, "group_size": st["group_size"], "pinned": st["host_pinned_nbytes"]}
+    return {
+        "same": same,
+        "group_size": st["group_size"],
+        "pinned": st["host_pinned_nbytes"],
+        "engine": st["gather_engine"],
+    }
 
 
-def test_hsdp_1x2_dlo_parity_nccl() -> None:
-    res = assert_all_ok(run_ranks(_hsdp, 2, backend="nccl", timeout_s=240, env=NCCL_ENV))
+@pytest.mark.parametrize("engine", ["nccl", "copy"])
+def test_hsdp_1x2_dlo_parity_nccl(engine: str) -> None:
+    res = assert_all_ok(run_ranks(_hsdp, 2, engine, backend="nccl", timeout_s=240, env=NCCL_ENV))
     for r in res:
         assert all(r["same"]) and r["group_size"] == 2 and r["pinned"] > 0
+        assert r["engine"] == engine  # the copy engine on the shard axis's group
