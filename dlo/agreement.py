@@ -40,6 +40,10 @@ class RankReport:
     groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
     """Every group of every weight axis in use (the whole layout, not just this rank's)."""
     unpinned_blocks: tuple[str, ...] = ()
+    host: str = ""
+    symmetric_slots: bool = False
+    """This rank's slots are in symmetric memory (it can take part in the copy-engine
+    gather)."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,35 @@ class Verdict:
     message: str
     fallback_blocks: tuple[str, ...] = ()
     """Blocks every rank keeps pageable (``whole_block_fallback``)."""
+    copy_gather: bool = False
+    """Every rank uses the copy-engine gather (see :func:`gather_engine_verdict`)."""
 
 
-def decide(reports: list[RankReport], *, pin_failure_policy: str) -> Verdict:
+def gather_engine_verdict(reports: list[RankReport], gather_engine: str) -> str | None:
+    """Whether the job can use the copy-engine gather: ``"copy"``, ``"nccl"``, or an error
+    message when ``gather_engine="copy"`` was asked for and cannot be had (pure)."""
+    if gather_engine == "nccl" or len(reports) < 2:
+        return "nccl"
+    hosts = {r.host for r in reports}
+    missing = [r.rank for r in reports if not r.symmetric_slots]
+    if len(hosts) == 1 and not missing:
+        return "copy"
+    if gather_engine == "auto":
+        return "nccl"
+    where = (
+        f"ranks span hosts {dict(sorted((r.rank, r.host) for r in reports))}"
+        if len(hosts) > 1
+        else f"rank(s) {missing} have no symmetric-memory slots"
+    )
+    return (
+        f"gather_engine='copy' needs every rank on one node with symmetric-memory slots: "
+        f"{where} (use gather_engine='auto' or 'nccl')"
+    )
+
+
+def decide(
+    reports: list[RankReport], *, pin_failure_policy: str, gather_engine: str = "nccl"
+) -> Verdict:
     """The group-wide verdict (pure; every rank computes the same one)."""
     failed = [r for r in reports if not r.ok]
     if failed:
@@ -84,8 +114,10 @@ def decide(reports: list[RankReport], *, pin_failure_policy: str) -> Verdict:
                 f"{unpinned[:8]}{'...' if len(unpinned) > 8 else ''} (pin_failure_policy='fail';"
                 " set 'whole_block_fallback' to keep them pageable)",
             )
-        return Verdict(True, "", tuple(unpinned))
-    return Verdict(True, "")
+    engine = gather_engine_verdict(reports, gather_engine)
+    if engine not in ("copy", "nccl"):
+        return Verdict(False, str(engine))
+    return Verdict(True, "", tuple(unpinned), copy_gather=engine == "copy")
 
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}

@@ -33,7 +33,7 @@ from typing import Any
 MODES = ("none", "module", "layer")
 COMPONENTS = ("dit", "encoder")
 TRANSFERS = ("rank-local", "allgather", "auto")
-GATHER_ENGINES = ("nccl", "copy")
+GATHER_ENGINES = ("nccl", "copy", "auto")
 HOST_BACKINGS = ("region", "mapped")
 PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")
 WEIGHT_AXES = ("auto", "shard", "data", "sequence", "local")
@@ -240,9 +240,11 @@ class OffloadConfig:
     communicator only); fewer leave more SMs to compute while a gather runs. None: NCCL's
     choice. Ignored by gloo."""
     gather_engine: str = "nccl"
-    """How AllGather rebuilds streamed blocks: ``"nccl"`` (NCCL's kernels, any topology) or
+    """How AllGather rebuilds streamed blocks: ``"nccl"`` (NCCL's kernels, any topology),
     ``"copy"`` (copy engines pulling peers' slices from symmetric-memory slots: no SMs
-    taken from compute; CUDA GPUs of one node with peer access)."""
+    taken from compute; CUDA GPUs of one node with peer access), or ``"auto"`` (``"copy"``
+    when every rank is a CUDA rank on one node with symmetric-memory slots, else
+    ``"nccl"``; decided at the startup agreement)."""
     host_backing: str = "region"
     """Host bytes of streamed blocks: ``"region"`` (each rank copies its shards into its own
     exact-size host region) or ``"mapped"`` (rank-local stacks of a model loaded with

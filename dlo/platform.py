@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,11 @@ def cpu_share() -> int:
     except AttributeError:  # not on Linux
         cpus = os.cpu_count() or 1
     return max(1, cpus // torchrun_env().local_world_size)
+
+
+def host_name() -> str:
+    """This machine's name (ranks with the same name share a node)."""
+    return socket.gethostname()
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

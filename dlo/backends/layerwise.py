@@ -49,7 +49,7 @@ from dlo.backends.common import (
 from dlo.blocks import check_blocks, non_block_tensors
 from dlo.ce_gather import CopyEngineGather
 from dlo.config import OffloadConfig, ParallelConfig
-from dlo.errors import BackendPoisonedError, OffloadError
+from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import HookRegistry, is_dtensor
 from dlo.host import HostRegion, shard_view, unpack_tensor
 from dlo.layout import (
@@ -64,7 +64,7 @@ from dlo.lifecycle import Journal, OffloadBackend, claim_components
 from dlo.loader import mapped_source, pack_block
 from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
 from dlo.plan import BlockStack, ResolvedOffloadPlan, get_by_path, resolve_offload_plan
-from dlo.platform import Platform, process_peak_rss_bytes
+from dlo.platform import Platform, host_name, process_peak_rss_bytes
 from dlo.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.slots import SlotPool
 from dlo.staging import MappedBlock, StagedTransport
@@ -130,6 +130,7 @@ class LayerwiseBackend(OffloadBackend):
         self._enable_time_s = 0.0
         self._enable_peak_rss = 0
         self._fallback_blocks: tuple[str, ...] = ()
+        self._copy_gather = False
         self._gather_sync: str | None = None
         """The copy-engine gather's barrier (``"stream"`` or ``"kernel"``), None with NCCL."""
         self._policy: dict[str, Any] | None = None
@@ -177,8 +178,7 @@ class LayerwiseBackend(OffloadBackend):
             rank=world.rank,
         )
         distributed = any(s.group_size > 1 for s in plan.stacks)
-        copy_gather = distributed and cfg.gather_engine == "copy"
-        if copy_gather and not self.platform.has_streams:
+        if distributed and cfg.gather_engine == "copy" and not self.platform.has_streams:
             raise ValueError(
                 f"gather_engine='copy' needs CUDA GPUs with peer access; this rank runs on "
                 f"{self.platform.device} (use gather_engine='nccl')"
@@ -196,7 +196,7 @@ class LayerwiseBackend(OffloadBackend):
 
         # 2-3: layouts, manifest, local preparation (failures caught for the agreement)
         local_error: BaseException | None = None
-        report = RankReport(rank=world.rank, ok=True)
+        report = RankReport(rank=world.rank, ok=True, host=host_name())
         blocks: list[_Block] = []
         try:
             blocks = self._select_blocks(pipeline, plan)
@@ -225,9 +225,8 @@ class LayerwiseBackend(OffloadBackend):
                 else 0
             )
             assert isinstance(cfg.num_slots, int)
-            self._pool = SlotPool.allocate(
-                self.platform, cfg.num_slots, slot_nbytes, symmetric=copy_gather
-            )
+            self._pool = self._allocate_slots(cfg, slot_nbytes, distributed)
+            report.symmetric_slots = self._pool.base is not None
             journal.record("device slots", self._release_slots)
         except Exception as e:
             if not distributed:
@@ -243,12 +242,15 @@ class LayerwiseBackend(OffloadBackend):
             )
         else:
             reports = [report]
-        verdict = decide(reports, pin_failure_policy=cfg.pin_failure_policy)
+        verdict = decide(
+            reports, pin_failure_policy=cfg.pin_failure_policy, gather_engine=cfg.gather_engine
+        )
         if not verdict.ok:
             if distributed:
                 self._poisoned = f"multi-rank startup failed ({verdict.message})"
             raise OffloadError(verdict.message, rank=world.rank) from local_error
         self._apply_fallback(verdict, blocks)
+        self._copy_gather = verdict.copy_gather
 
         # 5: after agreement; failures here poison a multi-rank backend
         try:
@@ -359,6 +361,20 @@ class LayerwiseBackend(OffloadBackend):
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
             t.data = unpack_tensor(shard, spec, dev)
 
+    def _allocate_slots(self, cfg: OffloadConfig, slot_nbytes: int, distributed: bool) -> SlotPool:
+        """Slots in symmetric memory when the copy-engine gather may be used (``"copy"``;
+        ``"auto"`` on CUDA, falling back to ordinary slots if that allocation fails)."""
+        assert isinstance(cfg.num_slots, int)
+        if distributed and cfg.gather_engine == "auto" and self.platform.has_streams:
+            try:
+                return SlotPool.allocate(self.platform, cfg.num_slots, slot_nbytes, symmetric=True)
+            except InjectedFault:
+                raise
+            except (RuntimeError, ImportError, OSError) as e:  # an allocation, not a config issue
+                logger.info("no symmetric-memory slots (%s): gather_engine='auto' uses NCCL", e)
+        symmetric = distributed and cfg.gather_engine == "copy"
+        return SlotPool.allocate(self.platform, cfg.num_slots, slot_nbytes, symmetric=symmetric)
+
     def _close_region(self) -> None:
         if self._region is not None:
             self._region.close()
@@ -431,7 +447,8 @@ class LayerwiseBackend(OffloadBackend):
             if group is not None and cfg.verify_block_sequence:
                 check = SequenceCheck(pf, group, group_rank, len(ranks), [b.name for b in blocks])
             ce = None
-            if group is not None and self._pool.base is not None:
+            if group is not None and self._copy_gather:
+                assert self._pool.base is not None
                 ce = CopyEngineGather(
                     pf,
                     self._pool.base,
@@ -596,7 +613,7 @@ class LayerwiseBackend(OffloadBackend):
             "num_streamed_blocks": len(streamed),
             "num_resident_blocks": sum(b.resident for b in self._blocks),
             "num_slots": len(pool.slots) if pool else 0,
-            "gather_engine": "copy" if pool is not None and pool.base is not None else "nccl",
+            "gather_engine": "copy" if self._gather_sync is not None else "nccl",
             "gather_sync": self._gather_sync,
             "pageable_blocks": list(self._fallback_blocks),
             "enable_time_s": self._enable_time_s,

@@ -345,3 +345,19 @@ def _slot_mismatch(rank: int, world: int) -> str:
 def test_lock_step_check_compares_slots() -> None:
     for o in assert_all_ok(run_ranks(_slot_mismatch, 2, timeout_s=60)):
         assert "different blocks or slots" in o and "b (slot 0)" in o and "b (slot 1)" in o
+
+
+def _auto_engine_on_cpu(rank: int, world: int) -> dict[str, Any]:
+    model = ToyDiT(4)
+    ref = _steps(clone(model), rank, 3)
+    backend = LayerwiseBackend(_cfg(gather_engine="auto"), _par(world), CpuPlatform())
+    backend.enable(model)
+    got = _steps(model, rank, 3)
+    st = backend.stats()
+    backend.disable()
+    return {"same": all(torch.equal(a, b) for a, b in zip(ref, got)), "engine": st["gather_engine"]}
+
+
+def test_auto_gather_engine_on_cpu_is_nccl_path_and_bitwise() -> None:
+    for r in assert_all_ok(run_ranks(_auto_engine_on_cpu, 2, timeout_s=90)):
+        assert r == {"same": True, "engine": "nccl"}

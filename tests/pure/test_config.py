@@ -1075,4 +1075,5 @@ def test_gather_engine_validated(value: Any, exc: type[Exception]) -> None:
     with _raises(exc, "gather_engine", repr(value)):
         OffloadConfig(gather_engine=value)
     assert OffloadConfig(gather_engine="copy").gather_engine == "copy"
+    assert OffloadConfig(gather_engine="auto").gather_engine == "auto"
     assert OffloadConfig().gather_engine == "nccl"

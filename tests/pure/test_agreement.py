@@ -1,0 +1,58 @@
+"""The startup verdict's gather-engine choice (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlo.agreement import RankReport, decide, gather_engine_verdict
+
+
+def _reports(hosts: list[str], symmetric: list[bool]) -> list[RankReport]:
+    return [
+        RankReport(rank=r, ok=True, digest="d", host=h, symmetric_slots=s)
+        for r, (h, s) in enumerate(zip(hosts, symmetric))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("hosts", "symmetric", "engine", "want"),
+    [
+        (["a", "a"], [True, True], "auto", "copy"),
+        (["a", "a"], [True, True], "copy", "copy"),
+        (["a", "a"], [True, True], "nccl", "nccl"),
+        (["a", "b"], [True, True], "auto", "nccl"),  # two nodes
+        (["a", "a"], [True, False], "auto", "nccl"),  # a rank without symmetric slots
+        (["a"], [False], "copy", "nccl"),  # a group of one gathers nothing
+    ],
+)
+def test_gather_engine_verdict(
+    hosts: list[str], symmetric: list[bool], engine: str, want: str
+) -> None:
+    assert gather_engine_verdict(_reports(hosts, symmetric), engine) == want
+    verdict = decide(_reports(hosts, symmetric), pin_failure_policy="fail", gather_engine=engine)
+    assert verdict.ok and verdict.copy_gather == (want == "copy")
+
+
+def test_copy_asked_across_nodes_fails_every_rank_naming_the_hosts() -> None:
+    verdict = decide(
+        _reports(["n1", "n1", "n2"], [True] * 3), pin_failure_policy="fail", gather_engine="copy"
+    )
+    assert not verdict.ok
+    assert (
+        "gather_engine='copy'" in verdict.message
+        and "{0: 'n1', 1: 'n1', 2: 'n2'}" in verdict.message
+    )
+
+
+def test_copy_asked_without_symmetric_slots_names_the_ranks() -> None:
+    verdict = decide(
+        _reports(["n1", "n1"], [True, False]), pin_failure_policy="fail", gather_engine="copy"
+    )
+    assert not verdict.ok and "rank(s) [1] have no symmetric-memory slots" in verdict.message
+
+
+def test_pageable_fallback_and_copy_gather_compose() -> None:
+    reports = _reports(["a", "a"], [True, True])
+    reports[1].unpinned_blocks = ("blocks.3",)
+    verdict = decide(reports, pin_failure_policy="whole_block_fallback", gather_engine="auto")
+    assert verdict.ok and verdict.fallback_blocks == ("blocks.3",) and verdict.copy_gather
