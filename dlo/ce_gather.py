@@ -209,14 +209,31 @@ class _FlagBarrier:
         self.watchdog.close()
 
 
-def can_use_stream_ops(platform: Platform, probe: torch.Tensor) -> bool:
-    """Whether this rank's driver runs stream memory operations (a write then a wait on
-    ``probe``, one zeroed uint32 of its own allocation, on a fresh stream)."""
+PROBE_TIMEOUT_S = 5.0
+
+
+def can_use_stream_ops(
+    platform: Platform, probe: torch.Tensor, peer_words: list[int] | None = None
+) -> bool:
+    """Whether this rank's driver runs stream memory operations: on a fresh stream, a write
+    then a wait on ``probe`` (one zeroed uint32 of its own allocation), and a write of 0 to
+    each of ``peer_words`` (this rank's counters in its peers' allocations, still 0), all
+    finished within :data:`PROBE_TIMEOUT_S` (a wait that never returns is a "no", not a
+    hang; the stream is then abandoned)."""
     try:
         stream = platform.new_stream()
         platform.stream_write_u32(stream, probe.data_ptr(), 1)
         platform.stream_wait_u32(stream, probe.data_ptr(), 1)
-        stream.synchronize()
+        for address in peer_words or ():
+            platform.stream_write_u32(stream, address, 0)
+        done = platform.new_event()
+        done.record(stream)
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        while not done.query():
+            if time.monotonic() > deadline:
+                logger.warning("stream memory operations did not complete: kernel barriers")
+                return False
+            time.sleep(0.001)
         ok = int(probe.item()) == 1
         probe.zero_()
         return ok
@@ -288,9 +305,6 @@ class CopyEngineGather:
         self.base_ptr = base.data_ptr()
         self.nbytes = base.numel()
         flags = base[self.nbytes - FLAG_NBYTES :].view(torch.int32)
-        local_ok = sync != "kernel" and can_use_stream_ops(
-            platform, flags[PROBE_WORD : PROBE_WORD + 1]
-        )
         platform.synchronize()  # counters zeroed before any peer can write to them
         self.handle = symm_mem.rendezvous(base, group)
         self.peers = {
@@ -298,19 +312,23 @@ class CopyEngineGather:
             for p in range(group_size)
             if p != group_rank
         }
+        flag_bases = [
+            (self.base_ptr if q == group_rank else self.peers[q].data_ptr())
+            + self.nbytes
+            - FLAG_NBYTES
+            for q in range(group_size)
+        ]
+        mine, theirs, tag_addrs = flag_addresses(group_rank, flag_bases)
+        local_ok = sync != "kernel" and can_use_stream_ops(
+            platform, flags[PROBE_WORD : PROBE_WORD + 1], list(theirs.values())
+        )
         oks: list[Any] = [None] * group_size
-        dist.all_gather_object(oks, local_ok, group=group)
+        dist.all_gather_object(oks, local_ok, group=group)  # one choice for the group
         everyone_ok = all(oks)
         if sync == "stream" and not everyone_ok:
             raise RuntimeError("sync='stream': a rank of the group has no stream memory operations")
         if everyone_ok:
-            flag_bases = [
-                (self.base_ptr if q == group_rank else self.peers[q].data_ptr())
-                + self.nbytes
-                - FLAG_NBYTES
-                for q in range(group_size)
-            ]
-            mine, theirs, self._tag_addrs = flag_addresses(group_rank, flag_bases)
+            self._tag_addrs = tag_addrs
             self.barrier: _KernelBarrier | _FlagBarrier = _FlagBarrier(
                 platform, mine, theirs, watchdog=SyncWatchdog(platform, timeout_s)
             )

@@ -115,6 +115,14 @@ def test_nccl_parity_half_bytes_no_alloc(engine: str) -> None:
         assert r["new_segments"] == 0 and r["ledger"] == (0, 0)
 
 
+def test_auto_gather_engine_takes_the_copy_engine_on_one_node() -> None:
+    res = assert_all_ok(
+        run_ranks(_parity, 2, False, "auto", backend="nccl", timeout_s=240, env=NCCL_ENV)
+    )
+    for r in res:
+        assert r["same"] and r["engine"] == "copy" and r["sync"] == "stream"
+
+
 @ENGINES
 def test_nccl_delayed_copy_stream_parity(engine: str) -> None:
     res = assert_all_ok(
