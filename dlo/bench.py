@@ -433,6 +433,13 @@ def _listed(value: Any) -> str:
 
 def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
     resident = {r["tokens"]: r["median_ms"] for r in report["results"] if r["method"] == "resident"}
+    # the two sides of the ring per block: compute (resident) and one block's copy
+    lim = report["limits"]
+    lim["resident_ms_per_block"] = {
+        str(t): ms / report["num_blocks"] for t, ms in sorted(resident.items())
+    }
+    bw = lim.get("h2d_pinned_alone_GBps") or 0.0
+    lim["h2d_ms_per_block"] = report["block_nbytes"] / (bw * GB) * 1e3 if bw else None
     for r in report["results"]:
         base = resident.get(r["tokens"])
         r["x_resident"] = r["median_ms"] / base if base else None
@@ -467,6 +474,17 @@ def markdown(report: dict[str, Any]) -> str:
         f"Limits: pinned H2D {lim['h2d_pinned_alone_GBps']:.1f} GB/s alone, "
         f"{lim['h2d_pinned_concurrent_GBps']:.1f} GB/s per rank with all ranks copying; pageable "
         f"{lim['h2d_pageable_GBps']:.1f} GB/s; AllGather {lim['allgather_GBps']:.1f} GB/s.",
+        "Per block: one pinned copy "
+        + (f"{lim['h2d_ms_per_block']:.2f} ms" if lim.get("h2d_ms_per_block") else "-")
+        + "; resident compute "
+        + (
+            ", ".join(
+                f"{ms:.2f} ms at {t} tokens"
+                for t, ms in lim.get("resident_ms_per_block", {}).items()
+            )
+            or "-"
+        )
+        + ".",
         "",
         "| method | tokens | ms / forward | x resident | x H2D limit | x best peer | peak HBM GB |"
         " pinned host GB / rank |",

@@ -93,6 +93,8 @@ def test_bench_smoke_json(tmp_path: Path) -> None:
     methods = {r["method"] for r in report["results"]}
     assert methods == {"resident", "dlo-ring", "dlo-auto"}  # FSDP2, diffusers: GPUs / N > 1
     assert all(r["median_ms"] > 0 for r in report["results"])
+    per_block = report["limits"]["resident_ms_per_block"]
+    assert set(per_block) == {"32", "64"} and all(v > 0 for v in per_block.values())
     auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
     assert all(r["transfer"] == "rank-local" and r["x_best_manual"] > 0 for r in auto)
     assert report["policy"]["num_slots"] == 2  # one rank: rank-local, two slots
