@@ -447,7 +447,10 @@ class LayerwiseBackend(OffloadBackend):
             if group is not None and cfg.verify_block_sequence:
                 check = SequenceCheck(pf, group, group_rank, len(ranks), [b.name for b in blocks])
             ce = None
-            if group is not None and self._copy_gather:
+            # one axis per symmetric allocation: its barrier counters and tags are indexed by
+            # group rank, so a second AllGather axis (every rank calls this in the same
+            # order) keeps NCCL
+            if group is not None and self._copy_gather and self._gather_sync is None:
                 assert self._pool.base is not None
                 ce = CopyEngineGather(
                     pf,
