@@ -223,8 +223,6 @@ def run(args: argparse.Namespace) -> int:
             "--host-backing mapped reads blocks from the checkpoint: it needs --checkpoint "
             "(with --checkpoint-load mapped)"
         )
-    if par.use_hsdp and args.checkpoint is not None:
-        raise ValueError("--checkpoint does not compose with --hsdp-shard/--hsdp-replicate yet")
     world = init(par, device=device)
     platform = get_platform(device)
     rank0 = world.rank == 0
@@ -238,7 +236,17 @@ def run(args: argparse.Namespace) -> int:
     if args.checkpoint is not None:
         build_s = 0.0
         pipe, backend = load_pipeline(
-            skeleton, args.checkpoint, cfg, par, device, copy=args.checkpoint_load == "copy"
+            skeleton,
+            args.checkpoint,
+            cfg,
+            par,
+            device,
+            copy=args.checkpoint_load == "copy",
+            prepare=(
+                (lambda p: shard_non_block(p, cfg, par, device_type=device.type))
+                if par.use_hsdp and cfg.mode == "layer"
+                else None
+            ),
         )
         if backend is not None and cfg.mode == "layer":
             pipe.vae.to(device)  # the layer backend streams DiT and encoder blocks only

@@ -39,6 +39,7 @@ def load_pipeline(
     device: torch.device | str | None = None,
     *,
     copy: bool = False,
+    prepare: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, OffloadBackend | None]:
     """Build a pipeline on ``meta``, fill it from safetensors, and enable offload on it.
 
@@ -58,6 +59,10 @@ def load_pipeline(
         device: the compute device (None: this rank's GPU, else the CPU).
         copy: copy every tensor into its own host memory first (the ordinary path, for
             comparison) instead of mapping the checkpoint.
+        prepare: called with the filled pipeline before offload is enabled, for what must
+            happen in between, such as ``lambda p: shard_non_block(p, config, parallel)``
+            for HSDP (:mod:`dlo.backends.hsdp`). A failure rolls the load back; what
+            ``prepare`` itself changed is its own to undo.
     Returns:
         ``(pipeline, backend)``; ``backend`` is None when offload is disabled (the model is
         then on ``device``). With ``mode="layer"`` every non-block tensor is copied straight
@@ -100,6 +105,8 @@ def load_pipeline(
             plan, journal, mapped=functools.partial(_in_blocks, blocks), device=target
         )
         t_mapped = time.perf_counter()
+        if prepare is not None:
+            prepare(skeleton)
         if backend is not None:
             backend.enable(skeleton)
         else:
