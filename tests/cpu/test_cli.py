@@ -186,3 +186,16 @@ def test_bench_sweeps_slots_and_chunks_in_one_run(tmp_path: Path) -> None:
     assert auto["x_best_manual"] == pytest.approx(auto["median_ms"] / best)
     table = (tmp_path / "s.md").read_text()
     assert "dlo-ring [1 slots, 2 MiB]" in table and "chunk 1,2 MiB, 1,2 slots" in table
+
+
+def test_torchrun_hsdp_run_from_a_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "ckpt"
+    assert main(["save-checkpoint", "--preset", "tiny", "--out", str(out)]) == 0
+    proc = _torchrun(
+        "run", "--checkpoint", str(out), "--transfer", "allgather", "--hsdp-shard", "2",
+        "--steps", "2", "--check", "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout[proc.stdout.index("[") :])
+    assert [r["parity"] for r in reports] == [True, True]
+    assert all(r["load"] == "checkpoint-mapped" for r in reports)
