@@ -359,15 +359,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _explain(cfg: OffloadConfig, backend: Any) -> str:
     """The policy's decision (``stats()["policy"]``), or what was set by hand."""
-    policy = backend.stats().get("policy") if backend is not None else None
+    stats = backend.stats() if backend is not None else {}
+    policy = stats.get("policy")
+    gather = ""
+    if cfg.mode == "layer" and stats.get("group_size", 1) > 1:
+        gather = (
+            f"\ndlo gather: gather_engine={cfg.gather_engine!r} -> "
+            f"{stats.get('gather_engine')}"
+            + (f" ({stats['gather_sync']} barriers)" if stats.get("gather_sync") else "")
+        )
     if policy is not None:
-        return str(policy["explanation"])
+        return str(policy["explanation"]) + gather
     if cfg.mode != "layer":
         return f"dlo policy: nothing to decide for mode={cfg.mode!r}"
     return (
         f"dlo policy: nothing automatic; explicit transfer={cfg.transfer!r}, "
         f"num_slots={cfg.num_slots}, resident_layers={cfg.resident_layers} (pass 'auto' or "
-        "--device-budget-gb to let dlo measure and decide)"
+        "--device-budget-gb to let dlo measure and decide)" + gather
     )
 
 

@@ -262,6 +262,8 @@ def test_torchrun_run_auto_explain_two_cpu_ranks() -> None:
         "--check",
         "--json",
         "--explain",
+        "--gather-engine",
+        "auto",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -272,3 +274,4 @@ def test_torchrun_run_auto_explain_two_cpu_ranks() -> None:
     assert reports[0]["transfer"] == reports[1]["transfer"]
     # --json keeps stdout machine-readable: rank 0's explanation went to stderr, once
     assert proc.stderr.count("dlo policy (group-wide minimum over 2 rank(s))") == 1
+    assert [r["gather_engine"] for r in reports] == ["nccl", "nccl"]  # gloo: never the copy engine
