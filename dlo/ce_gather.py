@@ -16,10 +16,11 @@ Per block, on rank r's comm stream (the copy stream is unchanged, [Note: chunk p
     barrier                                     # every rank has finished reading its peers
     record(S.ready)
 
-The barrier is one small kernel on the stream (signal pads in the symmetric allocation),
-bounded by ``collective_timeout_s``: on expiry it traps, which is a device error, and the
-worker must be discarded (as after an NCCL timeout). The trailing barrier makes slot reuse
-safe: a rank overwrites its own range of S only after its compute is done with the block
+A barrier is either stream memory operations on counters in the symmetric allocation (no
+kernel; [Note: barriers without kernels]) or torch's barrier kernel on the signal pads;
+either is bounded by ``collective_timeout_s`` (a watchdog, or a trap on the device), after
+which the worker must be discarded (as after an NCCL timeout). The trailing barrier makes
+slot reuse safe: a rank overwrites its own range of S only after its compute is done with the block
 (``free``), which follows its trailing barrier, which no rank passes before every peer's
 pulls are done.
 
@@ -38,9 +39,11 @@ after passing that barrier, so the copy never sees the next block's tags.
 
 [Note: barriers without kernels]
 torch's symmetric-memory barrier is a kernel: one CTA that spins on the signal pads until
-every peer arrived. A spinning CTA holds its SM; the GEMMs of the running block are
-persistent kernels sized to the whole GPU, so one of their CTAs cannot start until the
-barrier exits, and every barrier that waits on a late peer stretches a GEMM. When the driver
+every peer arrived. A spinning CTA holds its SM; when the running block's GEMMs are
+persistent kernels sized to the whole GPU (as cuBLAS's Hopper kernels can be), one of their
+CTAs cannot start until the barrier exits, so a barrier waiting on a late peer can stretch
+a GEMM (the hypothesis behind this design; the profile with NCCL's spinning gathers showed
+compute, not waiting, grow). When the driver
 has stream memory operations, dlo's barrier uses none: each rank keeps one 32-bit counter
 per peer in its symmetric allocation (after the slots); barrier number n writes n into its
 own word on every peer (``cuStreamWriteValue32``: a fenced write, after the stream's earlier
@@ -48,9 +51,9 @@ copies) and waits until every peer's word on this rank reaches n (``cuStreamWait
 cyclic >=, so the counters may wrap). The stream's front end does both; no SM is involved.
 Counters only grow and every rank counts the same barriers (lock step), so a rank that is
 ahead simply leaves a larger number. A stream wait has no timeout of its own: a watchdog
-thread follows the barriers (an event after each) and, when one has been the oldest
-unfinished barrier for ``collective_timeout_s``, logs which block it belongs to and ends the
-process (as NCCL's watchdog does after a collective timeout), since a device stream that
+thread follows each block's trailing barrier (an event after it; an earlier barrier that
+never completes holds it back too) and, when one has been the oldest unfinished for
+``collective_timeout_s``, logs which block it belongs to and ends the process (as NCCL's watchdog does after a collective timeout), since a device stream that
 never finishes leaves no other bounded way out. Which barrier is used is agreed by the group
 at enable (stream memory operations only if every rank can use them).
 """
