@@ -144,8 +144,11 @@ class SyncWatchdog:
             )
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self.check()
+        # this rank's device: a thread starts on device 0, where a CUDA call would otherwise
+        # create a context (memory on another rank's GPU)
+        with self.platform.device_context():
+            while not self._stop.wait(self.poll_s):
+                self.check()
 
     def close(self) -> None:
         self._stop.set()

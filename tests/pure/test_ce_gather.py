@@ -23,6 +23,11 @@ class _Platform:
     def __init__(self) -> None:
         self.events: list[_Event] = []
 
+    def device_context(self) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def new_event(self) -> _Event:
         self.events.append(_Event())
         return self.events[-1]
