@@ -6,6 +6,8 @@ Methods (those that can run on the platform and world size at hand):
 * ``dlo-ring`` -- dlo's ring, rank-local (group of one);
 * ``dlo-allgather`` -- dlo's AllGather transfer over all ranks (N > 1), NCCL's kernels;
 * ``dlo-allgather-copy`` -- the same with the copy-engine gather (N > 1, CUDA);
+* ``dlo-allgather-copy-kernel`` -- the copy-engine gather held to torch's barrier kernel
+  instead of stream memory operations (the A/B of [Note: barriers without kernels]);
 * ``fsdp2-offload`` -- FSDP2 ``fully_shard`` per block and at the root with
   ``CPUOffloadPolicy(pin_memory=True)`` (N > 1), the peer with the same memory promise;
 * limits measured on the spot: pinned and pageable host-to-device bandwidth (this rank alone
@@ -19,12 +21,13 @@ rank. Results go to JSON and a markdown table with each time also as a ratio to 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ METHODS = (
     "dlo-rank-local",
     "dlo-allgather",
     "dlo-allgather-copy",
+    "dlo-allgather-copy-kernel",
     "dlo-auto",
     "dlo-swap",
     "fsdp2-offload",
@@ -162,7 +166,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     dlo_methods = (
         ["dlo-ring"]
         if world.size == 1
-        else ["dlo-rank-local", "dlo-allgather", "dlo-allgather-copy"]
+        else ["dlo-rank-local", "dlo-allgather", "dlo-allgather-copy", "dlo-allgather-copy-kernel"]
     )
     runs: list[tuple[str, int | str, int]] = [
         (m, s, c) for m in dlo_methods if m in methods for s, c in settings
@@ -170,14 +174,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "dlo-auto" in methods:
         runs.append(("dlo-auto", "auto", chunks[0]))
     for method, num_slots, chunk_mb in runs:
-        if method == "dlo-allgather-copy" and not platform.has_streams:
-            logger.warning("dlo-allgather-copy: needs CUDA GPUs; method skipped")
+        copy = method.startswith("dlo-allgather-copy")
+        if copy and not platform.has_streams:
+            logger.warning("%s: needs CUDA GPUs; method skipped", method)
             continue
-        transfer = {
-            "dlo-allgather": "allgather",
-            "dlo-allgather-copy": "allgather",
-            "dlo-auto": "auto",
-        }.get(method, "rank-local")
+        transfer = (
+            "allgather" if method.startswith("dlo-allgather") else
+            "auto" if method == "dlo-auto" else "rank-local"
+        )  # fmt: skip
         cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
         rss0 = process_rss_bytes()
         cfg = OffloadConfig(
@@ -187,13 +191,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             chunk_mb=chunk_mb,
             verify_block_sequence=not args.no_verify,
             nccl_max_ctas=args.nccl_max_ctas,
-            gather_engine="copy" if method == "dlo-allgather-copy" else "nccl",
+            gather_engine="copy" if copy else "nccl",
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
         platform.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        backend.enable(cpu_dit)
+        with _gather_sync("kernel" if method.endswith("-kernel") else None):
+            backend.enable(cpu_dit)
         enable_s = time.perf_counter() - t0
         bw = lim["h2d_pinned_concurrent_GBps" if world.size > 1 else "h2d_pinned_alone_GBps"]
         for tokens in tokens_list:
@@ -406,8 +411,27 @@ def _clean(platform: Platform) -> None:
     platform.reset_peak_memory_stats()
 
 
-MANUAL_DLO_METHODS = ("dlo-ring", "dlo-rank-local", "dlo-allgather", "dlo-allgather-copy")
+MANUAL_DLO_METHODS = (
+    "dlo-ring",
+    "dlo-rank-local",
+    "dlo-allgather",
+    "dlo-allgather-copy",
+    "dlo-allgather-copy-kernel",
+)
 """The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
+
+
+@contextlib.contextmanager
+def _gather_sync(sync: str | None) -> Iterator[None]:
+    """Hold the copy-engine gather to one barrier kind while a backend enables."""
+    from dlo import ce_gather
+
+    saved = ce_gather.DEFAULT_SYNC
+    ce_gather.DEFAULT_SYNC = sync or saved
+    try:
+        yield
+    finally:
+        ce_gather.DEFAULT_SYNC = saved
 
 
 def int_list(flag: str, text: Any) -> list[int]:

@@ -59,7 +59,8 @@ for s in $steps; do
       [ "$ngpu" -ge 2 ] && step run_copy 200 torchrun --nproc-per-node="$ngpu" -m dlo run \
         --preset "$preset" --steps 3 --tokens 4096 --transfer allgather --gather-engine copy --check
       [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
-        bench --preset "$preset" --methods dlo-allgather-copy,dlo-allgather,dlo-rank-local \
+        bench --preset "$preset" \
+        --methods dlo-allgather-copy,dlo-allgather-copy-kernel,dlo-allgather,dlo-rank-local \
         --tokens 4096,16384 --reps 5 --profile "$out/prof" --json "$out/profile_ngpu.json" ;;
     ctas) for c in ${DLO_SUITE_CTAS:-1 2 4 8}; do
         [ "$ngpu" -ge 2 ] && step "ctas$c" 200 torchrun --nproc-per-node="$ngpu" -m dlo bench \
