@@ -35,7 +35,14 @@ from torch import nn
 
 from dlo.backends.factory import get_offload_backend
 from dlo.config import OffloadConfig, ParallelConfig
-from dlo.measure import GB, allgather_bandwidth, barrier, h2d_limits, over_ranks
+from dlo.measure import (
+    GB,
+    allgather_bandwidth,
+    barrier,
+    h2d_limits,
+    over_ranks,
+    sample_seconds,
+)
 from dlo.models import build_pipeline, get_preset
 from dlo.parallel import current_world
 from dlo.platform import Platform, get_platform, process_rss_bytes
@@ -65,19 +72,7 @@ def time_forward(
     for _ in range(warmup):
         fn()
     barrier()
-    times = []
-    for _ in range(reps):
-        if platform.has_streams:
-            s, e = platform.new_event(timing=True), platform.new_event(timing=True)
-            s.record(platform.current_stream())
-            fn()
-            e.record(platform.current_stream())
-            e.synchronize()
-            times.append(float(s.elapsed_time(e)))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = [t * 1e3 for t in sample_seconds(platform, fn, reps)]
     return {"median_ms": statistics.median(times), "min_ms": min(times)}
 
 

@@ -51,10 +51,9 @@ def probe_nbytes(block_nbytes: int) -> int:
     return max(PROBE_MIN_NBYTES, min(PROBE_MAX_NBYTES, block_nbytes))
 
 
-def _timed(platform: Platform, fn: Any, reps: int) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
-    fn()
-    platform.synchronize()
+def sample_seconds(platform: Platform, fn: Any, reps: int) -> list[float]:
+    """Seconds of each of ``reps`` calls of ``fn()``: device time between two events on the
+    current stream on CUDA, wall time on the CPU platform (no warm-up; the caller's)."""
     times = []
     for _ in range(reps):
         if platform.has_streams:
@@ -68,7 +67,14 @@ def _timed(platform: Platform, fn: Any, reps: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-    return max(statistics.median(times), 1e-9)
+    return times
+
+
+def _timed(platform: Platform, fn: Any, reps: int) -> float:
+    """Median seconds of ``fn()`` after one warm-up call."""
+    fn()
+    platform.synchronize()
+    return max(statistics.median(sample_seconds(platform, fn, reps)), 1e-9)
 
 
 def h2d_bandwidth(platform: Platform, nbytes: int, *, pinned: bool, reps: int = 5) -> float:

@@ -99,10 +99,7 @@ class SequenceCheck:
 
     def issue(self, index: int, stream: Any, *, slot: int = -1) -> None:
         """Gather ``(index, slot)`` from every rank on ``stream`` (the comm stream)."""
-        self.poll()
-        if not self._free:
-            self.poll(block_host=True)
-        gathered, host, event = self._free.popleft()
+        gathered, host, event = self._take()
         with self.platform.stream(stream):
             self._mine[0].fill_(index)
             self._mine[1].fill_(slot)
@@ -117,14 +114,19 @@ class SequenceCheck:
         """Compare against tags every rank already placed on this device (2 int64 per rank,
         ``(block, slot)``; the copy-engine gather's [Note: lock-step tags]): a copy to
         pinned host memory on ``stream``, checked like a gathered result."""
-        self.poll()
-        if not self._free:
-            self.poll(block_host=True)
-        gathered, host, event = self._free.popleft()
+        gathered, host, event = self._take()
         with self.platform.stream(stream):
             host.copy_(tags, non_blocking=True)
             event.record(stream)
         self._pending.append((gathered, host, event, (index, slot)))
+
+    def _take(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """A free (device, pinned host, event) entry, checking finished ones first (and
+        waiting for the oldest when all ``depth`` are in flight)."""
+        self.poll()
+        if not self._free:
+            self.poll(block_host=True)
+        return self._free.popleft()
 
     def poll(self, *, block_host: bool = False) -> None:
         """Check every completed gather (the oldest one waits if ``block_host``)."""

@@ -224,7 +224,6 @@ class LayerwiseBackend(OffloadBackend):
                 if any(not b.resident for b in blocks)
                 else 0
             )
-            assert isinstance(cfg.num_slots, int)
             self._pool = self._allocate_slots(cfg, slot_nbytes, distributed)
             report.symmetric_slots = self._pool.base is not None
             journal.record("device slots", self._release_slots)

@@ -4,8 +4,6 @@ still take one decision, and the pipeline stays bitwise equal to a resident run.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -16,7 +14,7 @@ from dlo.backends.layerwise import LayerwiseBackend
 from dlo.cli import main
 from dlo.host import LEDGER
 from dlo.platform import CpuPlatform
-from tests.cpu.test_cli import ROOT, _env
+from tests.cpu.test_cli import _torchrun
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT, TwoStackDiT, clone
 
@@ -244,28 +242,10 @@ def test_bad_policy_flags_are_one_clear_line(
 
 
 def test_torchrun_run_auto_explain_two_cpu_ranks() -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--standalone",
-        "-m",
-        "dlo",
-        "run",
-        "--transfer",
-        "auto",
-        "--num-slots",
-        "auto",
-        "--steps",
-        "2",
-        "--check",
-        "--json",
-        "--explain",
-        "--gather-engine",
-        "auto",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=ROOT)
+    proc = _torchrun(
+        "run", "--transfer", "auto", "--num-slots", "auto", "--steps", "2", "--check",
+        "--json", "--explain", "--gather-engine", "auto",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads(proc.stdout[proc.stdout.index("[") :])
     assert [r["rank"] for r in reports] == [0, 1]
