@@ -39,6 +39,7 @@ from dlo.measure import (
     GB,
     allgather_bandwidth,
     barrier,
+    device_peak_nbytes,
     h2d_limits,
     over_ranks,
     sample_seconds,
@@ -186,7 +187,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             chunk_mb=chunk_mb,
             verify_block_sequence=not args.no_verify,
             nccl_max_ctas=args.nccl_max_ctas,
-            gather_engine="copy" if copy else "nccl",
+            # dlo-auto: the defaults' engine choice; the manual AllGather rows name theirs
+            gather_engine="copy" if copy else "auto" if method == "dlo-auto" else "nccl",
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
@@ -217,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "h2d_limit_ms": limit_ms,
                     "exposed_wait_ms_per_fwd": (st["exposed_wait_ms"] - st0["exposed_wait_ms"])
                     / (args.reps + args.warmup),
-                    "peak_device_nbytes": _peak(platform),
+                    "peak_device_nbytes": _peak(platform, st),
                     "device_slot_nbytes": st["device_slot_nbytes"],
                     "device_non_block_nbytes": st["device_non_block_nbytes"],
                     "host_pinned_nbytes": st["host_pinned_nbytes"],
@@ -395,8 +397,8 @@ def _fwd(model: nn.Module, inp: tuple[Any, ...]) -> Callable[[], Any]:
     return fn
 
 
-def _peak(platform: Platform) -> int:
-    return int(_max_over_ranks(platform.max_memory_allocated()))
+def _peak(platform: Platform, stats: dict[str, Any] | None = None) -> int:
+    return int(_max_over_ranks(device_peak_nbytes(platform, stats)))
 
 
 def _clean(platform: Platform) -> None:

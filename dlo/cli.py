@@ -76,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-pin", action="store_true", help="keep host storage pageable")
     r.add_argument(
         "--gather-engine",
-        default="nccl",
+        default="auto",
         choices=GATHER_ENGINES,
-        help="AllGather by NCCL kernels or by copy engines over peer access (CUDA, one node)",
+        help="AllGather by NCCL kernels or by copy engines over peer access (CUDA, one "
+        "node); auto: the copy engines where every rank can use them",
     )
     r.add_argument("--steps", type=int, default=8)
     r.add_argument("--tokens", type=int, default=None, help="latent tokens (default: preset)")
@@ -195,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     from dlo.backends.factory import get_offload_backend
     from dlo.backends.hsdp import shard_non_block
     from dlo.backends.loading import load_pipeline
+    from dlo.measure import device_peak_nbytes
     from dlo.models import build_pipeline, get_preset, make_inputs
     from dlo.parallel import init, shutdown
     from dlo.platform import default_device, get_platform, process_peak_rss_bytes, torchrun_env
@@ -301,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
     stats = backend.stats() if backend is not None else {}
-    hbm_peak = platform.max_memory_allocated()  # before the reference run below
+    hbm_peak = device_peak_nbytes(platform, stats)  # before the reference run below
     parity: bool | None = None
     if backend is not None:
         backend.disable()  # frees host and device memory before the reference run

@@ -239,12 +239,12 @@ class OffloadConfig:
     """Cap on the thread blocks (SMs) NCCL may use for dlo's weight gathers (its own
     communicator only); fewer leave more SMs to compute while a gather runs. None: NCCL's
     choice. Ignored by gloo."""
-    gather_engine: str = "nccl"
-    """How AllGather rebuilds streamed blocks: ``"nccl"`` (NCCL's kernels, any topology),
-    ``"copy"`` (copy engines pulling peers' slices from symmetric-memory slots: no SMs
-    taken from compute; CUDA GPUs of one node with peer access), or ``"auto"`` (``"copy"``
-    when every rank is a CUDA rank on one node with symmetric-memory slots, else
-    ``"nccl"``; decided at the startup agreement)."""
+    gather_engine: str = "auto"
+    """How AllGather rebuilds streamed blocks: ``"auto"`` (``"copy"`` when every rank is a
+    CUDA rank on one node with symmetric-memory slots, else ``"nccl"``; decided at the
+    startup agreement), ``"nccl"`` (NCCL's kernels, any topology), or ``"copy"`` (copy
+    engines pulling peers' slices from symmetric-memory slots: no SMs taken from compute;
+    CUDA GPUs of one node with peer access)."""
     host_backing: str = "region"
     """Host bytes of streamed blocks: ``"region"`` (each rank copies its shards into its own
     exact-size host region) or ``"mapped"`` (rank-local stacks of a model loaded with

@@ -70,6 +70,13 @@ def sample_seconds(platform: Platform, fn: Any, reps: int) -> list[float]:
     return times
 
 
+def device_peak_nbytes(platform: Platform, stats: Mapping[str, Any] | None = None) -> int:
+    """Peak device bytes since the last reset: torch's allocator peak plus what a backend
+    holds outside that allocator (its symmetric-memory slots, ``device_symmetric_nbytes`` in
+    its ``stats()``), which ``max_memory_allocated`` does not see."""
+    return platform.max_memory_allocated() + int((stats or {}).get("device_symmetric_nbytes", 0))
+
+
 def _timed(platform: Platform, fn: Any, reps: int) -> float:
     """Median seconds of ``fn()`` after one warm-up call."""
     fn()

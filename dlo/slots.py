@@ -72,6 +72,12 @@ class SlotPool:
     def nbytes(self) -> int:
         return self.slot_nbytes * len(self.slots)
 
+    @property
+    def symmetric_nbytes(self) -> int:
+        """Device bytes held outside torch's caching allocator (the symmetric buffer), which
+        ``torch.cuda.max_memory_allocated`` does not count."""
+        return int(self.base.nbytes) if self.base is not None else 0
+
     def release(self) -> None:
         """Drop every buffer (the caller synchronized the device first)."""
         for s in self.slots:

@@ -603,6 +603,7 @@ class LayerwiseBackend(OffloadBackend):
             "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
             "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
             "device_slot_nbytes": pool.nbytes if pool else 0,
+            "device_symmetric_nbytes": pool.symmetric_nbytes if pool else 0,
             "device_resident_block_nbytes": self._resident_nbytes,
             "device_non_block_nbytes": self._placed_nbytes,
             "h2d_nbytes": self._counters.h2d_nbytes,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dlo
+from dlo import ce_gather
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.host import LEDGER
 from dlo.platform import CudaPlatform
@@ -33,9 +34,7 @@ def _backend(rank: int, world: int, **kw: Any) -> LayerwiseBackend:
     plain ``"copy"`` picks stream memory operations where the driver has them)."""
     kw.setdefault("collective_timeout_s", 30.0)
     if kw.get("gather_engine") == "copy-kernel":
-        import dlo.ce_gather
-
-        dlo.ce_gather.DEFAULT_SYNC = "kernel"
+        ce_gather.DEFAULT_SYNC = "kernel"
         kw["gather_engine"] = "copy"
     cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", **kw)
     return LayerwiseBackend(

@@ -1076,4 +1076,4 @@ def test_gather_engine_validated(value: Any, exc: type[Exception]) -> None:
         OffloadConfig(gather_engine=value)
     assert OffloadConfig(gather_engine="copy").gather_engine == "copy"
     assert OffloadConfig(gather_engine="auto").gather_engine == "auto"
-    assert OffloadConfig().gather_engine == "nccl"
+    assert OffloadConfig().gather_engine == "auto"
