@@ -169,6 +169,15 @@ class RingScheduler:
             s.owner = None
         self._running = None
 
+    def close(self) -> None:
+        """Teardown after :meth:`unbind_all`: drop every block's slot views and placeholders
+        and its back-reference to its ring. A ring and its blocks reference each other, so
+        without this the views would keep the slots' device memory until the garbage
+        collector ran, long after the pool released its buffers."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                b.views, b.placeholders, b.ring = [], [], None
+
     # ------------------------------------------------------------------ hot path
     def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
         if self.poisoned is not None:

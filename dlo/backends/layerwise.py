@@ -575,6 +575,7 @@ class LayerwiseBackend(OffloadBackend):
         self.platform.synchronize()
         if self._scheduler is not None:
             self._scheduler.unbind_all()
+            self._scheduler.close()
         mark_released([t for b in self._blocks if b.layout.group_size > 1 for t in b.tensors])
 
     # ------------------------------------------------------------------ telemetry
