@@ -115,3 +115,28 @@ def test_flag_addresses_meet_in_real_memory_for_barriers_and_tags() -> None:
         tags = words[TAG_WORD : TAG_WORD + 4 * group].view(torch.int64).tolist()
         assert list(zip(tags[0::2], tags[1::2])) == [(41, 2)] * group
         assert int(words[:TAG_WORD].sum()) == 7 * (group - 1)  # only counters below the tags
+
+
+def test_symmetric_slots_count_in_the_device_peak() -> None:
+    # the symmetric buffer lives outside torch's caching allocator: max_memory_allocated misses
+    # it, so the backend reports it and the peak figures add it
+    import torch
+
+    from dlo.measure import device_peak_nbytes
+    from dlo.platform import CpuPlatform
+    from dlo.slots import SlotPool
+
+    class Peak(CpuPlatform):
+        def max_memory_allocated(self) -> int:
+            return 1000
+
+    pf = Peak()
+    plain = SlotPool.allocate(pf, 2, 512)
+    assert plain.symmetric_nbytes == 0
+    sym = SlotPool(pf, slot_nbytes=512)
+    sym.base = torch.empty(2 * 512 + 4096, dtype=torch.uint8)
+    assert sym.symmetric_nbytes == 2 * 512 + 4096
+    assert device_peak_nbytes(pf) == 1000
+    assert device_peak_nbytes(pf, {"device_symmetric_nbytes": sym.symmetric_nbytes}) == 6120
+    sym.release()
+    assert sym.symmetric_nbytes == 0
