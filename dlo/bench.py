@@ -21,13 +21,12 @@ rank. Results go to JSON and a markdown table with each time also as a ratio to 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -189,13 +188,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             nccl_max_ctas=args.nccl_max_ctas,
             # dlo-auto: the defaults' engine choice; the manual AllGather rows name theirs
             gather_engine="copy" if copy else "auto" if method == "dlo-auto" else "nccl",
+            gather_sync="kernel" if method.endswith("-kernel") else "auto",
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
         platform.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with _gather_sync("kernel" if method.endswith("-kernel") else None):
-            backend.enable(cpu_dit)
+        backend.enable(cpu_dit)
         enable_s = time.perf_counter() - t0
         bw = lim["h2d_pinned_concurrent_GBps" if world.size > 1 else "h2d_pinned_alone_GBps"]
         for tokens in tokens_list:
@@ -416,19 +415,6 @@ MANUAL_DLO_METHODS = (
     "dlo-allgather-copy-kernel",
 )
 """The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
-
-
-@contextlib.contextmanager
-def _gather_sync(sync: str | None) -> Iterator[None]:
-    """Hold the copy-engine gather to one barrier kind while a backend enables."""
-    from dlo import ce_gather
-
-    saved = ce_gather.DEFAULT_SYNC
-    ce_gather.DEFAULT_SYNC = sync or saved
-    try:
-        yield
-    finally:
-        ce_gather.DEFAULT_SYNC = saved
 
 
 def int_list(flag: str, text: Any) -> list[int]:

@@ -84,10 +84,6 @@ TAG_WORD = 256
 words stay zero. Room for 192 ranks."""
 PROBE_WORD = FLAG_NBYTES // 4 - 1
 
-DEFAULT_SYNC = "auto"
-"""``"auto"`` (stream memory operations when every rank of the group can use them, else
-kernels), ``"stream"`` or ``"kernel"``; tests pin one."""
-
 
 def symmetric_empty(nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 device buffer in symmetric memory (local allocation; no collective)."""
@@ -285,8 +281,8 @@ class CopyEngineGather:
             same size; the rendezvous and the choice of barrier are collectives on it).
         group_rank, group_size: this rank's place in ``group``.
         timeout_s: bound of every barrier.
-        sync: ``"auto"``, ``"stream"`` or ``"kernel"`` (see [Note: barriers without
-            kernels]); None: :data:`DEFAULT_SYNC`.
+        sync: ``"auto"``, ``"stream"`` or ``"kernel"`` (``OffloadConfig.gather_sync``; see
+            [Note: barriers without kernels]).
     """
 
     def __init__(
@@ -298,12 +294,11 @@ class CopyEngineGather:
         group_rank: int,
         group_size: int,
         timeout_s: float,
-        sync: str | None = None,
+        sync: str = "auto",
     ) -> None:
         import torch.distributed as dist
         from torch.distributed import _symmetric_memory as symm_mem
 
-        sync = sync or DEFAULT_SYNC
         if sync not in ("auto", "stream", "kernel"):
             raise ValueError(f"sync={sync!r} is not one of 'auto', 'stream', 'kernel'")
         self.platform = platform

@@ -34,6 +34,7 @@ MODES = ("none", "module", "layer")
 COMPONENTS = ("dit", "encoder")
 TRANSFERS = ("rank-local", "allgather", "auto")
 GATHER_ENGINES = ("nccl", "copy", "auto")
+GATHER_SYNCS = ("auto", "stream", "kernel")
 HOST_BACKINGS = ("region", "mapped")
 PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")
 WEIGHT_AXES = ("auto", "shard", "data", "sequence", "local")
@@ -245,6 +246,11 @@ class OffloadConfig:
     startup agreement), ``"nccl"`` (NCCL's kernels, any topology), or ``"copy"`` (copy
     engines pulling peers' slices from symmetric-memory slots: no SMs taken from compute;
     CUDA GPUs of one node with peer access)."""
+    gather_sync: str = "auto"
+    """The copy-engine gather's barriers: ``"auto"`` (kernel-free stream memory operations
+    when every rank's driver has them, else torch's barrier kernel; agreed by the group),
+    ``"stream"`` (those operations or an error at enable) or ``"kernel"`` (the barrier
+    kernel, one CTA per barrier). Ignored by NCCL's gather."""
     host_backing: str = "region"
     """Host bytes of streamed blocks: ``"region"`` (each rank copies its shards into its own
     exact-size host region) or ``"mapped"`` (rank-local stacks of a model loaded with
@@ -281,6 +287,7 @@ class OffloadConfig:
         if self.nccl_max_ctas is not None:
             _check_int("nccl_max_ctas", self.nccl_max_ctas, minimum=1)
         _check_choice("gather_engine", self.gather_engine, GATHER_ENGINES)
+        _check_choice("gather_sync", self.gather_sync, GATHER_SYNCS)
         _check_choice("host_backing", self.host_backing, HOST_BACKINGS)
         self._validate_layer_options()
         if self.mode == "module":

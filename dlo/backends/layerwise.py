@@ -458,6 +458,7 @@ class LayerwiseBackend(OffloadBackend):
                     group_rank=group_rank,
                     group_size=len(ranks),
                     timeout_s=cfg.collective_timeout_s,
+                    sync=cfg.gather_sync,
                 )
                 journal.record("copy-engine gather", ce.close)
                 self._gather_sync = ce.sync

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import dlo
-from dlo import ce_gather
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.host import LEDGER
 from dlo.platform import CudaPlatform
@@ -34,8 +33,7 @@ def _backend(rank: int, world: int, **kw: Any) -> LayerwiseBackend:
     plain ``"copy"`` picks stream memory operations where the driver has them)."""
     kw.setdefault("collective_timeout_s", 30.0)
     if kw.get("gather_engine") == "copy-kernel":
-        ce_gather.DEFAULT_SYNC = "kernel"
-        kw["gather_engine"] = "copy"
+        kw["gather_engine"], kw["gather_sync"] = "copy", "kernel"
     cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", **kw)
     return LayerwiseBackend(
         cfg, dlo.ParallelConfig(data_parallel_size=world), CudaPlatform(torch.device("cuda", rank))

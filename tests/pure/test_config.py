@@ -1077,3 +1077,14 @@ def test_gather_engine_validated(value: Any, exc: type[Exception]) -> None:
     assert OffloadConfig(gather_engine="copy").gather_engine == "copy"
     assert OffloadConfig(gather_engine="auto").gather_engine == "auto"
     assert OffloadConfig().gather_engine == "auto"
+
+
+@pytest.mark.parametrize(
+    ("value", "exc"), [("spin", ValueError), (None, TypeError), (0, TypeError)]
+)
+def test_gather_sync_validated(value: Any, exc: type[Exception]) -> None:
+    with _raises(exc, "gather_sync", repr(value)):
+        OffloadConfig(gather_sync=value)
+    assert OffloadConfig().gather_sync == "auto"
+    assert OffloadConfig(gather_sync="kernel").gather_sync == "kernel"
+    assert OffloadConfig.from_dict({"gather_sync": "stream"}).gather_sync == "stream"
