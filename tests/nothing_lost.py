@@ -5,11 +5,16 @@ shape, strides, device and bytes; for every module: its attribute names and the 
 each kind of torch hook; plus dlo's ledger and the device memory in use. ``check(model)``
 asserts all of it is as it was: the same Parameter objects with the same bytes, dtypes,
 shapes and strides, no dlo attribute or hook left on any module, the ledger at zero and
-device memory back to its baseline.
+device memory back to its baseline. ``no_cyclic_garbage()`` asserts that what a block of code
+dropped of dlo's went by reference counting alone (no reference cycle holds it for the garbage
+collector).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,3 +78,29 @@ def _device_nbytes() -> int:
         torch.cuda.synchronize()
         return int(torch.cuda.memory_allocated())
     return 0
+
+
+@contextlib.contextmanager
+def no_cyclic_garbage() -> Iterator[None]:
+    """Run the body with the garbage collector off, then assert that nothing of dlo's is left
+    for the collector: every dlo object the body dropped went by reference counting alone.
+
+    A dlo object in a reference cycle keeps whatever it references (views of device slots,
+    pinned regions) alive until the collector happens to run, after ``disable`` returned.
+    """
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        left = [o for o in gc.garbage if type(o).__module__.split(".")[0] == "dlo"]
+        assert not left, (
+            f"dlo objects in reference cycles: {sorted({type(o).__name__ for o in left})}"
+        )
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
