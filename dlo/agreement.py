@@ -44,6 +44,29 @@ class RankReport:
     symmetric_slots: bool = False
     """This rank's slots are in symmetric memory (it can take part in the copy-engine
     gather)."""
+    settings: tuple[tuple[str, Any], ...] = ()
+    """This rank's values of the :data:`AGREED_SETTINGS` (see :func:`settings_of`)."""
+
+
+AGREED_SETTINGS = (
+    "num_slots",
+    "chunk_mb",
+    "pin_memory",
+    "pin_failure_policy",
+    "verify_block_sequence",
+    "nccl_max_ctas",
+    "gather_engine",
+    "gather_sync",
+    "host_backing",
+)
+"""Config fields that shape dlo's collectives or the verdict itself: ranks that differ in one
+would issue different collectives (a symmetric buffer of another size, a gather engine the
+peer does not join, a lock-step check the peer does not run) or reach different verdicts."""
+
+
+def settings_of(config: Any) -> tuple[tuple[str, Any], ...]:
+    """``(field, value)`` for each of :data:`AGREED_SETTINGS` of ``config`` (resolved)."""
+    return tuple((name, getattr(config, name)) for name in AGREED_SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -86,6 +109,18 @@ def decide(
     if failed:
         detail = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
         return Verdict(False, f"enable failed on rank(s) {[r.rank for r in failed]}: {detail}")
+    if len({r.settings for r in reports}) > 1:
+        differ = [
+            name
+            for i, name in enumerate(AGREED_SETTINGS)
+            if len({r.settings[i][1] if len(r.settings) > i else None for r in reports}) > 1
+        ]
+        detail = "; ".join(
+            f"{name}: "
+            + ", ".join(f"rank {r.rank}={dict(r.settings).get(name)!r}" for r in reports)
+            for name in differ
+        )
+        return Verdict(False, f"ranks enabled dlo with different settings ({detail})")
     digests = {r.digest for r in reports}
     if len(digests) > 1:
         by_digest: dict[str, list[int]] = {}

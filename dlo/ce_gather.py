@@ -154,6 +154,16 @@ class SyncWatchdog:
         self._pending.clear()
 
 
+def _completes(event: Any, timeout_s: float) -> bool:
+    """Whether ``event`` completes within ``timeout_s`` (polled, the host never blocks)."""
+    deadline = time.monotonic() + timeout_s
+    while not event.query():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
 def _abort(message: str) -> None:
     logger.critical(message)
     os._exit(70)
@@ -221,7 +231,9 @@ def can_use_stream_ops(
     then a wait on ``probe`` (one zeroed uint32 of its own allocation), and a write of 0 to
     each of ``peer_words`` (this rank's counters in its peers' allocations, still 0), all
     finished within :data:`PROBE_TIMEOUT_S` (a wait that never returns is a "no", not a
-    hang; the stream is then abandoned)."""
+    hang: the probe word is then set by an ordinary kernel to release the wait, because a
+    stream left waiting would hang every later device synchronization; if even that does not
+    release it, the worker ends as after a barrier timeout)."""
     try:
         stream = platform.new_stream()
         platform.stream_write_u32(stream, probe.data_ptr(), 1)
@@ -230,12 +242,17 @@ def can_use_stream_ops(
             platform.stream_write_u32(stream, address, 0)
         done = platform.new_event()
         done.record(stream)
-        deadline = time.monotonic() + PROBE_TIMEOUT_S
-        while not done.query():
-            if time.monotonic() > deadline:
-                logger.warning("stream memory operations did not complete: kernel barriers")
-                return False
-            time.sleep(0.001)
+        if not _completes(done, PROBE_TIMEOUT_S):
+            logger.warning("stream memory operations did not complete: kernel barriers")
+            with platform.stream(platform.new_stream()):
+                probe.fill_(1)
+            if not _completes(done, PROBE_TIMEOUT_S):
+                _abort(
+                    "dlo: a stream memory operation probe stays blocked on the device; every "
+                    "later synchronization would hang: ending this worker"
+                )
+            probe.zero_()
+            return False
         ok = int(probe.item()) == 1
         probe.zero_()
         return ok
@@ -308,8 +325,12 @@ class CopyEngineGather:
         flags = base[self.nbytes - FLAG_NBYTES :].view(torch.int32)
         platform.synchronize()  # counters zeroed before any peer can write to them
         self.handle = symm_mem.rendezvous(base, group)
+        # peers' buffers at this tensor's place in their allocations (torch versions that
+        # carve symmetric tensors out of a pool put them at an offset; 2.11 does not)
+        offset = int(getattr(self.handle, "offset", 0) or 0)
+        at = {"storage_offset": offset} if offset else {}
         self.peers = {
-            p: self.handle.get_buffer(p, (self.nbytes,), torch.uint8)
+            p: self.handle.get_buffer(p, (self.nbytes,), torch.uint8, **at)
             for p in range(group_size)
             if p != group_rank
         }

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from dlo.config import (
     GATHER_ENGINES,
+    GATHER_SYNCS,
     HOST_BACKINGS,
     MODES,
     TRANSFERS,
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=GATHER_ENGINES,
         help="AllGather by NCCL kernels or by copy engines over peer access (CUDA, one "
         "node); auto: the copy engines where every rank can use them",
+    )
+    r.add_argument(
+        "--gather-sync",
+        default="auto",
+        choices=GATHER_SYNCS,
+        help="the copy engine's barriers: stream memory operations or the barrier kernel",
     )
     r.add_argument("--steps", type=int, default=8)
     r.add_argument("--tokens", type=int, default=None, help="latent tokens (default: preset)")
@@ -168,6 +175,7 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
         chunk_mb=args.chunk_mb,
         pin_memory=not args.no_pin,
         gather_engine=args.gather_engine,
+        gather_sync=args.gather_sync,
         device_budget_gb=args.device_budget_gb,
         host_backing=args.host_backing,
     )

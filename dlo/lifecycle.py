@@ -21,6 +21,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from dlo.errors import OffloadError
@@ -126,14 +127,18 @@ class OffloadBackend:
         """
         self._check_can_enable()
         journal = Journal()
-        try:
-            self._install(pipeline, journal)
-        except BaseException:
+        # [Note: no inference tensors] what enable and disable allocate (slots, staging,
+        # restored weights) is written in place later, by other threads or outside an
+        # inference_mode the caller may have entered: it must never be an inference tensor
+        with torch.inference_mode(False):
             try:
-                journal.rollback()
-            finally:
-                self._after_failed_enable()
-            raise
+                self._install(pipeline, journal)
+            except BaseException:
+                try:
+                    journal.rollback()
+                finally:
+                    self._after_failed_enable()
+                raise
         self._journal = journal
         self._pipeline_ref = pipeline
 
@@ -142,7 +147,8 @@ class OffloadBackend:
         journal, self._journal = self._journal, None
         self._pipeline_ref = None
         if journal is not None:
-            journal.rollback()
+            with torch.inference_mode(False):  # [Note: no inference tensors]
+                journal.rollback()
 
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -163,6 +163,7 @@ def init(
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
         set_env_default("NCCL_NVLS_ENABLE", "0")
+        set_env_default("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the copy engine needs none
         set_env_default("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device

@@ -198,6 +198,11 @@ class Platform:
         device 0)."""
         return contextlib.nullcontext()
 
+    def peers_accessible(self) -> bool:
+        """Whether this device can read every other visible device of its node directly
+        (peer access, for the copy-engine gather)."""
+        return False
+
     # host memory
     def register_host(self, tensor: torch.Tensor) -> bool:
         """Page-lock a CPU tensor's memory in place; False when the platform refused."""
@@ -304,6 +309,14 @@ class CudaPlatform(Platform):
     def device_context(self) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.device(self.device)
 
+    def peers_accessible(self) -> bool:
+        me = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return all(
+            torch.cuda.can_device_access_peer(me, d)
+            for d in range(torch.cuda.device_count())
+            if d != me
+        )
+
     def register_host(self, tensor: torch.Tensor) -> bool:
         assert tensor.device.type == "cpu" and tensor.is_contiguous()
         if tensor.numel() == 0:
@@ -322,7 +335,8 @@ class CudaPlatform(Platform):
     def unregister_host(self, tensor: torch.Tensor) -> None:
         if tensor.numel() == 0:
             return
-        err = torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        with torch.cuda.device(self.device):  # as register_host: no context on device 0
+            err = torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
         code = _cuda_error_code(err)
         if code != 0:
             logger.warning("cudaHostUnregister failed (error %d)", code)
@@ -341,7 +355,8 @@ class CudaPlatform(Platform):
         return int(torch.cuda.memory_stats(self.device).get("allocation.all.allocated", 0))
 
     def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
 
     def free_memory(self) -> int | None:
         free, _total = torch.cuda.mem_get_info(self.device)

@@ -99,7 +99,7 @@ class SequenceCheck:
 
     def issue(self, index: int, stream: Any, *, slot: int = -1) -> None:
         """Gather ``(index, slot)`` from every rank on ``stream`` (the comm stream)."""
-        gathered, host, event = self._take()
+        gathered, host, event = self.take()
         with self.platform.stream(stream):
             self._mine[0].fill_(index)
             self._mine[1].fill_(slot)
@@ -110,17 +110,21 @@ class SequenceCheck:
         if not self.platform.has_streams:
             self.poll()
 
-    def read(self, tags: torch.Tensor, stream: Any, index: int, *, slot: int) -> None:
+    def read(
+        self, tags: torch.Tensor, stream: Any, index: int, *, slot: int, entry: Any = None
+    ) -> None:
         """Compare against tags every rank already placed on this device (2 int64 per rank,
         ``(block, slot)``; the copy-engine gather's [Note: lock-step tags]): a copy to
-        pinned host memory on ``stream``, checked like a gathered result."""
-        gathered, host, event = self._take()
+        pinned host memory on ``stream``, checked like a gathered result. ``entry``: one
+        :meth:`take` returned before the load enqueued anything (so a divergence found
+        while taking it is raised before any barrier of this block is on a stream)."""
+        gathered, host, event = entry if entry is not None else self.take()
         with self.platform.stream(stream):
             host.copy_(tags, non_blocking=True)
             event.record(stream)
         self._pending.append((gathered, host, event, (index, slot)))
 
-    def _take(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """A free (device, pinned host, event) entry, checking finished ones first (and
         waiting for the oldest when all ``depth`` are in flight)."""
         self.poll()
@@ -245,7 +249,8 @@ class BlockTransport:
         if check is not None and not tags:
             check.issue(index, self.comm_stream, slot=slot_index)
         if tags:
-            assert ce is not None
+            assert ce is not None and check is not None
+            entry = check.take()  # may raise a divergence: before anything is enqueued
             ce.post_tag(self.comm_stream, index, slot_index)  # [Note: lock-step tags]
         with pf.stream(self.copy_stream):
             self.copy_stream.wait_event(free_event)
@@ -261,7 +266,7 @@ class BlockTransport:
                     ce.wait_chunk(self.comm_stream, layout.name)
                     if tags and k == 0:
                         assert check is not None
-                        check.read(ce.tags, self.comm_stream, index, slot=slot_index)
+                        check.read(ce.tags, self.comm_stream, index, slot=slot_index, entry=entry)
                     ce.pull_chunk(slot, layout, k)
                 else:
                     all_gather_into(slot[c0:c1], mine, self.group)

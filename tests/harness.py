@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -100,7 +101,8 @@ def _child(
         ok = False
         out.put((rank, "err", type(e).__name__, str(e), traceback.format_exc()))
     if ok:
-        try:
+        try:  # the queue pickles in a feeder thread, where a failure would only be printed
+            pickle.dumps(value)
             out.put((rank, "ok", value, None, None))
         except Exception as e:
             out.put((rank, "err", type(e).__name__, f"result not picklable: {e}", None))
@@ -135,8 +137,18 @@ def run_ranks(
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, out, world_size, timeout_s)
+    finally:  # interrupted (pytest-timeout, ^C): no rank outlives its test, holding devices
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _collect(procs: list[Any], out: Any, world_size: int, timeout_s: float) -> list[Outcome]:
     results: dict[int, Outcome] = {}
     deadline = time.monotonic() + timeout_s
     while len(results) < world_size and time.monotonic() < deadline:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.agreement import RankReport, Verdict, decide, exchange
+from dlo.agreement import RankReport, Verdict, decide, exchange, settings_of
 from dlo.backends.auto import is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
@@ -196,7 +196,7 @@ class LayerwiseBackend(OffloadBackend):
 
         # 2-3: layouts, manifest, local preparation (failures caught for the agreement)
         local_error: BaseException | None = None
-        report = RankReport(rank=world.rank, ok=True, host=host_name())
+        report = RankReport(rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg))
         blocks: list[_Block] = []
         try:
             blocks = self._select_blocks(pipeline, plan)
@@ -365,6 +365,11 @@ class LayerwiseBackend(OffloadBackend):
         ``"auto"`` on CUDA, falling back to ordinary slots if that allocation fails)."""
         assert isinstance(cfg.num_slots, int)
         if distributed and cfg.gather_engine == "auto" and self.platform.has_streams:
+            if not self.platform.peers_accessible():
+                logger.info(
+                    "no peer access between this node's GPUs: gather_engine='auto' uses NCCL"
+                )
+                return SlotPool.allocate(self.platform, cfg.num_slots, slot_nbytes)
             try:
                 return SlotPool.allocate(self.platform, cfg.num_slots, slot_nbytes, symmetric=True)
             except InjectedFault:

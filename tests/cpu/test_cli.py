@@ -30,6 +30,7 @@ def _env() -> dict[str, str]:
         ["--mode", "layer", "--resident-layers", "1", "--num-slots", "3"],
         ["--mode", "module"],
         ["--mode", "none"],
+        ["--gather-engine", "nccl", "--gather-sync", "kernel"],
     ],
 )
 def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,6 +47,7 @@ def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[st
     [
         (["run", "--num-slots", "0"], "num_slots must be >= 1, got 0"),
         (["run", "--mode", "bogus"], "invalid choice: 'bogus'"),
+        (["run", "--gather-sync", "spin"], "invalid choice: 'spin'"),
         (["run", "--preset", "huge"], "huge"),
         (["run", "--steps", "0"], "--steps=0"),
         (["run", "--resident-layers", "-1"], "resident_layers must be >= 0, got -1"),

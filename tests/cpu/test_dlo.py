@@ -150,6 +150,31 @@ def test_rank_with_different_model_fails_everywhere_same_error() -> None:
     assert all("recreate the worker" in o for o in outs)
 
 
+def _different_settings(rank: int, world: int) -> str:
+    # a symmetric buffer of another size, a lock-step check the peer does not run: caught at
+    # the agreement, before any weight collective
+    model = ToyDiT(3)
+    cfg = _cfg(num_slots=3 if rank == 1 else 2, verify_block_sequence=rank != 2)
+    backend = LayerwiseBackend(cfg, _par(world), CpuPlatform())
+    before = snapshot(model)
+    try:
+        backend.enable(model)
+    except dlo.OffloadError as e:
+        assert_same(before, model)
+        assert LEDGER.host_nbytes == 0
+        return str(e).split("]", 1)[1]
+    return "enabled"
+
+
+def test_ranks_with_different_settings_fail_everywhere_naming_them() -> None:
+    msgs = assert_all_ok(run_ranks(_different_settings, 3, timeout_s=120))
+    assert len(set(msgs)) == 1, msgs
+    assert "different settings" in msgs[0]
+    assert "num_slots: rank 0=2, rank 1=3, rank 2=2" in msgs[0]
+    assert "verify_block_sequence: rank 0=True, rank 1=True, rank 2=False" in msgs[0]
+    assert "chunk_mb" not in msgs[0]
+
+
 def _pin_vote(rank: int, world: int, case: str) -> str:
     model = ToyDiT(3)
     before = snapshot(model)

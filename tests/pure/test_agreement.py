@@ -1,10 +1,11 @@
-"""The startup verdict's gather-engine choice (pure)."""
+"""The startup verdict: settings, gather-engine choice (pure)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dlo.agreement import RankReport, decide, gather_engine_verdict
+from dlo.agreement import AGREED_SETTINGS, RankReport, decide, gather_engine_verdict, settings_of
+from dlo.config import OffloadConfig
 
 
 def _reports(hosts: list[str], symmetric: list[bool]) -> list[RankReport]:
@@ -56,3 +57,17 @@ def test_pageable_fallback_and_copy_gather_compose() -> None:
     reports[1].unpinned_blocks = ("blocks.3",)
     verdict = decide(reports, pin_failure_policy="whole_block_fallback", gather_engine="auto")
     assert verdict.ok and verdict.fallback_blocks == ("blocks.3",) and verdict.copy_gather
+
+
+def test_settings_that_differ_are_named_and_equal_ones_pass() -> None:
+    same = settings_of(OffloadConfig(mode="layer"))
+    assert [n for n, _ in same] == list(AGREED_SETTINGS)
+    reports = [RankReport(rank=r, ok=True, digest="d", settings=same) for r in range(2)]
+    assert decide(reports, pin_failure_policy="fail").ok
+    other = settings_of(OffloadConfig(mode="layer", gather_sync="kernel", chunk_mb=32))
+    reports[1] = RankReport(rank=1, ok=True, digest="d", settings=other)
+    verdict = decide(reports, pin_failure_policy="fail")
+    assert not verdict.ok
+    assert "chunk_mb: rank 0=64, rank 1=32" in verdict.message
+    assert "gather_sync: rank 0='auto', rank 1='kernel'" in verdict.message
+    assert "num_slots" not in verdict.message

@@ -140,3 +140,79 @@ def test_symmetric_slots_count_in_the_device_peak() -> None:
     assert device_peak_nbytes(pf, {"device_symmetric_nbytes": sym.symmetric_nbytes}) == 6120
     sym.release()
     assert sym.symmetric_nbytes == 0
+
+
+class _ProbePlatform:
+    """Stream memory operations emulated on a CPU word: ``writes_land`` says whether the
+    driver's write reaches memory; the probe's wait completes once the word is >= 1, unless
+    the device is ``stuck``."""
+
+    def __init__(self, *, writes_land: bool, stuck: bool = False) -> None:
+        self.writes_land, self.stuck = writes_land, stuck
+        self.word: Any = None
+        self.completed = False
+
+    def new_stream(self) -> object:
+        return object()
+
+    def stream(self, stream: Any) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def stream_write_u32(self, stream: Any, address: int, value: int) -> None:
+        if self.writes_land and address == self.word.data_ptr():
+            self.word.fill_(value)
+
+    def stream_wait_u32(self, stream: Any, address: int, value: int) -> None:
+        return None
+
+    def new_event(self) -> Any:
+        platform = self
+
+        class Done:
+            def record(self, stream: Any) -> None:
+                return None
+
+            def query(self) -> bool:
+                if not platform.stuck and int(platform.word.item()) >= 1:
+                    platform.completed = True
+                return platform.completed
+
+        return Done()
+
+
+def _probe(platform: _ProbePlatform, monkeypatch: Any) -> bool:
+    import torch
+
+    from dlo import ce_gather
+
+    monkeypatch.setattr(ce_gather, "PROBE_TIMEOUT_S", 0.05)
+    platform.word = torch.zeros(1, dtype=torch.int32)
+    ok = ce_gather.can_use_stream_ops(platform, platform.word)  # type: ignore[arg-type]
+    assert int(platform.word.item()) == 0  # left zeroed: it is a barrier counter's neighbour
+    return ok
+
+
+def test_probe_says_yes_when_the_operations_run(monkeypatch: Any) -> None:
+    assert _probe(_ProbePlatform(writes_land=True), monkeypatch)
+
+
+def test_probe_that_times_out_releases_its_wait_and_says_no(monkeypatch: Any) -> None:
+    # a stream left waiting would hang every later device synchronization
+    platform = _ProbePlatform(writes_land=False)
+    assert not _probe(platform, monkeypatch)
+    assert platform.completed
+
+
+def test_probe_that_cannot_be_released_ends_the_worker(monkeypatch: Any) -> None:
+    import pytest
+
+    from dlo import ce_gather
+
+    def abort(message: str) -> None:
+        raise SystemExit(message)
+
+    monkeypatch.setattr(ce_gather, "_abort", abort)
+    with pytest.raises(SystemExit, match="stays blocked"):
+        _probe(_ProbePlatform(writes_land=False, stuck=True), monkeypatch)

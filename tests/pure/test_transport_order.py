@@ -44,8 +44,14 @@ class _Check:
     def issue(self, index: int, stream: Any, *, slot: int = -1) -> None:
         self.log.append(f"nccl check {index} {slot}")
 
-    def read(self, tags: torch.Tensor, stream: Any, index: int, *, slot: int) -> None:
-        self.log.append(f"read tags {index} {slot}")
+    def take(self) -> str:
+        self.log.append("take")
+        return "entry"
+
+    def read(
+        self, tags: torch.Tensor, stream: Any, index: int, *, slot: int, entry: Any = None
+    ) -> None:
+        self.log.append(f"read tags {index} {slot} with {entry}")
 
 
 @pytest.mark.parametrize("tags", [True, False])
@@ -75,7 +81,12 @@ def test_a_load_drives_the_copy_engine_gather_in_order(tags: bool) -> None:
         layout, shard, slot, free_event=pf.new_event(), ready_event=pf.new_event(), index=7,
         slot_index=1,
     )  # fmt: skip
-    first = ["post_tag 7 1", "barrier", "read tags 7 1"] if tags else ["nccl check 7 1", "barrier"]
+    # with tags the check's entry is taken (a divergence raised) before anything is enqueued
+    first = (
+        ["take", "post_tag 7 1", "barrier", "read tags 7 1 with entry"]
+        if tags
+        else ["nccl check 7 1", "barrier"]
+    )
     assert log == [*first, "pull 0", "barrier", "pull 1", "barrier", "pull 2", "barrier (end)"]
     for start, end, off in layout.shard_ranges(1):  # this rank's slices landed in place
         assert torch.equal(slot[start:end], shard[off : off + layout.slice_nbytes])
