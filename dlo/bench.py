@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -143,6 +144,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         report["results"].append(row)
         if world.rank == 0:
             logger.warning("%-16s tokens=%-6d %.2f ms", method, tokens, row["median_ms"])
+            if args.json:  # a run cut short (a time limit, a failure) keeps the rows it has
+                write_json(args.json, {**report, "partial": True})
 
     streamed_bytes = preset.num_blocks * block_nbytes
     if "resident" in methods:
@@ -594,14 +597,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
 
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Replace ``path`` with ``report`` in one step (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(report, fh, indent=2)
+    os.replace(tmp, path)
+
+
 def main(args: argparse.Namespace) -> int:
     report = run_bench(args)
     if current_world().rank == 0:
         text = markdown(report)
         print(text)
         if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=2)
+            write_json(args.json, report)
         if args.markdown:
             with open(args.markdown, "w") as fh:
                 fh.write(text + "\n")

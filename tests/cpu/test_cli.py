@@ -100,6 +100,21 @@ def test_bench_smoke_json(tmp_path: Path) -> None:
     auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
     assert all(r["transfer"] == "rank-local" and r["x_best_manual"] > 0 for r in auto)
     assert report["policy"]["num_slots"] == 2  # one rank: rank-local, two slots
+    assert "partial" not in report and not Path(f"{path}.tmp").exists()
+
+
+def test_bench_cut_short_keeps_the_rows_it_has(tmp_path: Path) -> None:
+    # a device-time limit or a failure in a later method must not cost the finished rows
+    from dlo import faults
+    from dlo.errors import InjectedFault
+
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--preset", "tiny", "--methods", "resident,dlo-ring", "--tokens", "32"]
+    with faults.inject("slot_allocation"), pytest.raises(InjectedFault):
+        main([*argv, "--warmup", "1", "--reps", "2", "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["partial"] is True
+    assert [r["method"] for r in report["results"]] == ["resident"]
 
 
 def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
