@@ -8,6 +8,7 @@ between a block and a non-block module, and modules managed by another offloader
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -73,25 +74,29 @@ def check_blocks(
             "as bytes): " + ", ".join(subclass),
             rank=rank,
         )
+    # every module reachable from the components, by identity (an alias path to a block is
+    # still the block), that is not a block or inside one: none may hold a block's tensor
+    inside = {id(m) for _, b in blocks for m in b.modules()}
     for cname, comp in components:
-        for tname, t in _all_named_tensors(comp):
-            other = owner.get(id(t))
-            if other is not None and not _is_inside(f"{cname}.{tname}" if cname else tname, blocks):
-                raise OffloadError(
-                    f"tensor shared between block tensor {other} and non-block "
-                    f"{cname + '.' if cname else ''}{tname}; dlo cannot keep one copy in both "
-                    "places (untie them or keep the block resident)",
-                    rank=rank,
-                )
+        for mname, mod in comp.named_modules(remove_duplicate=False):
+            if id(mod) in inside:
+                continue
+            own = itertools.chain(mod._parameters.items(), mod._buffers.items())
+            for tname, t in own:
+                other = owner.get(id(t)) if t is not None else None
+                if other is not None:
+                    where = ".".join(p for p in (cname, mname, tname) if p)
+                    raise OffloadError(
+                        f"tensor shared between block tensor {other} and non-block {where}; "
+                        "dlo cannot keep one copy in both places (untie them or keep the "
+                        "block resident)",
+                        rank=rank,
+                    )
 
 
 def _all_named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     yield from module.named_parameters(remove_duplicate=False)
     yield from ((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None)
-
-
-def _is_inside(path: str, blocks: Sequence[tuple[str, nn.Module]]) -> bool:
-    return any(path.startswith(bname + ".") for bname, _ in blocks)
 
 
 def non_block_tensors(

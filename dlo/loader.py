@@ -287,7 +287,7 @@ def _install(target: _Target, data: torch.Tensor, journal: Journal) -> torch.Ten
     if isinstance(old, nn.Parameter):
         new = nn.Parameter(data, requires_grad=old.requires_grad)
     else:
-        new = data
+        new = data.detach()  # no _base: a view of the file mapping would keep it mapped
     for module, local in target.places:
         store: dict[str, Any] = module._parameters if target.kind == "param" else module._buffers
         store[local] = new

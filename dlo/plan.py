@@ -285,6 +285,19 @@ class ResolvedOffloadPlan:
 
 
 # ----------------------------------------------------------------------------- paths
+def every_component(pipeline: Any, plan: ResolvedOffloadPlan) -> list[tuple[str, nn.Module]]:
+    """Everything of ``pipeline`` a block's tensor could also be reachable from: the
+    pipeline itself when it is a module, else every component the plan knows (for checks
+    that a streamed or swapped tensor is not shared with a module dlo does not manage)."""
+    if isinstance(pipeline, nn.Module):
+        return [("", pipeline)]
+    paths = dict.fromkeys(
+        (*plan.dits, *plan.encoders, *plan.vaes, *plan.resident_modules, *plan.on_demand)
+    )
+    found = [(p, get_by_path(pipeline, p)) for p in paths]
+    return [(p, m) for p, m in found if isinstance(m, nn.Module)]
+
+
 def get_by_path(root: object, path: str) -> Any:
     """Follow a dotted attribute path from ``root`` (``"blocks.0"`` indexes a ModuleList).
 

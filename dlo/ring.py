@@ -124,6 +124,7 @@ class RingScheduler:
         self.rings: list[BlockRing] = []
         self._running: StreamedBlock | None = None
         self._running_thread: int | None = None
+        self._claim = threading.Lock()
         self._clock = 0
         self.poisoned: str | None = None
 
@@ -182,15 +183,60 @@ class RingScheduler:
     def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
         if self.poisoned is not None:
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
-        if self._running is not None:
-            same = self._running_thread == threading.get_ident()
+        me = threading.get_ident()
+        with self._claim:  # check and claim in one step: two threads never both get past
+            running, thread = self._running, self._running_thread
+            if running is None:
+                self._running, self._running_thread = block, me
+        if running is not None:
             raise OffloadError(
-                f"forward of this block started while block {self._running.name!r} is still "
-                f"running ({'re-entrant call' if same else 'another thread'}); dlo's ring serves "
-                "one forward at a time",
+                f"forward of this block started while block {running.name!r} is still "
+                f"running ({'re-entrant call' if thread == me else 'another thread'}); dlo's "
+                "ring serves one forward at a time",
                 rank=self.rank,
                 block=block.name,
             )
+        try:
+            self._refuse_unsupported(block, args, kwargs)
+        except BaseException:
+            self._running = self._running_thread = None
+            raise
+        compute = self.platform.current_stream()
+        try:
+            if block.state == IDLE:
+                block.num_demand_loads += 1
+                slot = self._acquire(block, protect=())
+                assert slot is not None, "no slot to evict while nothing runs"
+                self._load(block, slot)
+            slot = block.slot
+            assert slot is not None
+            self._wait(block, slot, compute)
+            self._rebind(block, block.views[slot.index])
+            block.state = RUNNING
+            block.num_runs += 1
+            self._prefetch(block)
+            faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
+        except BaseException as e:
+            # this hook's own post-forward will not run (its pre-forward did not complete):
+            # release the block here so the ring stays sound for the next forward
+            if block.state == RUNNING:
+                self.exit(block)
+            else:
+                self._running = self._running_thread = None
+            if block.state == LOADED and block.slot is not None:
+                # its load failed (or was never waited for): the slot holds nothing usable
+                block.slot.owner, block.slot, block.state = None, None, IDLE
+            if isinstance(e, InjectedFault) or not isinstance(e, Exception):
+                raise  # an injected "user error inside the block", or KeyboardInterrupt
+            if block.transport.group_size > 1:
+                # the group may be misaligned now: no further weight collective is safe
+                self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
+            if isinstance(e, OffloadError):
+                raise
+            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def _refuse_unsupported(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        """What the ring cannot serve, refused before anything is enqueued."""
         if under_torch_compile():
             # [Note: torch.compile] a compiled graph would read weights through tensors the
             # ring rebinds between storages; measured wrong results, so refuse clearly
@@ -211,37 +257,6 @@ class RingScheduler:
                 block=block.name,
             )
         self._check_inputs(block, args, kwargs)
-        compute = self.platform.current_stream()
-        try:
-            if block.state == IDLE:
-                block.num_demand_loads += 1
-                slot = self._acquire(block, protect=())
-                assert slot is not None, "no slot to evict while nothing runs"
-                self._load(block, slot)
-            slot = block.slot
-            assert slot is not None
-            self._wait(block, slot, compute)
-            self._rebind(block, block.views[slot.index])
-            block.state = RUNNING
-            block.num_runs += 1
-            self._running, self._running_thread = block, threading.get_ident()
-            self._prefetch(block)
-            faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
-        except BaseException as e:
-            # this hook's own post-forward will not run (its pre-forward did not complete):
-            # release the block here so the ring stays sound for the next forward
-            self.exit(block)
-            if block.state == LOADED and block.slot is not None:
-                # its load failed (or was never waited for): the slot holds nothing usable
-                block.slot.owner, block.slot, block.state = None, None, IDLE
-            if isinstance(e, InjectedFault) or not isinstance(e, Exception):
-                raise  # an injected "user error inside the block", or KeyboardInterrupt
-            if block.transport.group_size > 1:
-                # the group may be misaligned now: no further weight collective is safe
-                self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
-            if isinstance(e, OffloadError):
-                raise
-            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
 
     def exit(self, block: StreamedBlock) -> None:
         if self._running is not block or self._running_thread != threading.get_ident():

@@ -5,16 +5,19 @@ backend released for good."""
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from dlo.errors import OffloadError
-from dlo.hooks import HookRegistry
+from dlo.hooks import HookRegistry, foreign_offloader
 from dlo.host import shard_view
 from dlo.layout import BlockLayout
+from dlo.plan import get_by_path
 from dlo.staging import MappedBlock
 
 # id -> weak reference of tensors whose bytes an AllGather disable could not restore (each
@@ -60,6 +63,7 @@ def install_state_dict_hooks(
     name: str,
     layout: BlockLayout,
     shard: torch.Tensor | MappedBlock,
+    tensors: Sequence[torch.Tensor],
     *,
     rank: int,
 ) -> None:
@@ -69,8 +73,13 @@ def install_state_dict_hooks(
 
     With a group size above 1 the host holds only 1/G of the module, so ``state_dict`` raises.
     The returned views alias dlo's host memory; they stay valid after disable (the memory is
-    released when the last view dies) but are not updated by anything.
+    released when the last view dies) but are not updated by anything. ``tensors`` are the
+    module's Parameter and buffer objects in ``layout`` order: every name under which one of
+    them is reachable gets its view (tied weights have several), and a name the user has
+    since bound to another tensor keeps that tensor.
     """
+    # weak, by identity: a replaced tensor may die and its id be reused
+    index = {id(t): (i, weakref.ref(t)) for i, t in enumerate(tensors)}
 
     def state_dict_hook(mod: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         if layout.group_size > 1:
@@ -81,13 +90,27 @@ def install_state_dict_hooks(
                 rank=rank,
                 block=name,
             )
-        for i, spec in enumerate(layout.tensors):
-            key = prefix + spec.name
-            if key in state_dict:
+        named = itertools.chain(
+            mod.named_parameters(remove_duplicate=False), mod.named_buffers(remove_duplicate=False)
+        )
+        for local, t in named:
+            i, ref = index.get(id(t), (-1, None))
+            key = prefix + local
+            if ref is not None and ref() is t and key in state_dict:
                 state_dict[key] = (
-                    shard.tensor(i) if isinstance(shard, MappedBlock) else shard_view(shard, spec)
+                    shard.tensor(i)
+                    if isinstance(shard, MappedBlock)
+                    else shard_view(shard, layout.tensors[i])
                 )
 
+    registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
+    registry.register_load_state_dict_pre_hook(module, LOAD_REFUSAL, _refuse_load(name, rank))
+
+
+LOAD_REFUSAL = "dlo.load_state_dict"
+
+
+def _refuse_load(name: str, rank: int) -> Any:
     def refuse_load(*args: Any, **kwargs: Any) -> None:
         raise OffloadError(
             "load_state_dict() into a module dlo is offloading: disable offload first, load, "
@@ -96,5 +119,25 @@ def install_state_dict_hooks(
             block=name,
         )
 
-    registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
-    registry.register_load_state_dict_pre_hook(module, "dlo.load_state_dict", refuse_load)
+    return refuse_load
+
+
+def install_load_refusal_on_ancestors(
+    registry: HookRegistry, root: nn.Module, managed: Sequence[str], *, rank: int
+) -> None:
+    """Refuse ``load_state_dict`` on ``root`` and on every module containing one of the
+    ``managed`` paths too, so that a refused load changes nothing: torch runs a module's
+    load pre-hooks before it copies that module's own tensors and before its children, so
+    without this a load from the root would overwrite the tensors it reaches before the first
+    managed module. A module another mechanism manages (FSDP2's root under HSDP) is skipped:
+    its hooks are its own."""
+    ancestors = {""}
+    for path in managed:
+        parts = path.split(".")
+        ancestors.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    for path in sorted(ancestors - set(managed)):
+        module = get_by_path(root, path)
+        if isinstance(module, nn.Module) and foreign_offloader(module) is None:
+            registry.register_load_state_dict_pre_hook(
+                module, LOAD_REFUSAL, _refuse_load(path or type(root).__name__, rank)
+            )

@@ -42,6 +42,7 @@ from dlo.agreement import RankReport, Verdict, decide, exchange, settings_of
 from dlo.backends.auto import is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
+    install_load_refusal_on_ancestors,
     install_state_dict_hooks,
     mark_released,
     move_tensor,
@@ -63,7 +64,13 @@ from dlo.layout import (
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
 from dlo.loader import mapped_source, pack_block
 from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
-from dlo.plan import BlockStack, ResolvedOffloadPlan, get_by_path, resolve_offload_plan
+from dlo.plan import (
+    BlockStack,
+    ResolvedOffloadPlan,
+    every_component,
+    get_by_path,
+    resolve_offload_plan,
+)
 from dlo.platform import Platform, host_name, process_peak_rss_bytes
 from dlo.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.slots import SlotPool
@@ -201,8 +208,11 @@ class LayerwiseBackend(OffloadBackend):
         try:
             blocks = self._select_blocks(pipeline, plan)
             self._blocks = blocks
-            components = [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)]
-            check_blocks([(b.name, b.module) for b in blocks], components, rank=world.rank)
+            check_blocks(
+                [(b.name, b.module) for b in blocks],
+                every_component(pipeline, plan),
+                rank=world.rank,
+            )
             check_not_released(
                 [(f"{b.name}.{n}", t) for b in blocks for n, _, t in b.entries], rank=world.rank
             )
@@ -517,8 +527,14 @@ class LayerwiseBackend(OffloadBackend):
             for sb in ring.blocks:
                 registry.register(sb.module, HOOK_NAME, scheduler.hook_for(sb))
                 install_state_dict_hooks(
-                    registry, sb.module, sb.name, sb.layout, sb.shard, rank=world.rank
+                    registry, sb.module, sb.name, sb.layout, sb.shard, sb.tensors, rank=world.rank
                 )
+        install_load_refusal_on_ancestors(
+            registry,
+            pipeline,
+            [sb.name for ring in scheduler.rings for sb in ring.blocks],
+            rank=world.rank,
+        )
         for ring in scheduler.rings:
             for sb in ring.blocks:
                 for t, ph in zip(sb.tensors, sb.placeholders):

@@ -35,7 +35,11 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.backends.common import install_state_dict_hooks, move_tensor
+from dlo.backends.common import (
+    install_load_refusal_on_ancestors,
+    install_state_dict_hooks,
+    move_tensor,
+)
 from dlo.blocks import check_blocks
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
@@ -43,7 +47,13 @@ from dlo.hooks import HookRegistry, ModelHook
 from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
 from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
-from dlo.plan import ResolvedOffloadPlan, SupportsModelOffload, get_by_path, resolve_offload_plan
+from dlo.plan import (
+    ResolvedOffloadPlan,
+    SupportsModelOffload,
+    every_component,
+    get_by_path,
+    resolve_offload_plan,
+)
 from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 
 logger = logging.getLogger(__name__)
@@ -126,7 +136,7 @@ class ModelSwapBackend(OffloadBackend):
             raise OffloadError("mode='module' found no DiT or encoder component to swap")
         comps = [(p, get_by_path(pipeline, p)) for p, _ in units_paths]
         claim_components(comps + [(p, get_by_path(pipeline, p)) for p in plan.vaes], owner, journal)
-        check_blocks(comps, [])
+        check_blocks(comps, every_component(pipeline, plan))
         faults.check("manifest_build")
         chunk = self.config.chunk_mb * MIB
         for (path, kind), (_, module) in zip(units_paths, comps):
@@ -173,8 +183,15 @@ class ModelSwapBackend(OffloadBackend):
         for u in self._units:
             registry.register(u.module, HOOK_NAME, _SwapHook(self, u))
             install_state_dict_hooks(
-                registry, u.module, u.path, u.layout, self._region.view(u.region_index), rank=0
+                registry,
+                u.module,
+                u.path,
+                u.layout,
+                self._region.view(u.region_index),
+                u.tensors,
+                rank=0,
             )
+        install_load_refusal_on_ancestors(registry, pipeline, [u.path for u in self._units], rank=0)
         faults.check("first_transfer")
         for u in self._units:
             if u.kind == "encoder":

@@ -266,6 +266,45 @@ def test_two_threads_calling_forward_refused_and_ring_intact() -> None:
     backend.disable()
 
 
+def test_second_thread_arriving_inside_enter_is_refused_and_ring_intact() -> None:
+    # the window between the ring's "already running?" check and its claim: thread A is held
+    # inside enter (waiting for its block's weights) while the main thread calls another block
+    model = ToyDiT(4)
+    x = _x()
+    with torch.no_grad():
+        want = clone(model).blocks[2](x)
+    backend = _enable(model, num_slots=2)
+    sched = backend._scheduler  # type: ignore[attr-defined]
+    wait, inside, go = sched._wait, threading.Event(), threading.Event()
+    got: list[Any] = []
+
+    def held_wait(*a: Any) -> Any:
+        if threading.current_thread().name == "A":
+            inside.set()
+            go.wait(10)
+        return wait(*a)
+
+    def run_a() -> None:
+        try:
+            with torch.no_grad():
+                got.append(model.blocks[2](x))
+        except BaseException as e:
+            got.append(e)
+
+    sched._wait = held_wait
+    a = threading.Thread(target=run_a, name="A")
+    a.start()
+    assert inside.wait(10)
+    with pytest.raises(OffloadError, match="another thread"), torch.no_grad():
+        model.blocks[0](x)
+    go.set()
+    a.join(10)
+    sched._wait = wait
+    assert len(got) == 1 and isinstance(got[0], torch.Tensor) and torch.equal(got[0], want)
+    assert all(torch.equal(a, b) for a, b in zip(_steps(clone(ToyDiT(4))), _steps(model)))
+    backend.disable()
+
+
 def test_input_on_the_wrong_device_refused_before_any_transfer() -> None:
     model = ToyDiT(3)
     backend = _enable(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -153,6 +154,97 @@ def test_state_dict_is_real_and_load_is_refused() -> None:
     with pytest.raises(OffloadError, match="load_state_dict"):
         model.load_state_dict(want)
     backend.disable()
+
+
+class _TiedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.b.weight = self.a.weight  # one tensor, two names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class _TiedDiT(torch.nn.Module):
+    _layerwise_offload_blocks_attrs: ClassVar[list[str]] = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.blocks = torch.nn.ModuleList([_TiedBlock(), _TiedBlock()])
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for b in self.blocks:
+            x = b(x)
+        return x * self.scale
+
+
+class _TiedPipeline(torch.nn.Module):
+    _dit_modules: ClassVar[list[str]] = ["transformer"]
+    _encoder_modules: ClassVar[list[str]] = []
+    _vae_modules: ClassVar[list[str]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _TiedDiT()
+
+
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_state_dict_serves_every_name_of_a_tied_tensor_and_what_the_user_rebound(
+    mode: str,
+) -> None:
+    pipe = _TiedPipeline()
+    want = {k: v.clone() for k, v in pipe.state_dict().items()}
+    backend = dlo.enable_offload(pipe, dlo.OffloadConfig(mode=mode), device="cpu")
+    assert backend is not None
+    got = pipe.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:  # never a placeholder, under either name of the tied weight
+        assert torch.equal(want[k], got[k]), k
+    block = pipe.transformer.blocks[1]
+    block.a.bias = torch.nn.Parameter(torch.full((8,), 7.0))  # the user rebinds a name
+    assert torch.equal(pipe.state_dict()["transformer.blocks.1.a.bias"], block.a.bias)
+    backend.disable()
+
+
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_refused_load_state_dict_changes_nothing(mode: str) -> None:
+    # torch loads the root's own tensors and earlier children before it reaches a block:
+    # the refusal must come first
+    pipe = _TiedPipeline()
+    before = {k: v.clone() for k, v in pipe.state_dict().items()}
+    backend = dlo.enable_offload(pipe, dlo.OffloadConfig(mode=mode), device="cpu")
+    assert backend is not None
+    new = {k: v + 1 for k, v in before.items()}
+    for target, prefix in ((pipe, "transformer."), (pipe.transformer, "")):
+        with pytest.raises(OffloadError, match="load_state_dict"):
+            target.load_state_dict(
+                {k[len("transformer.") :] if not prefix else k: v for k, v in new.items()}
+            )
+        assert all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
+    backend.disable()
+    assert all(torch.equal(before[k], v) for k, v in pipe.state_dict().items())
+    pipe.load_state_dict(new)  # disabled: an ordinary module again
+    assert torch.equal(pipe.transformer.embed.weight, new["transformer.embed.weight"])
+
+
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_block_tensor_shared_with_an_unmanaged_component_is_refused(mode: str) -> None:
+    # the VAE is neither streamed nor swapped: it would compute with a placeholder
+    pipe = _TiedPipeline()
+    pipe.vae = torch.nn.Linear(8, 8)
+    pipe._vae_modules = ["vae"]  # type: ignore[misc]
+    pipe.vae.weight = pipe.transformer.blocks[1].b.weight
+    before = snapshot(pipe)
+    with pytest.raises(
+        OffloadError, match=r"transformer\.blocks\.1\.a\.weight and non-block vae\.weight"
+    ):
+        dlo.enable_offload(pipe, dlo.OffloadConfig(mode=mode), device="cpu")
+    assert_same(before, pipe)
+    assert _no_dlo_hooks(pipe)
 
 
 def test_enable_twice_and_second_backend_refused() -> None:
