@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,8 +86,12 @@ class _SwapHook(ModelHook):
         self.unit = unit
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.backend.activate(self.unit)
+        self.backend.enter(self.unit)
         return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        self.backend.exit(self.unit)
+        return output
 
 
 class ModelSwapBackend(OffloadBackend):
@@ -109,6 +114,9 @@ class ModelSwapBackend(OffloadBackend):
         self._copy_stream: Any = None
         self._h2d_nbytes = 0
         self._vae_nbytes = 0
+        self._inflight: dict[int, int] = {}
+        """id(unit) -> forwards of that unit in progress (any thread)."""
+        self._claim = threading.Lock()
 
     def disable(self) -> None:
         super().disable()
@@ -233,6 +241,38 @@ class ModelSwapBackend(OffloadBackend):
             t.data = unpack_tensor(shard, spec, dev)
 
     # ------------------------------------------------------------------ hot path
+    def enter(self, unit: _Unit) -> None:
+        """Claim ``unit`` for one forward, then activate it. A component running now (in
+        another thread, or the caller of this one) that the activation would evict is a
+        clear error, not a forward computing with placeholders."""
+        with self._claim:
+            busy = [
+                u.path
+                for u in self._units
+                if self._inflight.get(id(u)) and u is not unit and _excludes(unit, u)
+            ]
+            if not busy:
+                self._inflight[id(unit)] = self._inflight.get(id(unit), 0) + 1
+        if busy:
+            raise OffloadError(
+                f"forward of {unit.path!r} started while {busy} is running (another thread or "
+                "a nested call); mode='module' keeps one of them on the device at a time",
+                block=unit.path,
+            )
+        try:
+            self.activate(unit)
+        except BaseException:
+            self.exit(unit)
+            raise
+
+    def exit(self, unit: _Unit) -> None:
+        with self._claim:
+            n = self._inflight.get(id(unit), 0) - 1
+            if n > 0:
+                self._inflight[id(unit)] = n
+            else:
+                self._inflight.pop(id(unit), None)
+
     def activate(self, unit: _Unit) -> None:
         """Evict the other group, then make ``unit`` resident (see [Note: swap protocol])."""
         if under_torch_compile():
@@ -248,10 +288,8 @@ class ModelSwapBackend(OffloadBackend):
                 block=unit.path,
             )
         for other in self._units:
-            if other is unit or other.buffer is None:
+            if other is unit or other.buffer is None or not _excludes(unit, other):
                 continue
-            if unit.kind == "encoder" and other.kind == "encoder":
-                continue  # encoders do not exclude each other
             self._evict(other)
         if unit.buffer is None:
             self._load(unit)
@@ -329,3 +367,9 @@ class ModelSwapBackend(OffloadBackend):
             "num_resident_blocks": 0,
             "components": per,
         }
+
+
+def _excludes(unit: _Unit, other: _Unit) -> bool:
+    """Whether making ``unit`` resident evicts ``other`` (encoders do not exclude each
+    other; a DiT excludes every encoder and every other DiT)."""
+    return not (unit.kind == "encoder" and other.kind == "encoder")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 import pytest
@@ -226,4 +227,46 @@ def test_on_demand_not_swapped_resident_placed_and_state_dict_real() -> None:
         assert torch.equal(want[k], got[k]), k
     with pytest.raises(OffloadError, match="load_state_dict"):
         pipe.transformer.load_state_dict(pipe.transformer.state_dict())
+    backend.disable()
+
+
+def test_a_component_arriving_while_one_it_would_evict_runs_is_refused() -> None:
+    # another thread (a second request), or a nested call: activating the text encoder would
+    # evict the running transformer's weights under it
+    pipe = SwapPipeline()
+    ref = clone(pipe)
+    backend = _enable(pipe)
+    x = torch.randn(2, 3, 16)
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold(module: nn.Module, args: tuple) -> None:
+        inside.set()
+        release.wait(10)
+
+    def second_request() -> None:
+        inside.wait(10)
+        try:
+            with torch.no_grad():
+                pipe.text_encoder(x)
+        except BaseException as e:
+            errors.append(e)
+        release.set()
+
+    t = threading.Thread(target=second_request)
+    t.start()
+    h = pipe.transformer.register_forward_pre_hook(hold)
+    with torch.no_grad():
+        out = pipe.transformer(x)
+    h.remove()
+    t.join(10)
+    assert len(errors) == 1 and "while ['transformer'] is running" in str(errors[0])
+    with torch.no_grad():
+        assert torch.equal(out, ref.transformer(x))  # the first request computed correctly
+    nested = pipe.transformer.register_forward_pre_hook(lambda m, a: pipe.text_encoder(x))
+    with torch.no_grad(), pytest.raises(OffloadError, match="is running"):
+        pipe.transformer(x)
+    nested.remove()
+    with torch.no_grad():  # nothing stuck: every component runs again
+        assert torch.equal(pipe(x), ref(x))
     backend.disable()
