@@ -109,15 +109,12 @@ def decide(
     if failed:
         detail = "; ".join(f"rank {r.rank}: {r.error}" for r in failed)
         return Verdict(False, f"enable failed on rank(s) {[r.rank for r in failed]}: {detail}")
-    if len({r.settings for r in reports}) > 1:
-        differ = [
-            name
-            for i, name in enumerate(AGREED_SETTINGS)
-            if len({r.settings[i][1] if len(r.settings) > i else None for r in reports}) > 1
-        ]
+    settings = [dict(r.settings) for r in reports]
+    differ = [name for name in AGREED_SETTINGS if len({s.get(name) for s in settings}) > 1]
+    if differ:
         detail = "; ".join(
             f"{name}: "
-            + ", ".join(f"rank {r.rank}={dict(r.settings).get(name)!r}" for r in reports)
+            + ", ".join(f"rank {r.rank}={s.get(name)!r}" for r, s in zip(reports, settings))
             for name in differ
         )
         return Verdict(False, f"ranks enabled dlo with different settings ({detail})")

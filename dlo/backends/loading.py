@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 CheckpointLike = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Checkpoint
 
 
+@torch.inference_mode(False)  # [Note: no inference tensors] in dlo.lifecycle
 def load_pipeline(
     factory: Callable[[], Any] | nn.Module,
     checkpoint: CheckpointLike,
@@ -79,20 +80,6 @@ def load_pipeline(
         ...     lambda: build_pipeline("wan14b-like", device="meta"), "ckpt/",
         ...     dlo.OffloadConfig(mode="layer", transfer="allgather"))
     """
-    with torch.inference_mode(False):  # [Note: no inference tensors] in dlo.lifecycle
-        return _load(factory, checkpoint, config, parallel, device, copy=copy, prepare=prepare)
-
-
-def _load(
-    factory: Callable[[], Any] | nn.Module,
-    checkpoint: CheckpointLike,
-    config: OffloadConfig | None,
-    parallel: ParallelConfig | None,
-    device: torch.device | str | None,
-    *,
-    copy: bool,
-    prepare: Callable[[Any], Any] | None,
-) -> tuple[Any, OffloadBackend | None]:
     t0 = time.perf_counter()
     if isinstance(factory, nn.Module):
         skeleton = factory

@@ -125,21 +125,31 @@ def test_rank_local_mode_world_2_no_collectives() -> None:
         assert r["stats"]["group_size"] == 1
 
 
-def _different_model(rank: int, world: int) -> str:
-    model = ToyDiT(3 if rank != 1 else 4)
-    backend = LayerwiseBackend(_cfg(), _par(world), CpuPlatform())
+def _refused_enable(
+    model: torch.nn.Module, cfg: dlo.OffloadConfig, world: int
+) -> tuple[LayerwiseBackend, dlo.OffloadError | None]:
+    """Enable where the agreement should refuse; a refusal must leave nothing behind."""
+    backend = LayerwiseBackend(cfg, _par(world), CpuPlatform())
     before = snapshot(model)
     try:
         backend.enable(model)
     except dlo.OffloadError as e:
         assert_same(before, model)
         assert LEDGER.host_nbytes == 0
-        try:
-            backend.enable(model)
-        except dlo.BackendPoisonedError as e2:
-            return f"{e} || {e2}"
-        return "re-enable allowed"
-    return "enabled"
+        return backend, e
+    return backend, None
+
+
+def _different_model(rank: int, world: int) -> str:
+    model = ToyDiT(3 if rank != 1 else 4)
+    backend, e = _refused_enable(model, _cfg(), world)
+    if e is None:
+        return "enabled"
+    try:
+        backend.enable(model)
+    except dlo.BackendPoisonedError as e2:
+        return f"{e} || {e2}"
+    return "re-enable allowed"
 
 
 def test_rank_with_different_model_fails_everywhere_same_error() -> None:
@@ -153,17 +163,9 @@ def test_rank_with_different_model_fails_everywhere_same_error() -> None:
 def _different_settings(rank: int, world: int) -> str:
     # a symmetric buffer of another size, a lock-step check the peer does not run: caught at
     # the agreement, before any weight collective
-    model = ToyDiT(3)
     cfg = _cfg(num_slots=3 if rank == 1 else 2, verify_block_sequence=rank != 2)
-    backend = LayerwiseBackend(cfg, _par(world), CpuPlatform())
-    before = snapshot(model)
-    try:
-        backend.enable(model)
-    except dlo.OffloadError as e:
-        assert_same(before, model)
-        assert LEDGER.host_nbytes == 0
-        return str(e).split("]", 1)[1]
-    return "enabled"
+    _, e = _refused_enable(ToyDiT(3), cfg, world)
+    return "enabled" if e is None else str(e).split("]", 1)[1]
 
 
 def test_ranks_with_different_settings_fail_everywhere_naming_them() -> None:

@@ -77,19 +77,20 @@ def test_failed_enable_leaves_no_cycle(point: str) -> None:
         dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
 
 
-def _allgather(rank: int, world: int) -> bool:
-    model = ToyDiT(5)
+def _cycle_layerwise(model: torch.nn.Module, cfg: dlo.OffloadConfig, par: Any) -> bool:
+    """Enable, run, disable and drop a layerwise backend with the collector off."""
     with no_cyclic_garbage():
-        backend = LayerwiseBackend(
-            dlo.OffloadConfig(mode="layer", transfer="allgather", collective_timeout_s=20.0),
-            dlo.ParallelConfig(data_parallel_size=world),
-            CpuPlatform(),
-        )
+        backend = LayerwiseBackend(cfg, par, CpuPlatform())
         backend.enable(model)
         _forward(model)
         backend.disable()
         del backend
     return True
+
+
+def _allgather(rank: int, world: int) -> bool:
+    cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", collective_timeout_s=20.0)
+    return _cycle_layerwise(ToyDiT(5), cfg, dlo.ParallelConfig(data_parallel_size=world))
 
 
 def test_allgather_two_ranks_leaves_no_cycle() -> None:
@@ -103,13 +104,7 @@ def _hsdp(rank: int, world: int) -> bool:
     cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", collective_timeout_s=20.0)
     model = ToyDiT(5)
     shard_non_block(model, cfg, par, device_type="cpu")  # FSDP2's own objects are not dlo's
-    with no_cyclic_garbage():
-        backend = LayerwiseBackend(cfg, par, CpuPlatform())
-        backend.enable(model)
-        _forward(model)
-        backend.disable()
-        del backend
-    return True
+    return _cycle_layerwise(model, cfg, par)
 
 
 def test_hsdp_two_ranks_leaves_no_cycle() -> None:
