@@ -18,8 +18,8 @@ Per block, on rank r's comm stream (the copy stream is unchanged, [Note: chunk p
 
 A barrier is either stream memory operations on counters in the symmetric allocation (no
 kernel; [Note: barriers without kernels]) or torch's barrier kernel on the signal pads;
-either is bounded by ``collective_timeout_s`` (a watchdog, or a trap on the device), after
-which the worker must be discarded (as after an NCCL timeout). The trailing barrier makes
+either is bounded by ``collective_timeout_s`` (a watchdog on both; the kernel also traps on
+the device), after which the worker must be discarded (as after an NCCL timeout). The trailing barrier makes
 slot reuse safe: a rank overwrites its own range of S only after its compute is done with the block
 (``free``), which follows its trailing barrier, which no rank passes before every peer's
 pulls are done.
@@ -53,9 +53,14 @@ Counters only grow and every rank counts the same barriers (lock step), so a ran
 ahead simply leaves a larger number. A stream wait has no timeout of its own: a watchdog
 thread follows each block's trailing barrier (an event after it; an earlier barrier that
 never completes holds it back too) and, when one has been the oldest unfinished for
-``collective_timeout_s``, logs which block it belongs to and ends the process (as NCCL's watchdog does after a collective timeout), since a device stream that
-never finishes leaves no other bounded way out. Which barrier is used is agreed by the group
-at enable (stream memory operations only if every rank can use them).
+``collective_timeout_s``, logs which block it belongs to and ends the process (as NCCL's
+watchdog does after a collective timeout), since a device stream that never finishes leaves
+no other bounded way out; a device error seen while polling (a barrier kernel's trap) ends
+it at once. The same watchdog follows the barrier kernels: a kernel's own timeout runs only
+once it has started, and one queued behind an unmatched NCCL gather (the lock-step check's,
+when a peer stopped) never starts. (On two H200s a diverging rank with barrier kernels and
+no watchdog ran to the test's 120 s bound instead of ending.) Which barrier is used is agreed by the group at enable (stream memory
+operations only if every rank can use them).
 """
 
 from __future__ import annotations
@@ -126,10 +131,20 @@ class SyncWatchdog:
             self._thread.start()
 
     def check(self) -> None:
-        """Drop finished barriers; fire when the oldest has waited past the timeout."""
-        while self._pending and self._pending[0][0].query():
-            self._spare.append(self._pending.popleft()[0])
-            self._head_since = time.monotonic()
+        """Drop finished barriers; fire when the oldest has waited past the timeout, or at
+        once when the device reports an error (a barrier kernel that trapped at its
+        timeout leaves the context unusable: every later call fails or hangs)."""
+        try:
+            while self._pending and self._pending[0][0].query():
+                self._spare.append(self._pending.popleft()[0])
+                self._head_since = time.monotonic()
+        except RuntimeError as e:
+            what = self._pending[0][1]
+            self._pending.clear()
+            self.on_expire(
+                f"dlo: the device failed while gathering block {what!r} ({e}); ending this worker"
+            )
+            return
         if self._pending and time.monotonic() - self._head_since > self.timeout_s:
             what = self._pending[0][1]
             self._pending.clear()
@@ -170,19 +185,27 @@ def _abort(message: str) -> None:
 
 
 class _KernelBarrier:
-    """torch's symmetric-memory barrier kernel (traps on the device at its timeout)."""
+    """torch's symmetric-memory barrier kernel, on the current stream (the comm stream).
+
+    It traps on the device at its timeout, but that alone does not bound the worker: a
+    barrier enqueued behind work that never finishes (the lock-step check's NCCL gather
+    unmatched by a peer that stopped) never starts, so its own timeout never runs. The
+    watchdog follows a block's trailing barrier here as with stream barriers."""
 
     name = "kernel"
 
-    def __init__(self, handle: Any, timeout_s: float) -> None:
+    def __init__(self, handle: Any, timeout_s: float, *, watchdog: SyncWatchdog) -> None:
         self.handle = handle
         self.timeout_ms = max(1, int(timeout_s * 1000))
+        self.watchdog = watchdog
 
     def __call__(self, stream: Any, what: str, *, track: bool = False) -> None:
         self.handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+        if track:
+            self.watchdog.track(stream, what)
 
     def close(self) -> None:
-        pass
+        self.watchdog.close()
 
 
 class _FlagBarrier:
@@ -356,7 +379,9 @@ class CopyEngineGather:
             )
         else:
             self._tag_addrs = []
-            self.barrier = _KernelBarrier(self.handle, timeout_s)
+            self.barrier = _KernelBarrier(
+                self.handle, timeout_s, watchdog=SyncWatchdog(platform, timeout_s)
+            )
         self.tags = flags[TAG_WORD : TAG_WORD + 4 * group_size].view(torch.int64)
         """Every rank's (block, slot) tag in this rank's allocation (2 x group_size int64)."""
         logger.info("dlo copy-engine gather: %s barriers", self.barrier.name)

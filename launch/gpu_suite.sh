@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
-#        (default: tests run bench1 bench2)
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+#        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
 #      DLO_SUITE_BENCH_ARGS (more bench2 flags, e.g. "--num-slots 2,3")
 set -uo pipefail
 out=${1:?usage: launch/gpu_suite.sh OUTDIR [steps...]}
 shift
-steps=${*:-"tests run bench1 bench2"}
+steps=${*:-"tests failtests run bench1 bench2"}
 # everything is written under $out/work and packed into $out/suite.tgz after every step, so a
 # run stopped at its time limit still returns what finished (device tools return few files)
 mkdir -p "$out/work"
@@ -26,21 +26,30 @@ ngpu=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 preset=${DLO_SUITE_PRESET:-medium}
 tokens=${DLO_SUITE_TOKENS:-4096,16384}
 status=0
+# SM clock and power beside every step: at the 700 W limit a clock drop shows up as slower
+# compute (docs/benchmarks.md, fourth session)
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv \
+    -lms 250 > "$out/nvidia_smi.csv" 2>&1 &
+  smi_pid=$!
+  trap 'kill $smi_pid 2>/dev/null' EXIT
+fi
 step() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
-  echo "== $name: $*" | tee -a "$out/suite.log"
+  echo "== $(date +%T) $name: $*" | tee -a "$out/suite.log"
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  echo "== $name: exit $rc" | tee -a "$out/suite.log"
+  echo "== $(date +%T) $name: exit $rc" | tee -a "$out/suite.log"
   tail -n 30 "$out/$name.log"
   [ "$rc" -eq 0 ] || status=1
   tar czf "$final/suite.tgz" -C "$out" .
 }
 for s in $steps; do
   case $s in
-    tests)  # the one-rank-failure cases wait for NCCL's watchdog: three at a time
-      step gpu_tests 400 python3 -m pytest -v -p no:cacheprovider -rs --durations=15 \
-        tests/gpu tests/multigpu -k "not one_rank_failing"
+    tests)  # about 7-8 minutes on 2 x H200 (the 100-cycle test and 15 two-rank tests)
+      step gpu_tests 540 python3 -m pytest -v -p no:cacheprovider -rs --durations=0 \
+        tests/gpu tests/multigpu -k "not one_rank_failing" ;;
+    failtests)  # the one-rank-failure cases wait for NCCL's watchdog: three at a time (~2.5 min)
       [ "$ngpu" -ge 2 ] && step gpu_fail_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         -n 3 tests/multigpu/test_dlo_nccl.py -k one_rank_failing ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \

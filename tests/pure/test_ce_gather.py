@@ -81,6 +81,47 @@ def test_the_clock_starts_when_a_barrier_becomes_the_oldest() -> None:
     dog.close()
 
 
+def test_a_device_error_fires_at_once_naming_the_block() -> None:
+    # a barrier kernel that trapped leaves the context failing every call: no waiting out
+    # the timeout, and the watchdog thread reports instead of dying with the exception
+    class _Broken(_Event):
+        def query(self) -> bool:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+
+    class _BrokenPlatform(_Platform):
+        def new_event(self) -> _Event:
+            return _Broken()
+
+    fired: list[str] = []
+    dog = SyncWatchdog(_BrokenPlatform(), 60.0, poll_s=0.01, on_expire=fired.append)  # type: ignore[arg-type]
+    dog.track(None, "blocks.4")
+    assert _wait_for(lambda: fired, 3.0)
+    dog.close()
+    assert len(fired) == 1 and "'blocks.4'" in fired[0] and "unspecified launch failure" in fired[0]
+
+
+def test_barrier_kernels_are_watched_at_each_blocks_trailing_barrier() -> None:
+    from dlo.ce_gather import _KernelBarrier
+
+    class _Handle:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def barrier(self, *, channel: int, timeout_ms: int) -> None:
+            self.calls.append(timeout_ms)
+
+    fired: list[str] = []
+    handle = _Handle()
+    dog = SyncWatchdog(_Platform(), 0.2, poll_s=0.01, on_expire=fired.append)  # type: ignore[arg-type]
+    barrier = _KernelBarrier(handle, 2.5, watchdog=dog)
+    barrier(None, "blocks.0")  # a chunk's barrier: not followed
+    barrier(None, "blocks.0", track=True)  # the trailing one: followed, never completes
+    assert handle.calls == [2500, 2500]
+    assert _wait_for(lambda: fired, 3.0) and "'blocks.0'" in fired[0]
+    barrier.close()
+    assert dog._thread is None
+
+
 def test_flag_addresses_meet_in_real_memory_for_barriers_and_tags() -> None:
     """Emulate every rank's stream writes with plain stores into G real flag regions: each
     counter lands where its reader waits, and each region's tag view reads every rank's
