@@ -171,6 +171,12 @@ def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
             raise TypeError("weight_map is not an object")
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+    bad = sorted(k for k, v in weight_map.items() if not isinstance(v, str) or not v)
+    if bad:
+        raise CheckpointError(
+            f"{index}: weight_map must give a file name for every tensor; not for "
+            + ", ".join(f"{k!r} ({weight_map[k]!r})" for k in bad[:8])
+        )
     names = sorted(set(weight_map.values()))
     return [index.parent / n for n in names], weight_map
 
@@ -238,7 +244,9 @@ class Checkpoint:
         if weight_map is not None:
             assert index is not None
             wrong = sorted(
-                n for n, fname in weight_map.items() if n not in out or out[n].file.name != fname
+                n
+                for n, fname in weight_map.items()
+                if n not in out or out[n].file != index.parent / fname
             )
             unlisted = sorted(set(out) - set(weight_map))
             if wrong or unlisted:

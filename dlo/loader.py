@@ -25,8 +25,13 @@ in the backend's enable that follows) puts the skeleton back exactly:
   aligned only to its dtype, which changes CPU kernels' vectorization and so their rounding
   (a resident run would not be bitwise equal). ``load_pipeline(copy=True)`` copies every
   tensor to the CPU: the ordinary path, for comparison. Block tensors that cannot be mapped
-  fall back to a copy one by one, with a logged reason: a skeleton tensor that is not
-  contiguous (the file is row-major), or data not aligned to its dtype in the file.
+  (a skeleton tensor that is not contiguous: the file is row-major) fall back to a copy on
+  the CPU one by one, with a logged reason. Block data not aligned to its dtype in the file
+  (older writers) cannot be aliased by a tensor, but it is only ever read with ``pread``:
+  the model gets uninitialized memory that nothing reads (:func:`_file_served`).
+- A tensor is served from the file only while it still holds the file's bytes
+  (:meth:`_Mapping.still_aliases`): after a disable gave it private memory, ``.to()`` new
+  memory, or an in-place write changed it, a later enable packs it from memory.
 
 Dtypes are the skeleton's: a checkpoint tensor of another dtype is an error, never a cast.
 Tied tensors need one source, under any of their names.
@@ -204,10 +209,35 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint) -> LoadPlan:
 
 
 # ----------------------------------------------------------------------------- mapping registry
-# id(tensor) -> (weak ref to it, checkpoint, name): tensors whose bytes alias a checkpoint
-# mapping, so that the backend packs them from the file (pack_block). Keyed by id because
-# tensors compare elementwise.
-_MAPPED: dict[int, tuple[weakref.ref[torch.Tensor], Checkpoint, str]] = {}
+@dataclass(frozen=True)
+class _Mapping:
+    """A tensor whose bytes alias a checkpoint mapping, as it was when mapped."""
+
+    ref: weakref.ref[torch.Tensor]
+    checkpoint: Checkpoint
+    name: str
+    data_ptr: int
+    version: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def still_aliases(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` still holds the file's bytes: the same object on the same memory,
+        of the same dtype and shape, not written in place since (a disable gives a block
+        private memory again, ``.to()`` new memory, ``load_state_dict`` an in-place copy)."""
+        return (
+            self.ref() is t
+            and t.data_ptr() == self.data_ptr
+            and t._version == self.version
+            and t.dtype == self.dtype
+            and tuple(t.shape) == self.shape
+        )
+
+
+# id(tensor) -> its _Mapping: tensors whose bytes alias a checkpoint mapping, so that the
+# backend packs them from the file (pack_block). Keyed by id because tensors compare
+# elementwise.
+_MAPPED: dict[int, _Mapping] = {}
 
 
 def _forget(key: int, _ref: object) -> None:
@@ -215,7 +245,10 @@ def _forget(key: int, _ref: object) -> None:
 
 
 def _register(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
-    _MAPPED[id(t)] = (weakref.ref(t, functools.partial(_forget, id(t))), checkpoint, name)
+    ref = weakref.ref(t, functools.partial(_forget, id(t)))
+    _MAPPED[id(t)] = _Mapping(
+        ref, checkpoint, name, t.data_ptr(), t._version, t.dtype, tuple(t.shape)
+    )
 
 
 def _unregister(t: torch.Tensor) -> None:
@@ -223,10 +256,12 @@ def _unregister(t: torch.Tensor) -> None:
 
 
 def mapped_source(t: torch.Tensor) -> tuple[Checkpoint, str] | None:
-    """``(checkpoint, name)`` when ``t`` aliases a checkpoint mapping made by
-    :func:`materialize` (it can be read from the file), else None."""
+    """``(checkpoint, name)`` when ``t`` still aliases the checkpoint mapping
+    :func:`materialize` gave it (its bytes can be read from the file), else None."""
     item = _MAPPED.get(id(t))
-    return (item[1], item[2]) if item is not None and item[0]() is t else None
+    if item is None or not item.still_aliases(t):
+        return None
+    return item.checkpoint, item.name
 
 
 def pack_block(
@@ -251,9 +286,19 @@ def _copy_reason(target: _Target, checkpoint: Checkpoint, mapped: bool) -> str |
         return "copy requested"
     if not target.tensor.is_contiguous():
         return f"not contiguous in the model (stride {tuple(target.tensor.stride())})"
-    if not checkpoint.is_aligned(target.source):
-        return f"not aligned to {target.tensor.dtype} in {checkpoint.entries[target.source].file}"
     return None
+
+
+def _file_served(ckpt: Checkpoint, name: str) -> torch.Tensor:
+    """The model's tensor for a block tensor the backend reads from the file: the mapping
+    itself, or, where the file's data is not aligned to its dtype (a tensor cannot alias
+    it), uninitialized memory of the same dtype and shape that nothing reads. The backend
+    packs (or stages) the block with ``pread`` from the file either way and then releases
+    the model's tensor; a failed enable puts the skeleton back (the journal)."""
+    if ckpt.is_aligned(name):
+        return ckpt.tensor(name)
+    e = ckpt.entries[name]
+    return torch.empty(e.shape, dtype=e.dtype)  # pages untouched: no RSS until written
 
 
 def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) -> torch.Tensor:
@@ -285,7 +330,10 @@ def _install(target: _Target, data: torch.Tensor, journal: Journal) -> torch.Ten
     # object goes into every place that held the old one
     new: torch.Tensor
     if isinstance(old, nn.Parameter):
-        new = nn.Parameter(data, requires_grad=old.requires_grad)
+        # the skeleton's class (a Parameter subclass stays one: a streamed block refuses it
+        # by name) and the attributes set on it (optimizer or sharding flags)
+        new = torch.Tensor._make_subclass(type(old), data, old.requires_grad)
+        new.__dict__.update(old.__dict__)
     else:
         new = data.detach()  # no _base: a view of the file mapping would keep it mapped
     for module, local in target.places:
@@ -315,15 +363,17 @@ def materialize(
     ckpt = plan.checkpoint
     for target in plan.targets:
         nbytes = ckpt.entries[target.source].nbytes
-        reason = _copy_reason(target, ckpt, mapped(target.name))
+        block = mapped(target.name)
+        reason = _copy_reason(target, ckpt, block)
         if reason is None:
-            new = _install(target, ckpt.tensor(target.source), journal)
+            new = _install(target, _file_served(ckpt, target.source), journal)
             _register(new, ckpt, target.source)
             journal.record(f"map {target.name}", functools.partial(_unregister, new))
             report.num_mapped += 1
             report.mapped_nbytes += nbytes
             continue
-        data = _read_copy(ckpt, target, device)
+        # a streamed block's tensor waits on the host for its packing, never on the device
+        data = _read_copy(ckpt, target, "cpu" if block else device)
         _install(target, data, journal)
         report.num_copied += 1
         report.copied_nbytes += nbytes

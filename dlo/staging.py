@@ -56,7 +56,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,12 +121,27 @@ def fill_ranges(
         ckpt, name, lo, buf = reads[0]
         ckpt.read_into(name, lo, buf)
     elif reads and pool is not None:
-        for fut in [pool.submit(c.read_into, n, lo, buf) for c, n, lo, buf in reads]:
-            fut.result()
+        _read_all(pool, reads)
     elif reads:
         with ThreadPoolExecutor(max_workers=min(READERS, len(reads))) as own:
-            for fut in [own.submit(c.read_into, n, lo, buf) for c, n, lo, buf in reads]:
-                fut.result()
+            _read_all(own, reads)
+
+
+def _read_all(
+    pool: ThreadPoolExecutor, reads: list[tuple[Checkpoint, str, int, memoryview]]
+) -> None:
+    """Run ``reads`` on ``pool``; on a failure, cancel the ones not started and wait for the
+    running ones before raising the first error: no read of this fill may still be writing
+    into ``dst`` once the caller reuses it (a staging buffer holds the next block soon)."""
+    futures = [pool.submit(c.read_into, n, lo, buf) for c, n, lo, buf in reads]
+    try:
+        for fut in futures:
+            fut.result()
+    except BaseException:
+        for fut in futures:
+            fut.cancel()
+        wait(futures)
+        raise
 
 
 @dataclass(eq=False)

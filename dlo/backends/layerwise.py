@@ -352,7 +352,9 @@ class LayerwiseBackend(OffloadBackend):
             raise ValueError(
                 "host_backing='mapped' serves blocks from the checkpoint they were loaded "
                 "from, but no tensor of the streamed blocks aliases a checkpoint: load the "
-                "model with dlo.load_pipeline (not copy=True), or use host_backing='region'"
+                "model with dlo.load_pipeline (not copy=True), or use host_backing='region' "
+                "(a tensor holds the file's bytes only until a disable gives it private "
+                "memory, .to() new memory or an in-place write changes it)"
             )
 
     def _release_originals(self, b: _Block) -> None:
