@@ -2,8 +2,9 @@
 
 Everything here reads module structure and tensor metadata only; it raises a clear error
 for every case of FAULTS.md section A that dlo refuses: meta tensors (listing every name),
-tensor-subclass parameters (DTensor and friends), parameters shared between two blocks or
-between a block and a non-block module, and modules managed by another offloader.
+tensor-subclass parameters (DTensor and friends), inference tensors, parameters shared
+between two blocks or between a block and a non-block module (by object, or distinct tensors
+sharing one storage), and modules managed by another offloader.
 """
 
 from __future__ import annotations
@@ -46,14 +47,19 @@ def check_blocks(
         )
     meta: list[str] = []
     subclass: list[str] = []
+    inference: list[str] = []
     owner: dict[int, str] = {}
+    storage_owner: dict[tuple[torch.device, int], str] = {}
     for bname, mod in blocks:
         for tname, _kind, t in module_tensor_entries(mod):
             full = f"{bname}.{tname}"
             if t.is_meta:
                 meta.append(full)
-            if type(t) not in _PLAIN or type(t.data) is not torch.Tensor:
+            plain = type(t) in _PLAIN and type(t.data) is torch.Tensor
+            if not plain:
                 subclass.append(f"{full} ({type(t).__name__})")
+            elif t.is_inference():
+                inference.append(full)
             other = owner.get(id(t))
             if other is not None:
                 raise OffloadError(
@@ -62,6 +68,17 @@ def check_blocks(
                     rank=rank,
                 )
             owner[id(t)] = full
+            key = _storage_key(t) if plain else None
+            if key is not None:
+                other = storage_owner.setdefault(key, full)
+                if other != full:
+                    raise OffloadError(
+                        f"{other} and {full} are distinct tensors sharing one storage (views "
+                        "of one tensor, e.g. of a fused qkv): dlo keeps a copy of each tensor, "
+                        "so they would no longer alias after disable; make them separate "
+                        "tensors (.clone()) or keep this module out of the streamed blocks",
+                        rank=rank,
+                    )
     if meta:
         raise OffloadError(
             f"{len(meta)} tensors are on the meta device (model not materialized): "
@@ -74,6 +91,14 @@ def check_blocks(
             "as bytes): " + ", ".join(subclass),
             rank=rank,
         )
+    if inference:
+        raise OffloadError(
+            f"{len(inference)} tensors are inference tensors (created under "
+            "torch.inference_mode()), which dlo cannot rebind to its device slots: "
+            + ", ".join(inference)
+            + "; build or load the model outside inference_mode",
+            rank=rank,
+        )
     # every module reachable from the components, by identity (an alias path to a block is
     # still the block), that is not a block or inside one: none may hold a block's tensor
     inside = {id(m) for _, b in blocks for m in b.modules()}
@@ -83,15 +108,37 @@ def check_blocks(
                 continue
             own = itertools.chain(mod._parameters.items(), mod._buffers.items())
             for tname, t in own:
-                other = owner.get(id(t)) if t is not None else None
+                if t is None:
+                    continue
+                where = ".".join(p for p in (cname, mname, tname) if p)
+                other = owner.get(id(t))
                 if other is not None:
-                    where = ".".join(p for p in (cname, mname, tname) if p)
                     raise OffloadError(
                         f"tensor shared between block tensor {other} and non-block {where}; "
                         "dlo cannot keep one copy in both places (untie them or keep the "
                         "block resident)",
                         rank=rank,
                     )
+                key = _storage_key(t) if type(t) in _PLAIN else None
+                other = storage_owner.get(key) if key is not None else None
+                if other is not None:
+                    raise OffloadError(
+                        f"block tensor {other} and non-block {where} share one storage (one "
+                        "is a view of the other): dlo keeps a copy of the block tensor, so "
+                        "they would no longer alias; make them separate tensors (.clone()) or "
+                        "keep the block resident",
+                        rank=rank,
+                    )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Storage identity of ``t``; None where there is nothing to alias (meta, 0 bytes)."""
+    if t.is_meta:
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0 or storage.data_ptr() == 0:
+        return None
+    return (t.device, storage.data_ptr())
 
 
 def _all_named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

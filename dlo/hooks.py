@@ -14,7 +14,11 @@ Design, in the spirit of the diffusers hook registry but built on torch's hook h
 * **One dispatcher pair per module.** See [Note: one dispatcher pair per module].
 * **No attribute on the module.** The per-module state (named hooks, torch handles, the stack
   of in-flight calls) lives in a module-level :class:`weakref.WeakKeyDictionary`; it dies with
-  the module and nothing in it refers back to the module.
+  the module and nothing in it refers back to the module. The one exception is the refusal of
+  ``Module._apply`` (:meth:`HookRegistry.register_apply_refusal`), which torch offers no hook
+  for: an instance attribute while registered, removed with it.
+* **Not copyable.** What dlo leaves on a module refuses ``deepcopy`` and pickling with an
+  :class:`~dlo.errors.OffloadError` saying to disable first.
 * **One owner per module.** At most one strategy owns offload hooks: registering on a module
   that another registry (another backend, even of the same kind) or a foreign mechanism
   (accelerate, diffusers hooks, FSDP, DTensor parameters) already manages is refused with
@@ -68,6 +72,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -78,11 +83,41 @@ from dlo.errors import OffloadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HookRegistry", "ModelHook", "find_foreign_offloaders", "foreign_offloader"]
+__all__ = [
+    "HookRegistry",
+    "ModelHook",
+    "find_foreign_offloaders",
+    "foreign_offloader",
+    "frame_on_stack",
+    "module_call_frame",
+]
 
 _FORWARD = "forward"
 _STATE_DICT = "state_dict"
 _LOAD_STATE_DICT_PRE = "load_state_dict_pre"
+_APPLY = "apply"
+
+
+def _copy_refused() -> OffloadError:
+    return OffloadError(
+        "copy.deepcopy / pickle / torch.save of a module dlo is offloading (or of one "
+        "containing it): its streamed tensors are placeholders and its hooks belong to the "
+        "running backend; disable dlo first (backend.disable()), then copy or save",
+        rank=_rank(),
+    )
+
+
+class _NotCopyable:
+    """What dlo leaves on a module while enabled refuses deepcopy and pickling (torch.save
+    pickles too) with a clear error, instead of an obscure one from a lock or a closure."""
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise _copy_refused()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _copy_refused()
 
 
 class ModelHook:
@@ -155,7 +190,7 @@ class _Entry:
         name: str,
         kind: str,
         hook: ModelHook | None = None,
-        handle: RemovableHandle | None = None,
+        handle: RemovableHandle | _ApplyHandle | None = None,
     ) -> None:
         self.owner = owner
         self.name = name
@@ -164,7 +199,7 @@ class _Entry:
         self.handle = handle
 
 
-class _ModuleState:
+class _ModuleState(_NotCopyable):
     """Everything dlo keeps for one module; never refers to the module itself."""
 
     __slots__ = ("__weakref__", "entries", "frames", "hooks", "post_handle", "pre_handle")
@@ -426,13 +461,9 @@ class HookRegistry:
             raise TypeError(f"state-dict hook {name!r} must be callable, got {fn!r}")
         state = self._admit(module, name)
 
-        # A fresh function per registration: torch marks hooks registered through the public
+        # A fresh object per registration: torch marks hooks registered through the public
         # API with an attribute, and the same callable may serve several modules.
-        def state_dict_post_hook(
-            mod: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-        ) -> None:
-            fn(mod, state_dict, prefix)
-
+        state_dict_post_hook = _StateDictPostHook(fn)
         public = getattr(module, "register_state_dict_post_hook", None)
         if public is not None:
             handle = public(state_dict_post_hook)
@@ -473,16 +504,54 @@ class HookRegistry:
         if not callable(fn):
             raise TypeError(f"load-state-dict pre-hook {name!r} must be callable, got {fn!r}")
         state = self._admit(module, name)
+        hook = _Callback(fn)
         public = getattr(module, "register_load_state_dict_pre_hook", None)
         if public is not None:
-            handle = public(fn)
+            handle = public(hook)
         else:
-            handle = module._register_load_state_dict_pre_hook(fn, with_module=True)
+            handle = module._register_load_state_dict_pre_hook(hook, with_module=True)
         state.entries.append(_Entry(self, name, _LOAD_STATE_DICT_PRE, handle=handle))
         self._commit(module, state)
         logger.debug(
             "%s: registered load-state-dict pre-hook %r on %s", self._owner, name, _describe(module)
         )
+
+    def register_apply_refusal(self, module: nn.Module, name: str, fn: Callable[[], None]) -> None:
+        """Make ``module._apply`` (behind ``to``, ``half``, ``float``, ``cuda``, ``type``...)
+        call ``fn``, which is expected to raise, before anything is converted.
+
+        torch has no hook for ``_apply``: the refusal is an instance attribute shadowing the
+        method, removed again by :meth:`remove` (``vars(module)`` is then as before).
+        ``Module._apply`` recurses through the children's ``_apply``, so a refusal on a child
+        also stops a conversion started on any of its ancestors, but only once the ancestor's
+        earlier children were converted: register it on the ancestors too.
+
+        Args:
+            module: the module to protect.
+            name: unique per (module, owner) across every kind of hook.
+            fn: called with no argument; raise from it to refuse.
+
+        Raises:
+            TypeError: ``fn`` is not callable or ``module`` not an ``nn.Module``.
+            ValueError: ``name`` is empty or already used by this owner on ``module``.
+            OffloadError: another mechanism or another owner manages ``module``.
+
+        Example:
+            >>> reg = HookRegistry("example")
+            >>> lin = nn.Linear(2, 2)
+            >>> def refuse():
+            ...     raise RuntimeError("disable offload first")
+            >>> reg.register_apply_refusal(lin, "refuse_apply", refuse)
+            >>> reg.remove_all()
+            1
+        """
+        if not callable(fn):
+            raise TypeError(f"apply refusal {name!r} must be callable, got {fn!r}")
+        state = self._admit(module, name)
+        guard = _Callback(lambda *args, **kwargs: fn())
+        handle = _ApplyHandle(module, guard)
+        state.entries.append(_Entry(self, name, _APPLY, handle=handle))
+        self._commit(module, state)
 
     def _admit(self, module: nn.Module, name: str) -> _ModuleState:
         """Check that ``name`` may be registered on ``module``; return its (new) state."""
@@ -619,6 +688,46 @@ class HookRegistry:
         return [(e.owner.owner, e.name) for e in state.entries]
 
 
+class _Callback(_NotCopyable):
+    """A callable dlo registers on a module (see :class:`_NotCopyable`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class _StateDictPostHook(_NotCopyable):
+    def __init__(self, fn: Callable[[nn.Module, dict[str, Any], str], None]) -> None:
+        self.fn = fn
+
+    def __call__(
+        self, mod: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        self.fn(mod, state_dict, prefix)
+
+
+class _ApplyHandle:
+    """Installs a refusal of ``module._apply`` as an instance attribute; ``remove`` puts back
+    what was there (normally nothing, so the class method shows through again)."""
+
+    def __init__(self, module: nn.Module, guard: _Callback) -> None:
+        self._module = weakref.ref(module)
+        self._guard = guard
+        self._previous = vars(module).get("_apply")
+        vars(module)["_apply"] = guard
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is None or vars(module).get("_apply") is not self._guard:
+            return
+        if self._previous is None:
+            del vars(module)["_apply"]
+        else:
+            vars(module)["_apply"] = self._previous
+
+
 def _remove_dispatchers(state: _ModuleState) -> None:
     if state.pre_handle is not None:
         state.pre_handle.remove()
@@ -631,6 +740,48 @@ def _remove_dispatchers(state: _ModuleState) -> None:
 def _names_of_hook(state: _ModuleState, hook: ModelHook) -> str:
     names = [f"{e.owner.owner}:{e.name}" for e in state.entries if e.hook is hook]
     return ", ".join(names) or "?"
+
+
+# ----------------------------------------------------------------------------- call frames
+# [Note: calls that ended without post-hooks]
+# torch calls ``always_call`` forward hooks when a forward raised an ``Exception``, not for
+# other ``BaseException`` (KeyboardInterrupt, SystemExit, GeneratorExit): after Ctrl-C inside
+# a block, a backend's "this block is running" marker would stay set forever. A backend keeps,
+# with each such marker, the Python frame of the module call (torch's ``_call_impl``) that set
+# it (:func:`module_call_frame`). A later call from the same thread whose marker's frame is no
+# longer on its own stack (:func:`frame_on_stack`) knows that call ended without its
+# post-hook, and releases it as on an error path. A legitimately nested call still has the
+# outer frame on its stack. The frame is held (not its id, which Python may reuse) only until
+# the call's post-hook runs.
+_CALL_IMPL_CODES = tuple(
+    f.__code__
+    for f in (
+        getattr(nn.Module, "_call_impl", None),
+        getattr(nn.Module, "_wrapped_call_impl", None),
+    )
+    if f is not None and hasattr(f, "__code__")
+)
+
+
+def module_call_frame() -> FrameType | None:
+    """The innermost frame of torch's module call on this thread's stack (from a forward
+    pre-hook: the call being entered), or None (a call path torch does not use)."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f.f_code in _CALL_IMPL_CODES:
+            return f
+        f = f.f_back
+    return None
+
+
+def frame_on_stack(frame: FrameType) -> bool:
+    """True while ``frame`` is executing on the calling thread's stack."""
+    f: FrameType | None = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 # ----------------------------------------------------------------------------- foreign offloaders

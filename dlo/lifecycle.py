@@ -69,8 +69,8 @@ class Journal:
             raise first
 
 
-# component module -> description of the backend that owns its offloading
-_CLAIMS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+# component module -> (description of the backend that owns its offloading, its path there)
+_CLAIMS: weakref.WeakKeyDictionary[nn.Module, tuple[str, str]] = weakref.WeakKeyDictionary()
 
 
 def claim_components(
@@ -80,18 +80,39 @@ def claim_components(
 
     At most one strategy owns offload hooks on a pipeline: a layerwise backend hooks blocks
     and a model-level backend hooks components, so per-module hook ownership alone would not
-    stop the two from stacking. The claim is released by the journal.
+    stop the two from stacking. A component that contains, or lies inside, a component
+    another backend claimed is refused too (a wrapper around an offloaded DiT holds the same
+    weights). The claim is released by the journal.
     """
     for path, module in components:
-        other = _CLAIMS.get(module)
+        name = path or type(module).__name__
+        other, _ = _CLAIMS.get(module, (None, ""))
         if other is not None and other != owner:
             raise OffloadError(
-                f"component {path or type(module).__name__!r} is already offloaded by {other}; "
+                f"component {name!r} is already offloaded by {other}; "
                 "at most one strategy owns offload on a pipeline (disable it first)",
                 rank=rank,
             )
+        # a wrapper around an offloaded component, or a module inside one, is the same weights
+        inside = {id(m) for m in module.modules()}
+        for claimed, (other, other_path) in list(_CLAIMS.items()):
+            if other == owner or claimed is module:
+                continue
+            if id(claimed) in inside:
+                relation = "contains"
+            elif any(m is module for m in claimed.modules()):
+                relation = "is inside"
+            else:
+                continue
+            raise OffloadError(
+                f"component {name!r} {relation} component "
+                f"{other_path or type(claimed).__name__!r} ({type(claimed).__name__}), which "
+                f"{other} already offloads; at most one strategy owns offload on a model "
+                "(disable it first)",
+                rank=rank,
+            )
     for path, module in components:
-        _CLAIMS[module] = owner
+        _CLAIMS[module] = (owner, path)
         journal.record(f"claim {path}", functools.partial(_CLAIMS.pop, module, None))
 
 

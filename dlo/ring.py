@@ -33,14 +33,16 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
-from dlo.hooks import ModelHook
+from dlo.hooks import ModelHook, frame_on_stack, module_call_frame
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 from dlo.slots import Slot, SlotPool
@@ -66,7 +68,6 @@ class StreamedBlock:
     tensors: list[torch.Tensor]
     """The block's Parameter and buffer objects, in layout order."""
     transport: BlockTransport | StagedTransport
-    requires_grad: bool
     index: int = -1
     """Position in the manifest (identifies the block in the lock-step check)."""
     placeholders: list[torch.Tensor] = field(default_factory=list)
@@ -124,6 +125,11 @@ class RingScheduler:
         self.rings: list[BlockRing] = []
         self._running: StreamedBlock | None = None
         self._running_thread: int | None = None
+        self._running_frame: FrameType | None = None
+        """The module call that claimed ``_running`` (see [Note: calls that ended without
+        post-hooks] in dlo.hooks)."""
+        self.closing = False
+        """Set by :meth:`begin_disable`: later forwards are refused."""
         self._claim = threading.Lock()
         self._clock = 0
         self.poisoned: str | None = None
@@ -168,7 +174,7 @@ class RingScheduler:
                 b.state, b.slot = IDLE, None
         for s in self.pool.slots:
             s.owner = None
-        self._running = None
+        self._release_claim()
 
     def close(self) -> None:
         """Teardown after :meth:`unbind_all`: drop every block's slot views and placeholders
@@ -184,10 +190,22 @@ class RingScheduler:
         if self.poisoned is not None:
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
         me = threading.get_ident()
+        frame = module_call_frame()
         with self._claim:  # check and claim in one step: two threads never both get past
+            if self.closing:
+                raise OffloadError(
+                    "forward started while offload is being disabled (another thread called "
+                    "disable()); call it again once disable() returned",
+                    rank=self.rank,
+                    block=block.name,
+                )
             running, thread = self._running, self._running_thread
+            if running is not None and thread == me and self._stale(running):
+                self.exit(running)
+                running = None
             if running is None:
                 self._running, self._running_thread = block, me
+                self._running_frame = frame
         if running is not None:
             raise OffloadError(
                 f"forward of this block started while block {running.name!r} is still "
@@ -199,7 +217,7 @@ class RingScheduler:
         try:
             self._refuse_unsupported(block, args, kwargs)
         except BaseException:
-            self._running = self._running_thread = None
+            self._release_claim()
             raise
         compute = self.platform.current_stream()
         try:
@@ -222,7 +240,7 @@ class RingScheduler:
             if block.state == RUNNING:
                 self.exit(block)
             else:
-                self._running = self._running_thread = None
+                self._release_claim()
             if block.state == LOADED and block.slot is not None:
                 # its load failed (or was never waited for): the slot holds nothing usable
                 block.slot.owner, block.slot, block.state = None, None, IDLE
@@ -234,6 +252,36 @@ class RingScheduler:
             if isinstance(e, OffloadError):
                 raise
             raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def _stale(self, running: StreamedBlock) -> bool:
+        """The running block's call ended without its post-hook (see [Note: calls that ended
+        without post-hooks] in dlo.hooks): release it as after an exception."""
+        frame = self._running_frame
+        if frame is None or frame_on_stack(frame):
+            return False
+        logger.warning(
+            "dlo: block %s ended without its post-forward hook (KeyboardInterrupt or another "
+            "BaseException inside it); released",
+            running.name,
+        )
+        return True
+
+    def begin_disable(self) -> None:
+        """Decide, under the claim lock, whether disable may proceed: refused while another
+        thread runs a block (its forward would lose its weights mid-block); otherwise every
+        later forward is refused until the hooks are gone. The calling thread's own running
+        block (disable from inside a forward) does not count."""
+        with self._claim:
+            running, thread = self._running, self._running_thread
+            if running is not None and thread != threading.get_ident():
+                raise OffloadError(
+                    "disable() called while another thread runs this block's forward; "
+                    "nothing was changed: let that forward return (join its thread), then "
+                    "disable",
+                    rank=self.rank,
+                    block=running.name,
+                )
+            self.closing = True
 
     def _refuse_unsupported(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
         """What the ring cannot serve, refused before anything is enqueued."""
@@ -269,14 +317,22 @@ class RingScheduler:
         self._clock += 1
         slot.owner, slot.stamp = None, self._clock
         block.slot, block.state = None, IDLE
-        self._running = self._running_thread = None
+        self._release_claim()
+
+    def _release_claim(self) -> None:
+        self._running = self._running_thread = self._running_frame = None
 
     # ------------------------------------------------------------------ internals
     def _check_inputs(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        # read now, not at enable: requires_grad may have been switched on since, and an
+        # input may sit in a tuple or dict (only walked when autograd is on at all)
         if torch.is_grad_enabled() and (
-            block.requires_grad or any(t.requires_grad for t in tensors)
+            any(t.requires_grad for t in block.tensors)
+            or any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves((args, kwargs))
+            )
         ):
             raise OffloadError(
                 "forward with autograd enabled: dlo is an inference runtime (slots are reused, "

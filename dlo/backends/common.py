@@ -141,3 +141,44 @@ def install_load_refusal_on_ancestors(
             registry.register_load_state_dict_pre_hook(
                 module, LOAD_REFUSAL, _refuse_load(path or type(root).__name__, rank)
             )
+
+
+APPLY_REFUSAL = "dlo._apply"
+
+
+def _refuse_apply(path: str, rank: int) -> Any:
+    def refuse_apply() -> None:
+        raise OffloadError(
+            f"to() / half() / float() / cuda() / type() on {path!r}, which is or contains a "
+            "module dlo is offloading: it would convert dlo's placeholders, not the weights "
+            "dlo holds; disable dlo first (backend.disable()), convert, then enable again",
+            rank=rank,
+        )
+
+    return refuse_apply
+
+
+def install_apply_refusal(
+    registry: HookRegistry, root: nn.Module, managed: Sequence[str], *, rank: int
+) -> None:
+    """Refuse ``Module._apply`` (behind ``to``, ``half``, ``float``, ``cuda``, ``type``) on
+    every module that is, contains or lies inside one of the ``managed`` paths, before torch
+    converts anything: torch converts a module's children first, so the refusal must sit on
+    the module the user calls. dlo's own enable and disable rebind ``.data`` and never call
+    ``_apply``. A module another mechanism manages is skipped (its hooks are its own)."""
+    paths, managed_set = {""}, set(managed)
+    for path in managed_set:
+        parts = path.split(".")
+        paths.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    seen: set[int] = set()
+    for path in sorted(paths):
+        module = get_by_path(root, path)
+        if not isinstance(module, nn.Module):
+            continue
+        inner = module.named_modules() if path in managed_set else [("", module)]
+        for sub, m in inner:
+            if id(m) in seen or foreign_offloader(m) is not None:
+                continue
+            seen.add(id(m))
+            name = ".".join(p for p in (path, sub) if p) or type(root).__name__
+            registry.register_apply_refusal(m, APPLY_REFUSAL, _refuse_apply(name, rank))

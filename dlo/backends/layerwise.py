@@ -42,6 +42,7 @@ from dlo.agreement import RankReport, Verdict, decide, exchange, settings_of
 from dlo.backends.auto import is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
+    install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
     mark_released,
@@ -151,7 +152,14 @@ class LayerwiseBackend(OffloadBackend):
         super()._check_can_enable()
 
     def disable(self) -> None:
+        """Remove everything enable installed; a no-op when not enabled.
+
+        Raises:
+            dlo.OffloadError: another thread is running a block's forward (nothing changed).
+        """
         sched = self._scheduler
+        if sched is not None and self.is_enabled():
+            sched.begin_disable()
         if sched is not None and sched.poisoned is not None:
             self._poisoned = sched.poisoned  # the group may be misaligned: no re-enable
         super().disable()
@@ -513,7 +521,6 @@ class LayerwiseBackend(OffloadBackend):
                 shard=b.mapped or self._region.view(b.region_index),
                 tensors=b.tensors,
                 transport=transports[b.stack.group_axis],
-                requires_grad=any(t.requires_grad for t in b.tensors),
                 index=b.region_index,
             )
             by_stack.setdefault(id(b.stack), []).append(sb)
@@ -537,6 +544,7 @@ class LayerwiseBackend(OffloadBackend):
             [sb.name for ring in scheduler.rings for sb in ring.blocks],
             rank=world.rank,
         )
+        install_apply_refusal(registry, pipeline, [b.name for b in blocks], rank=world.rank)
         for ring in scheduler.rings:
             for sb in ring.blocks:
                 for t, ph in zip(sb.tensors, sb.placeholders):

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from torch import nn
 
 from dlo import faults
 from dlo.backends.common import (
+    install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
     move_tensor,
@@ -44,7 +46,7 @@ from dlo.backends.common import (
 from dlo.blocks import check_blocks
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
-from dlo.hooks import HookRegistry, ModelHook
+from dlo.hooks import HookRegistry, ModelHook, frame_on_stack, module_call_frame
 from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
 from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
@@ -114,11 +116,35 @@ class ModelSwapBackend(OffloadBackend):
         self._copy_stream: Any = None
         self._h2d_nbytes = 0
         self._vae_nbytes = 0
-        self._inflight: dict[int, int] = {}
-        """id(unit) -> forwards of that unit in progress (any thread)."""
+        self._inflight: dict[int, list[tuple[int, FrameType | None]]] = {}
+        """id(unit) -> (thread, module call frame) of each forward of that unit in progress
+        (see [Note: calls that ended without post-hooks] in dlo.hooks)."""
         self._claim = threading.Lock()
+        self._closing = False
 
     def disable(self) -> None:
+        """Remove everything enable installed; a no-op when not enabled.
+
+        Raises:
+            dlo.OffloadError: another thread is running a component's forward (nothing
+                changed).
+        """
+        if self.is_enabled():
+            me = threading.get_ident()
+            with self._claim:  # decided under the lock enter claims under
+                busy = [
+                    u.path
+                    for u in self._units
+                    if any(thread != me for thread, _ in self._inflight.get(id(u), ()))
+                ]
+                if busy:
+                    raise OffloadError(
+                        f"disable() called while another thread runs the forward of {busy}; "
+                        "nothing was changed: let that forward return (join its thread), then "
+                        "disable",
+                        block=busy[0],
+                    )
+                self._closing = True
         super().disable()
         self._reset()
 
@@ -200,6 +226,7 @@ class ModelSwapBackend(OffloadBackend):
                 rank=0,
             )
         install_load_refusal_on_ancestors(registry, pipeline, [u.path for u in self._units], rank=0)
+        install_apply_refusal(registry, pipeline, [u.path for u in self._units], rank=0)
         faults.check("first_transfer")
         for u in self._units:
             if u.kind == "encoder":
@@ -245,14 +272,22 @@ class ModelSwapBackend(OffloadBackend):
         """Claim ``unit`` for one forward, then activate it. A component running now (in
         another thread, or the caller of this one) that the activation would evict is a
         clear error, not a forward computing with placeholders."""
+        me, frame = threading.get_ident(), module_call_frame()
         with self._claim:
+            if self._closing:
+                raise OffloadError(
+                    "forward started while offload is being disabled (another thread called "
+                    "disable()); call it again once disable() returned",
+                    block=unit.path,
+                )
+            self._drop_stale(me)
             busy = [
                 u.path
                 for u in self._units
                 if self._inflight.get(id(u)) and u is not unit and _excludes(unit, u)
             ]
             if not busy:
-                self._inflight[id(unit)] = self._inflight.get(id(unit), 0) + 1
+                self._inflight.setdefault(id(unit), []).append((me, frame))
         if busy:
             raise OffloadError(
                 f"forward of {unit.path!r} started while {busy} is running (another thread or "
@@ -266,12 +301,34 @@ class ModelSwapBackend(OffloadBackend):
             raise
 
     def exit(self, unit: _Unit) -> None:
+        me = threading.get_ident()
         with self._claim:
-            n = self._inflight.get(id(unit), 0) - 1
-            if n > 0:
-                self._inflight[id(unit)] = n
-            else:
+            calls = self._inflight.get(id(unit), [])
+            for i in range(len(calls) - 1, -1, -1):
+                if calls[i][0] == me:
+                    del calls[i]
+                    break
+            if not calls:
                 self._inflight.pop(id(unit), None)
+
+    def _drop_stale(self, me: int) -> None:
+        """Forget this thread's forwards that ended without their post-hook (KeyboardInterrupt
+        inside a component; see [Note: calls that ended without post-hooks] in dlo.hooks)."""
+        for u in self._units:
+            calls = self._inflight.get(id(u))
+            if not calls:
+                continue
+            live = [(t, f) for t, f in calls if t != me or f is None or frame_on_stack(f)]
+            if len(live) != len(calls):
+                logger.warning(
+                    "dlo: forward of %s ended without its post-forward hook (KeyboardInterrupt "
+                    "or another BaseException inside it); released",
+                    u.path,
+                )
+                if live:
+                    self._inflight[id(u)] = live
+                else:
+                    del self._inflight[id(u)]
 
     def activate(self, unit: _Unit) -> None:
         """Evict the other group, then make ``unit`` resident (see [Note: swap protocol])."""
