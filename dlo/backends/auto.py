@@ -11,7 +11,8 @@ digest and the groups compared at the startup agreement. Steps:
 3. probes (:func:`dlo.measure.measure_rank`): free device memory, host-to-device bandwidth
    with every rank copying, and the AllGather of each weight group an ``"auto"`` stack
    would use (the groups are created here, once, and reused by the ring);
-4. one exchange of the measurements; every rank takes the minimum of each
+4. one exchange of the measurements and of each rank's non-block bytes; every rank takes
+   the minimum of each measurement and the maximum of the non-block bytes
    ([Note: one set of numbers]) and calls the pure :func:`dlo.policy.decide`
    ([Note: policy model]);
 5. the plan's stacks and the config are rewritten with concrete values, so the rest of the
@@ -119,11 +120,21 @@ def resolve_automatic(
         nbytes=measure.probe_nbytes(largest),
         pinned=cfg.pin_memory,
         groups=groups,
+        non_block_nbytes=inp.non_block_nbytes,
+        non_block_to_place_nbytes=inp.non_block_to_place_nbytes,
     )
     measured, records = measure.agree(
         mine, world_size=world.size, timeout_s=cfg.collective_timeout_s
     )
-    decision = decide(dataclasses.replace(inp, measured=measured))
+    non_block, to_place = measure.combine_non_block(records)
+    decision = decide(
+        dataclasses.replace(
+            inp,
+            measured=measured,
+            non_block_nbytes=non_block,
+            non_block_to_place_nbytes=to_place,
+        )
+    )
     if world.rank == 0:
         logger.info("%s", decision.explanation)
     else:
@@ -135,6 +146,7 @@ def resolve_automatic(
             "h2d_GBps": r.h2d_bps / measure.GB,
             "allgather_GBps": {a: v / measure.GB for a, v in sorted(r.allgather_bps.items())},
             "free_device_nbytes": r.free_device_nbytes,
+            "non_block_nbytes": r.non_block_nbytes,
         }
         for r in records
     ]

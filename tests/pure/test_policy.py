@@ -408,3 +408,13 @@ def test_layer_options_resident_auto_type() -> None:
     assert LayerOptions(resident_layers="auto").resident_layers == "auto"
     with pytest.raises(TypeError, match=r"layer_options\.resident_layers"):
         LayerOptions(resident_layers="some")
+
+
+def test_non_block_bytes_combine_to_the_largest() -> None:
+    from dlo.measure import RankMeasurement, combine_non_block
+
+    records = [
+        RankMeasurement(0, non_block_nbytes=66624, non_block_to_place_nbytes=100),
+        RankMeasurement(1, non_block_nbytes=33856, non_block_to_place_nbytes=200),
+    ]
+    assert combine_non_block(records) == (66624, 200)
