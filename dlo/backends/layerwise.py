@@ -203,7 +203,9 @@ class LayerwiseBackend(OffloadBackend):
 
         # 2-3: layouts, manifest, local preparation (failures caught for the agreement)
         local_error: BaseException | None = None
-        report = RankReport(rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg))
+        report = RankReport(
+            rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg, plan.stacks)
+        )
         blocks: list[_Block] = []
         try:
             blocks = self._select_blocks(pipeline, plan)
