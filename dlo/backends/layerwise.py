@@ -39,7 +39,7 @@ from torch import nn
 
 from dlo import faults
 from dlo.agreement import RankReport, Verdict, decide, exchange, settings_of
-from dlo.backends.auto import is_automatic, resolve_automatic
+from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
     install_load_refusal_on_ancestors,
@@ -171,6 +171,7 @@ class LayerwiseBackend(OffloadBackend):
                 f"components (warnings: {list(plan.warnings) or 'none'})",
                 rank=world.rank,
             )
+        agree_requests(cfg, plan, world)  # every exchanging rank: the same "auto"s
         if is_automatic(cfg):  # before any layout: it may change group sizes
             cfg, plan, self._policy = resolve_automatic(
                 pipeline, plan, cfg, par, self.platform, world
