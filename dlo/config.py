@@ -135,7 +135,9 @@ class ParallelConfig:
 
     ``data_parallel_size * sequence_parallel_size * tensor_parallel_size`` is the world size.
     HSDP (on when either HSDP size is > 1) shards weights over the same ranks:
-    ``hsdp_replicate_size * hsdp_shard_size`` must equal that world size.
+    ``hsdp_replicate_size * hsdp_shard_size`` must equal that world size, and
+    ``tensor_parallel_size`` must be 1 (HSDP's consecutive shard groups would be the tensor
+    groups).
     """
 
     data_parallel_size: int = 1
@@ -152,6 +154,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_int(f.name, getattr(self, f.name), minimum=1)
+        if self.use_hsdp and self.tensor_parallel_size > 1:
+            # HSDP's shard groups are consecutive ranks, which with TP are the tensor groups:
+            # dlo would gather over TP, which never is a weight axis (DESIGN.md section 3)
+            raise ValueError(
+                f"HSDP (hsdp_replicate_size={self.hsdp_replicate_size}, hsdp_shard_size="
+                f"{self.hsdp_shard_size}) cannot be combined with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: its shard groups would be the tensor-parallel "
+                "groups; use tensor_parallel_size=1 with HSDP"
+            )
         if self.use_hsdp and self.hsdp_replicate_size * self.hsdp_shard_size != self.world_size:
             raise ValueError(
                 f"hsdp_replicate_size={self.hsdp_replicate_size} x hsdp_shard_size="

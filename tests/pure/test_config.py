@@ -491,9 +491,8 @@ HSDP_2x2 = ParallelConfig(data_parallel_size=4, hsdp_replicate_size=2, hsdp_shar
         (ParallelConfig(tensor_parallel_size=2, data_parallel_size=3), ("data", 3)),
         (
             ParallelConfig(
-                data_parallel_size=2,
+                data_parallel_size=4,
                 sequence_parallel_size=2,
-                tensor_parallel_size=2,
                 hsdp_replicate_size=2,
                 hsdp_shard_size=4,
             ),
@@ -544,9 +543,8 @@ def test_weight_group_is_per_component() -> None:
 
 
 FULL = ParallelConfig(
-    data_parallel_size=4,
+    data_parallel_size=8,
     sequence_parallel_size=2,
-    tensor_parallel_size=2,
     hsdp_replicate_size=4,
     hsdp_shard_size=4,
 )
@@ -557,7 +555,7 @@ FULL = ParallelConfig(
     [
         ("shard", HSDP_2x2, ("shard", 2)),
         ("shard", FULL, ("shard", 4)),
-        ("data", FULL, ("data", 4)),
+        ("data", FULL, ("data", 8)),
         ("data", HSDP_2x2, ("data", 4)),
         ("data", ParallelConfig(sequence_parallel_size=2), ("data", 1)),
         ("sequence", FULL, ("sequence", 2)),
@@ -1088,3 +1086,23 @@ def test_gather_sync_validated(value: Any, exc: type[Exception]) -> None:
     assert OffloadConfig().gather_sync == "auto"
     assert OffloadConfig(gather_sync="kernel").gather_sync == "kernel"
     assert OffloadConfig.from_dict({"gather_sync": "stream"}).gather_sync == "stream"
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"tensor_parallel_size": 2, "hsdp_shard_size": 2},
+        {"tensor_parallel_size": 2, "data_parallel_size": 2, "hsdp_replicate_size": 2},
+        {
+            "tensor_parallel_size": 2,
+            "data_parallel_size": 2,
+            "hsdp_replicate_size": 2,
+            "hsdp_shard_size": 2,
+        },
+    ],
+)
+def test_hsdp_with_tensor_parallelism_is_refused(sizes: dict[str, int]) -> None:
+    """HSDP's shard groups are consecutive ranks, with TP > 1 the tensor groups: dlo would
+    gather weights over TP."""
+    with _raises(ValueError, "tensor_parallel_size=2", "hsdp_shard_size=", "HSDP"):
+        ParallelConfig(**sizes)
