@@ -546,12 +546,19 @@ def _check_legacy_agrees(cfg: OffloadConfig, legacy: Mapping[str, Any]) -> None:
         return  # legacy keys at their defaults select nothing to conflict with
     from_legacy = OffloadConfig.from_flags(**legacy)
     legacy_strategy = _seed_strategy(from_legacy)
-    if legacy_strategy != _seed_strategy(cfg) or (
-        cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit")
-    ):
+    compact = (
+        f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
+        f"resident_layers={cfg.resident_layers_for('dit')!r})"
+    )
+    if legacy_strategy != _seed_strategy(cfg):
         raise ValueError(
-            f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
-            f"resident_layers={cfg.resident_layers_for('dit')}) selects "
-            f"{_seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
+            f"{compact} selects {_seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
             f"{legacy_strategy!r}"
+        )
+    if cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit"):
+        # the same strategy with another transfer: name the transfers, not one strategy twice
+        raise ValueError(
+            f"{compact} has transfer={cfg.transfer_for('dit')!r} but legacy flag "
+            f"{enabled[0]}=True (with dlo_use_allgather={legacy.get('dlo_use_allgather', True)!r})"
+            f" selects transfer={from_legacy.transfer!r}"
         )

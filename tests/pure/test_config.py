@@ -361,9 +361,22 @@ def test_config_is_hashable() -> None:
 
 
 def test_legacy_dlo_flag_conflicts_with_a_rank_local_compact_transfer() -> None:
-    with _raises(ValueError, "enable_distributed_layerwise_offload"):
+    # both amount to distributed layerwise; the transfers differ, and the message says so
+    # (it used to say "selects 'distributed_layerwise' but ... selects 'distributed_layerwise'")
+    with pytest.raises(ValueError) as info:
         OffloadConfig.from_dict(
             {"mode": "layer", "resident_layers": 2, "enable_distributed_layerwise_offload": True}
+        )
+    msg = str(info.value)
+    assert "enable_distributed_layerwise_offload=True" in msg
+    assert "has transfer='rank-local'" in msg and "selects transfer='allgather'" in msg
+    assert "selects 'distributed_layerwise'" not in msg
+
+
+def test_legacy_dlo_flag_with_compact_transfer_auto_names_both_transfers() -> None:
+    with _raises(ValueError, "has transfer='auto'", "selects transfer='allgather'"):
+        OffloadConfig.from_dict(
+            {"mode": "layer", "transfer": "auto", "enable_distributed_layerwise_offload": True}
         )
 
 
