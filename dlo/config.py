@@ -85,8 +85,13 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def _check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite or value <= 0:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... (too large)"
+        raise ValueError(f"{name} must be a finite number > 0, got {shown}")
 
 
 # ----------------------------------------------------------------------------- layer options

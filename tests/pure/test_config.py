@@ -190,6 +190,13 @@ def test_bad_offload_field_names_field_and_value(name: str, value: Any, exc: typ
         OffloadConfig(**{name: value})
 
 
+@pytest.mark.parametrize("name", ["device_budget_gb", "pin_budget_gb", "collective_timeout_s"])
+def test_an_int_too_large_for_a_float_is_a_value_error_naming_the_field(name: str) -> None:
+    # math.isfinite(10**400) raises OverflowError
+    with _raises(ValueError, f"{name} must be a finite number > 0", "(too large)"):
+        OffloadConfig(**{name: 10**400})
+
+
 @pytest.mark.parametrize("name, value, exc", BAD_OFFLOAD_FIELDS)
 def test_replace_revalidates(name: str, value: Any, exc: type) -> None:
     cfg = OffloadConfig(mode="layer")
