@@ -5,8 +5,8 @@ A collective whose size or order differs between ranks corrupts one rank and han
 crashes another. So before dlo issues its first weight collective, each rank prepares
 everything locally (layouts, manifest, host shards, pinning, slots), catching its own
 failure instead of raising, and then publishes one small record: whether it succeeded (and
-why not), the digest of its manifest, the ranks of its weight groups and the blocks it could
-not pin. Every rank reads every record and applies the same pure :func:`decide`, so every
+why not), the digest of its manifest, the ranks of its weight groups, the blocks it could
+not pin and its :data:`AGREED_SETTINGS` (each stack's resolved resident count among them). Every rank reads every record and applies the same pure :func:`decide`, so every
 rank reaches the same verdict and either all proceed or all roll back locally and raise the
 same error. No weight collective is issued before the verdict.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,15 +59,28 @@ AGREED_SETTINGS = (
     "gather_engine",
     "gather_sync",
     "host_backing",
+    "resident_layers",
 )
 """Config fields that shape dlo's collectives or the verdict itself: ranks that differ in one
 would issue different collectives (a symmetric buffer of another size, a gather engine the
-peer does not join, a lock-step check the peer does not run) or reach different verdicts."""
+peer does not join, a lock-step check the peer does not run, resident blocks gathered at
+enable by one rank and streamed by the other) or reach different verdicts. The manifest
+digest does not cover ``resident_layers`` (a resident block is laid out like a streamed one),
+so it is compared here as the resolved count of every stack."""
 
 
-def settings_of(config: Any) -> tuple[tuple[str, Any], ...]:
-    """``(field, value)`` for each of :data:`AGREED_SETTINGS` of ``config`` (resolved)."""
-    return tuple((name, getattr(config, name)) for name in AGREED_SETTINGS)
+def settings_of(config: Any, stacks: Sequence[Any] = ()) -> tuple[tuple[str, Any], ...]:
+    """``(field, value)`` for each of :data:`AGREED_SETTINGS` of ``config`` (resolved).
+
+    ``resident_layers`` is not the config field (which may be ``"auto"`` or set per
+    component) but the resolved count of each of ``stacks`` (objects with ``container_path``
+    and ``num_resident``, such as the plan's), as ``"path=count, ..."``.
+    """
+    resident = ", ".join(f"{s.container_path}={s.num_resident}" for s in stacks)
+    return tuple(
+        (name, resident if name == "resident_layers" else getattr(config, name))
+        for name in AGREED_SETTINGS
+    )
 
 
 @dataclass(frozen=True)

@@ -95,8 +95,26 @@ def _build_dit(preset: str, device: torch.device | str, dtype: torch.dtype) -> n
     return build_pipeline(preset, dtype=dtype, device=device).transformer
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad counts and output paths before anything is measured (``ValueError``
+    naming the flag and the value)."""
+    for flag, value, minimum in (
+        ("--reps", args.reps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--nccl-max-ctas", args.nccl_max_ctas, 1),
+    ):
+        if value is not None and value < minimum:
+            raise ValueError(f"{flag}={value} must be >= {minimum}")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(path) or "."):
+            raise ValueError(
+                f"{flag}={path!r}: its folder {os.path.dirname(path)!r} does not exist"
+            )
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every requested method; returns the report (rank 0's view, slowest rank)."""
+    check_args(args)
     world = current_world()
     platform = get_platform(None)
     dtype = getattr(torch, args.dtype)

@@ -15,6 +15,7 @@ import gc
 import itertools
 import json
 import logging
+import math
 import sys
 import time
 from typing import Any
@@ -147,9 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "bench":
+            from dlo.bench import check_args
             from dlo.bench import main as bench_main
             from dlo.parallel import init, shutdown
 
+            check_args(args)  # before the process group and any measurement
             init()
             rc = bench_main(args)
             shutdown()
@@ -181,13 +184,20 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
     )
 
 
+def _device(text: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--device={text!r} is not a device: use cpu, cuda or cuda:N") from e
+
+
 def save(args: argparse.Namespace) -> int:
     """``dlo save-checkpoint``: the embedded pipeline's weights as safetensors."""
     from dlo.checkpoint import save_checkpoint
     from dlo.models import build_pipeline
 
-    if args.shard_gb <= 0:
-        raise ValueError(f"--shard-gb={args.shard_gb} must be > 0")
+    if not math.isfinite(args.shard_gb) or args.shard_gb <= 0:
+        raise ValueError(f"--shard-gb={args.shard_gb} must be a finite number > 0")
     t0 = time.perf_counter()
     pipe = build_pipeline(args.preset, dtype=getattr(torch, args.dtype), seed=args.seed)
     path = save_checkpoint(pipe, args.out, max_shard_nbytes=int(args.shard_gb * (1 << 30)))
@@ -217,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens={args.tokens} must be >= 1")
     preset = get_preset(args.preset)
     dtype = getattr(torch, args.dtype)
-    device = torch.device(args.device) if args.device else default_device()
+    device = _device(args.device) if args.device else default_device()
     env_world = torchrun_env().world_size
     par = ParallelConfig(
         data_parallel_size=env_world,

@@ -85,8 +85,13 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 def _check_positive_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite or value <= 0:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... (too large)"
+        raise ValueError(f"{name} must be a finite number > 0, got {shown}")
 
 
 # ----------------------------------------------------------------------------- layer options
@@ -135,7 +140,9 @@ class ParallelConfig:
 
     ``data_parallel_size * sequence_parallel_size * tensor_parallel_size`` is the world size.
     HSDP (on when either HSDP size is > 1) shards weights over the same ranks:
-    ``hsdp_replicate_size * hsdp_shard_size`` must equal that world size.
+    ``hsdp_replicate_size * hsdp_shard_size`` must equal that world size, and
+    ``tensor_parallel_size`` must be 1 (HSDP's consecutive shard groups would be the tensor
+    groups).
     """
 
     data_parallel_size: int = 1
@@ -152,6 +159,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_int(f.name, getattr(self, f.name), minimum=1)
+        if self.use_hsdp and self.tensor_parallel_size > 1:
+            # HSDP's shard groups are consecutive ranks, which with TP are the tensor groups:
+            # dlo would gather over TP, which never is a weight axis (DESIGN.md section 3)
+            raise ValueError(
+                f"HSDP (hsdp_replicate_size={self.hsdp_replicate_size}, hsdp_shard_size="
+                f"{self.hsdp_shard_size}) cannot be combined with tensor_parallel_size="
+                f"{self.tensor_parallel_size}: its shard groups would be the tensor-parallel "
+                "groups; use tensor_parallel_size=1 with HSDP"
+            )
         if self.use_hsdp and self.hsdp_replicate_size * self.hsdp_shard_size != self.world_size:
             raise ValueError(
                 f"hsdp_replicate_size={self.hsdp_replicate_size} x hsdp_shard_size="
@@ -535,12 +551,19 @@ def _check_legacy_agrees(cfg: OffloadConfig, legacy: Mapping[str, Any]) -> None:
         return  # legacy keys at their defaults select nothing to conflict with
     from_legacy = OffloadConfig.from_flags(**legacy)
     legacy_strategy = _seed_strategy(from_legacy)
-    if legacy_strategy != _seed_strategy(cfg) or (
-        cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit")
-    ):
+    compact = (
+        f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
+        f"resident_layers={cfg.resident_layers_for('dit')!r})"
+    )
+    if legacy_strategy != _seed_strategy(cfg):
         raise ValueError(
-            f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
-            f"resident_layers={cfg.resident_layers_for('dit')}) selects "
-            f"{_seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
+            f"{compact} selects {_seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
             f"{legacy_strategy!r}"
+        )
+    if cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit"):
+        # the same strategy with another transfer: name the transfers, not one strategy twice
+        raise ValueError(
+            f"{compact} has transfer={cfg.transfer_for('dit')!r} but legacy flag "
+            f"{enabled[0]}=True (with dlo_use_allgather={legacy.get('dlo_use_allgather', True)!r})"
+            f" selects transfer={from_legacy.transfer!r}"
         )

@@ -14,7 +14,11 @@ rank (and from run to run). Decisions taken from them change the layout (a stack
 size), so every rank must decide from the same numbers: :func:`agree` publishes each rank's
 :class:`RankMeasurement` through one store exchange (:func:`dlo.agreement.share`) and every
 rank takes the minimum of each quantity over all ranks. The job then runs at the pace of its
-slowest link, which is what a lock-step group does anyway.
+slowest link, which is what a lock-step group does anyway. The non-block weight bytes a rank
+holds (and still has to place on the device) are published too and combined by their
+maximum: under HSDP FSDP2 may shard a non-block weight unevenly, so each rank sees its own
+byte count, and a resident count or a too-small-budget error sized from local bytes would
+differ between ranks (:func:`combine_non_block`).
 """
 
 from __future__ import annotations
@@ -159,6 +163,10 @@ class RankMeasurement:
     h2d_bps: float = 0.0
     allgather_bps: dict[str, float] = field(default_factory=dict)
     free_device_nbytes: int | None = None
+    non_block_nbytes: int = 0
+    """Non-block weight bytes this rank holds (its local shard under HSDP)."""
+    non_block_to_place_nbytes: int = 0
+    """Of which not yet on the device."""
 
 
 def measure_rank(
@@ -168,12 +176,19 @@ def measure_rank(
     nbytes: int,
     pinned: bool,
     groups: Mapping[str, Any],
+    non_block_nbytes: int = 0,
+    non_block_to_place_nbytes: int = 0,
 ) -> RankMeasurement:
     """This rank's numbers: free device memory (first, before the probes allocate), pinned
     H2D while the other ranks copy too, then the AllGather of each weight group in
     ``groups`` (axis -> communicator; every rank of a group must probe it). A local failure
-    is caught and reported; the gathers still run so no peer waits on this rank."""
-    m = RankMeasurement(rank)
+    is caught and reported; the gathers still run so no peer waits on this rank. The
+    non-block byte counts are this rank's sizing, published with the measurements."""
+    m = RankMeasurement(
+        rank,
+        non_block_nbytes=non_block_nbytes,
+        non_block_to_place_nbytes=non_block_to_place_nbytes,
+    )
     try:
         m.free_device_nbytes = platform.free_memory()
         m.h2d_bps = h2d_bandwidth(platform, nbytes, pinned=pinned)
@@ -225,4 +240,13 @@ def combine(records: Sequence[RankMeasurement]) -> Measurements:
         },
         free_device_nbytes=min(free) if len(free) == len(records) else None,
         num_ranks=len(records),
+    )
+
+
+def combine_non_block(records: Sequence[RankMeasurement]) -> tuple[int, int]:
+    """The largest ``(non_block_nbytes, non_block_to_place_nbytes)`` over ``records`` (pure;
+    see [Note: one set of numbers])."""
+    return (
+        max(r.non_block_nbytes for r in records),
+        max(r.non_block_to_place_nbytes for r in records),
     )

@@ -6,7 +6,8 @@ Ranks are laid out with tensor parallelism fastest, then sequence, then data par
 ``rank = (dp_index * sp + sp_index) * tp + tp_index``. HSDP lays a 2-D mesh
 ``("replicate", "shard")`` over the same ranks: ``rank = replicate_index * shard + shard_index``,
 so a shard group is ``shard`` consecutive ranks (one node, typically) and the replicate axis
-spans nodes. The DP group of a rank holds the ranks with its sp and tp indices; the SP group
+spans nodes. With TP > 1 those consecutive ranks would be the tensor groups, so
+:class:`~dlo.config.ParallelConfig` refuses HSDP with TP. The DP group of a rank holds the ranks with its sp and tp indices; the SP group
 the ranks with its dp and tp indices. TP groups are never a weight-collective axis.
 
 dlo's weight collectives run on their own communicator (a new group over the same ranks as

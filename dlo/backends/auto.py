@@ -5,13 +5,16 @@
 is laid out: the decision changes a stack's group size, hence its layout, its manifest
 digest and the groups compared at the startup agreement. Steps:
 
+0. every rank that exchanges anything at enable compares its requested settings
+   (:func:`agree_requests`), so an ``"auto"`` on one rank only is named, not a timeout;
 1. local sizing (pure): every block's payload bytes, the non-block weights;
 2. a readiness exchange through the store (a rank that failed step 1, or never came, is
    named on every rank before anyone enters a probe collective);
 3. probes (:func:`dlo.measure.measure_rank`): free device memory, host-to-device bandwidth
    with every rank copying, and the AllGather of each weight group an ``"auto"`` stack
    would use (the groups are created here, once, and reused by the ring);
-4. one exchange of the measurements; every rank takes the minimum of each
+4. one exchange of the measurements and of each rank's non-block bytes; every rank takes
+   the minimum of each measurement and the maximum of the non-block bytes
    ([Note: one set of numbers]) and calls the pure :func:`dlo.policy.decide`
    ([Note: policy model]);
 5. the plan's stacks and the config are rewritten with concrete values, so the rest of the
@@ -50,6 +53,61 @@ def is_automatic(cfg: OffloadConfig) -> bool:
         or cfg.num_slots == "auto"
         or cfg.device_budget_gb is not None
     )
+
+
+def requested_settings(cfg: OffloadConfig) -> tuple[tuple[str, Any], ...]:
+    """The settings the policy may decide, as this rank asked for them (pure)."""
+    return (
+        *((f"transfer for {k!r}", cfg.transfer_for(k)) for k in COMPONENTS),
+        ("num_slots", cfg.num_slots),
+        ("resident_layers", cfg.resident_layers_for("dit")),
+        ("device_budget_gb", cfg.device_budget_gb),
+    )
+
+
+def differing_requests(replies: list[tuple[tuple[str, Any], ...]]) -> str:
+    """The requested settings that differ between ranks where at least one rank left the
+    value to the policy, as ``"field: rank 0=..., rank 1=..."`` (pure; ``""`` when none).
+    Differences between explicit values are left to the startup agreement."""
+    values = [dict(r) for r in replies]
+    out = []
+    for name, _ in replies[0]:
+        got = [v.get(name) for v in values]
+        automatic = any(g == "auto" or (name == "device_budget_gb" and g is not None) for g in got)
+        if automatic and len(set(got)) > 1:
+            out.append(f"{name}: " + ", ".join(f"rank {r}={g!r}" for r, g in enumerate(got)))
+    return "; ".join(out)
+
+
+def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) -> None:
+    """Every rank that takes part in an exchange at enable (it is automatic, or one of its
+    stacks gathers) first compares what it asked the policy to decide: an ``"auto"`` on one
+    rank and a value on another would send the first into the policy's exchanges and the
+    second into the startup agreement, and both would wait out the timeout.
+
+    Raises:
+        OffloadError: the ranks asked for different automatic settings (named, with every
+            rank's value, the same on every rank), or a rank never arrived.
+    """
+    if not world.distributed:
+        return
+    if not is_automatic(cfg) and not any(s.group_size > 1 for s in plan.stacks):
+        return
+    replies = share(
+        requested_settings(cfg),
+        rank=world.rank,
+        world_size=world.size,
+        timeout_s=cfg.collective_timeout_s,
+        topic="policy-request",
+        what="automatic settings exchange",
+    )
+    differ = differing_requests(replies)
+    if differ:
+        raise OffloadError(
+            f"ranks asked for different automatic settings ({differ}): every rank must leave "
+            "the same settings to the policy, with the same device_budget_gb",
+            rank=world.rank,
+        )
 
 
 def resolve_automatic(
@@ -119,11 +177,21 @@ def resolve_automatic(
         nbytes=measure.probe_nbytes(largest),
         pinned=cfg.pin_memory,
         groups=groups,
+        non_block_nbytes=inp.non_block_nbytes,
+        non_block_to_place_nbytes=inp.non_block_to_place_nbytes,
     )
     measured, records = measure.agree(
         mine, world_size=world.size, timeout_s=cfg.collective_timeout_s
     )
-    decision = decide(dataclasses.replace(inp, measured=measured))
+    non_block, to_place = measure.combine_non_block(records)
+    decision = decide(
+        dataclasses.replace(
+            inp,
+            measured=measured,
+            non_block_nbytes=non_block,
+            non_block_to_place_nbytes=to_place,
+        )
+    )
     if world.rank == 0:
         logger.info("%s", decision.explanation)
     else:
@@ -135,6 +203,7 @@ def resolve_automatic(
             "h2d_GBps": r.h2d_bps / measure.GB,
             "allgather_GBps": {a: v / measure.GB for a, v in sorted(r.allgather_bps.items())},
             "free_device_nbytes": r.free_device_nbytes,
+            "non_block_nbytes": r.non_block_nbytes,
         }
         for r in records
     ]

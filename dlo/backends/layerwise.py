@@ -39,7 +39,7 @@ from torch import nn
 
 from dlo import faults
 from dlo.agreement import RankReport, Verdict, decide, exchange, settings_of
-from dlo.backends.auto import is_automatic, resolve_automatic
+from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
     install_apply_refusal,
@@ -179,6 +179,7 @@ class LayerwiseBackend(OffloadBackend):
                 f"components (warnings: {list(plan.warnings) or 'none'})",
                 rank=world.rank,
             )
+        agree_requests(cfg, plan, world)  # every exchanging rank: the same "auto"s
         if is_automatic(cfg):  # before any layout: it may change group sizes
             cfg, plan, self._policy = resolve_automatic(
                 pipeline, plan, cfg, par, self.platform, world
@@ -211,7 +212,9 @@ class LayerwiseBackend(OffloadBackend):
 
         # 2-3: layouts, manifest, local preparation (failures caught for the agreement)
         local_error: BaseException | None = None
-        report = RankReport(rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg))
+        report = RankReport(
+            rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg, plan.stacks)
+        )
         blocks: list[_Block] = []
         try:
             blocks = self._select_blocks(pipeline, plan)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,9 @@ def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[st
     assert report["steps"] == 3
 
 
+TINY_BENCH = ["bench", "--preset", "tiny", "--tokens", "64", "--methods", "resident"]
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
@@ -57,11 +61,34 @@ def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[st
         (["bench", "--num-slots", "2,0"], "--num-slots='2,0': expected positive integers"),
         (["bench", "--chunk-mb", "64,x"], "--chunk-mb='64,x'"),
         (["bench", "--tokens", ""], "--tokens=''"),
+        (["run", "--device", "bogus"], "--device='bogus' is not a device"),
+        (["save-checkpoint", "--out", "/tmp/dlo-never", "--shard-gb", "nan"], "--shard-gb=nan"),
+        (["save-checkpoint", "--out", "/tmp/dlo-never", "--shard-gb", "inf"], "--shard-gb=inf"),
+        *(
+            ([*TINY_BENCH, *flags], needle)
+            for flags, needle in [
+                (["--reps", "0"], "--reps=0 must be >= 1"),
+                (["--warmup", "-1"], "--warmup=-1 must be >= 0"),
+                (["--nccl-max-ctas", "0"], "--nccl-max-ctas=0 must be >= 1"),
+                (["--json", "/nonexistent-dlo/r.json"], "--json='/nonexistent-dlo/r.json'"),
+                (["--markdown", "/nonexistent-dlo/r.md"], "--markdown='/nonexistent-dlo/r.md'"),
+                (["--plot", "/nonexistent-dlo/r.png"], "--plot='/nonexistent-dlo/r.png'"),
+            ]
+        ),
     ],
 )
 def test_bad_flags_are_one_clear_line(
-    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+    argv: list[str],
+    needle: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import dlo.bench
+
+    def measured(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a bad flag must be refused before anything is measured")
+
+    monkeypatch.setattr(dlo.bench, "h2d_limits", measured)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err

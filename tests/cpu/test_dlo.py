@@ -177,6 +177,22 @@ def test_ranks_with_different_settings_fail_everywhere_naming_them() -> None:
     assert "chunk_mb" not in msgs[0]
 
 
+def _different_resident(rank: int, world: int) -> str:
+    # resident blocks are gathered once at enable: a rank keeping one resident while its peer
+    # streams it would issue a gather the peer never joins (or compute with the wrong weights
+    # without the lock-step check); the manifest digest does not see it
+    cfg = _cfg(resident_layers=1 if rank == 0 else 0, verify_block_sequence=False)
+    _, e = _refused_enable(ToyDiT(3), cfg, world)
+    return "enabled" if e is None else str(e).split("]", 1)[1]
+
+
+def test_ranks_with_different_resident_layers_fail_at_the_agreement() -> None:
+    msgs = assert_all_ok(run_ranks(_different_resident, 2, timeout_s=120))
+    assert len(set(msgs)) == 1, msgs
+    assert "different settings" in msgs[0]
+    assert "resident_layers: rank 0='blocks=1', rank 1='blocks=0'" in msgs[0]
+
+
 def _pin_vote(rank: int, world: int, case: str) -> str:
     model = ToyDiT(3)
     before = snapshot(model)

@@ -87,3 +87,49 @@ def test_hsdp_parity_ownership_and_shard_axis(replicate: int, shard: int, transf
 def test_shard_non_block_needs_hsdp() -> None:
     with pytest.raises(ValueError, match="needs HSDP"):
         shard_non_block(ToyDiT(2), dlo.OffloadConfig(), dlo.ParallelConfig())
+
+
+class _UnevenDiT(ToyDiT):
+    """FSDP2 shards ``extra`` (3 rows) as 2 + 1 rows: the ranks hold different non-block bytes."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.extra = torch.nn.Parameter(torch.zeros(3, 8192))
+
+
+def _budget(rank: int, world: int, budget_nbytes: int) -> dict[str, Any]:
+    par = dlo.ParallelConfig(data_parallel_size=world, hsdp_shard_size=world)
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        transfer="allgather",
+        device_budget_gb=budget_nbytes / (1 << 30),
+        collective_timeout_s=20.0,
+    )
+    model = _UnevenDiT()
+    ref_model = clone(model)
+    shard_non_block(model, cfg, par, device_type="cpu")
+    backend = LayerwiseBackend(cfg, par, CpuPlatform())
+    try:
+        backend.enable(model)
+    except ValueError as e:
+        return {"error": str(e)}
+    with torch.no_grad():
+        same = torch.equal(ref_model(_x(0, 0)), model(_x(0, 0)))
+    st = backend.stats()
+    backend.disable()
+    return {"same": same, "resident": st["num_resident_blocks"], "policy": st["policy"]}
+
+
+@pytest.mark.parametrize("budget_nbytes", [72_000, 74_000])
+def test_device_budget_with_unevenly_sharded_non_block_weights(budget_nbytes: int) -> None:
+    """The ranks hold 64 KiB and 32 KiB of non-block weights; each used to size its resident
+    blocks (or fail the budget) from its own bytes, so they disagreed. Now every rank decides
+    from the largest: 72000 bytes is too small on every rank with one message, 74000 gives
+    every rank the same resident count."""
+    res = assert_all_ok(run_ranks(_budget, 2, budget_nbytes, timeout_s=120))
+    assert res[0] == res[1]
+    if budget_nbytes == 72_000:
+        assert "device_budget_gb=" in res[0]["error"] and "cannot hold" in res[0]["error"]
+    else:
+        assert res[0]["same"] and res[0]["resident"] == 0
+        assert [p["non_block_nbytes"] for p in res[0]["policy"]["per_rank"]] == [66624, 33856]

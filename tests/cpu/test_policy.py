@@ -4,6 +4,7 @@ still take one decision, and the pipeline stays bitwise equal to a resident run.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -188,6 +189,42 @@ def test_a_failed_probe_fails_every_rank_naming_it() -> None:
     for msg in res:
         assert "measurement for the automatic policy failed on rank(s) [1]" in msg
         assert "probe broke" in msg
+
+
+def _auto_on_one_rank(rank: int, world: int, field: str) -> str:
+    kw: dict[str, Any] = {"transfer": "allgather"}
+    if rank == 0:
+        kw[field] = {"num_slots": "auto", "device_budget_gb": 1.0, "transfer": "auto"}[field]
+    model = ToyDiT(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = dlo.OffloadConfig(mode="layer", collective_timeout_s=60.0, **kw)
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    try:
+        backend.enable(model)
+    except dlo.OffloadError as e:
+        assert not backend.is_enabled()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(e).split("]", 1)[1]
+    return "enabled"
+
+
+@pytest.mark.parametrize(
+    "field, needle",
+    [
+        ("num_slots", "num_slots: rank 0='auto', rank 1=2"),
+        ("device_budget_gb", "device_budget_gb: rank 0=1.0, rank 1=None"),
+        ("transfer", "transfer for 'dit': rank 0='auto', rank 1='allgather'"),
+    ],
+)
+def test_auto_on_one_rank_only_is_named_promptly(field: str, needle: str) -> None:
+    """Only automatic ranks enter the policy's exchanges; a rank without "auto" went straight
+    to the startup agreement and both waited out the timeout (60 s here) with a message
+    naming ranks that did reach enable. Now the mismatch is named at once on every rank."""
+    t0 = time.monotonic()
+    msgs = assert_all_ok(run_ranks(_auto_on_one_rank, 2, field, timeout_s=50))
+    assert time.monotonic() - t0 < 50
+    assert len(set(msgs)) == 1, msgs
+    assert "different automatic settings" in msgs[0] and needle in msgs[0], msgs[0]
 
 
 # ----------------------------------------------------------------------------- dlo run --explain

@@ -71,3 +71,28 @@ def test_settings_that_differ_are_named_and_equal_ones_pass() -> None:
     assert "chunk_mb: rank 0=64, rank 1=32" in verdict.message
     assert "gather_sync: rank 0='auto', rank 1='kernel'" in verdict.message
     assert "num_slots" not in verdict.message
+
+
+def test_resolved_resident_counts_are_compared_per_stack() -> None:
+    from types import SimpleNamespace
+
+    cfg = OffloadConfig(mode="layer", resident_layers="auto")
+
+    def stacks(n: int) -> list[SimpleNamespace]:
+        return [
+            SimpleNamespace(container_path="dit.blocks", num_resident=n),
+            SimpleNamespace(container_path="te.layers", num_resident=0),
+        ]
+
+    reports = [
+        RankReport(rank=r, ok=True, digest="d", settings=settings_of(cfg, stacks(2)))
+        for r in range(2)
+    ]
+    assert decide(reports, pin_failure_policy="fail").ok
+    reports[1].settings = settings_of(cfg, stacks(1))
+    verdict = decide(reports, pin_failure_policy="fail")
+    assert not verdict.ok
+    assert (
+        "resident_layers: rank 0='dit.blocks=2, te.layers=0', "
+        "rank 1='dit.blocks=1, te.layers=0'" in verdict.message
+    )

@@ -190,6 +190,13 @@ def test_bad_offload_field_names_field_and_value(name: str, value: Any, exc: typ
         OffloadConfig(**{name: value})
 
 
+@pytest.mark.parametrize("name", ["device_budget_gb", "pin_budget_gb", "collective_timeout_s"])
+def test_an_int_too_large_for_a_float_is_a_value_error_naming_the_field(name: str) -> None:
+    # math.isfinite(10**400) raises OverflowError
+    with _raises(ValueError, f"{name} must be a finite number > 0", "(too large)"):
+        OffloadConfig(**{name: 10**400})
+
+
 @pytest.mark.parametrize("name, value, exc", BAD_OFFLOAD_FIELDS)
 def test_replace_revalidates(name: str, value: Any, exc: type) -> None:
     cfg = OffloadConfig(mode="layer")
@@ -361,9 +368,22 @@ def test_config_is_hashable() -> None:
 
 
 def test_legacy_dlo_flag_conflicts_with_a_rank_local_compact_transfer() -> None:
-    with _raises(ValueError, "enable_distributed_layerwise_offload"):
+    # both amount to distributed layerwise; the transfers differ, and the message says so
+    # (it used to say "selects 'distributed_layerwise' but ... selects 'distributed_layerwise'")
+    with pytest.raises(ValueError) as info:
         OffloadConfig.from_dict(
             {"mode": "layer", "resident_layers": 2, "enable_distributed_layerwise_offload": True}
+        )
+    msg = str(info.value)
+    assert "enable_distributed_layerwise_offload=True" in msg
+    assert "has transfer='rank-local'" in msg and "selects transfer='allgather'" in msg
+    assert "selects 'distributed_layerwise'" not in msg
+
+
+def test_legacy_dlo_flag_with_compact_transfer_auto_names_both_transfers() -> None:
+    with _raises(ValueError, "has transfer='auto'", "selects transfer='allgather'"):
+        OffloadConfig.from_dict(
+            {"mode": "layer", "transfer": "auto", "enable_distributed_layerwise_offload": True}
         )
 
 
@@ -491,9 +511,8 @@ HSDP_2x2 = ParallelConfig(data_parallel_size=4, hsdp_replicate_size=2, hsdp_shar
         (ParallelConfig(tensor_parallel_size=2, data_parallel_size=3), ("data", 3)),
         (
             ParallelConfig(
-                data_parallel_size=2,
+                data_parallel_size=4,
                 sequence_parallel_size=2,
-                tensor_parallel_size=2,
                 hsdp_replicate_size=2,
                 hsdp_shard_size=4,
             ),
@@ -544,9 +563,8 @@ def test_weight_group_is_per_component() -> None:
 
 
 FULL = ParallelConfig(
-    data_parallel_size=4,
+    data_parallel_size=8,
     sequence_parallel_size=2,
-    tensor_parallel_size=2,
     hsdp_replicate_size=4,
     hsdp_shard_size=4,
 )
@@ -557,7 +575,7 @@ FULL = ParallelConfig(
     [
         ("shard", HSDP_2x2, ("shard", 2)),
         ("shard", FULL, ("shard", 4)),
-        ("data", FULL, ("data", 4)),
+        ("data", FULL, ("data", 8)),
         ("data", HSDP_2x2, ("data", 4)),
         ("data", ParallelConfig(sequence_parallel_size=2), ("data", 1)),
         ("sequence", FULL, ("sequence", 2)),
@@ -1088,3 +1106,23 @@ def test_gather_sync_validated(value: Any, exc: type[Exception]) -> None:
     assert OffloadConfig().gather_sync == "auto"
     assert OffloadConfig(gather_sync="kernel").gather_sync == "kernel"
     assert OffloadConfig.from_dict({"gather_sync": "stream"}).gather_sync == "stream"
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        {"tensor_parallel_size": 2, "hsdp_shard_size": 2},
+        {"tensor_parallel_size": 2, "data_parallel_size": 2, "hsdp_replicate_size": 2},
+        {
+            "tensor_parallel_size": 2,
+            "data_parallel_size": 2,
+            "hsdp_replicate_size": 2,
+            "hsdp_shard_size": 2,
+        },
+    ],
+)
+def test_hsdp_with_tensor_parallelism_is_refused(sizes: dict[str, int]) -> None:
+    """HSDP's shard groups are consecutive ranks, with TP > 1 the tensor groups: dlo would
+    gather weights over TP."""
+    with _raises(ValueError, "tensor_parallel_size=2", "hsdp_shard_size=", "HSDP"):
+        ParallelConfig(**sizes)

@@ -408,3 +408,26 @@ def test_layer_options_resident_auto_type() -> None:
     assert LayerOptions(resident_layers="auto").resident_layers == "auto"
     with pytest.raises(TypeError, match=r"layer_options\.resident_layers"):
         LayerOptions(resident_layers="some")
+
+
+def test_non_block_bytes_combine_to_the_largest() -> None:
+    from dlo.measure import RankMeasurement, combine_non_block
+
+    records = [
+        RankMeasurement(0, non_block_nbytes=66624, non_block_to_place_nbytes=100),
+        RankMeasurement(1, non_block_nbytes=33856, non_block_to_place_nbytes=200),
+    ]
+    assert combine_non_block(records) == (66624, 200)
+
+
+def test_differing_requests_name_automatic_fields_only() -> None:
+    from dlo.backends.auto import differing_requests, requested_settings
+
+    auto = requested_settings(OffloadConfig(num_slots="auto", chunk_mb=32))
+    fixed = requested_settings(OffloadConfig(num_slots=3))
+    assert differing_requests([auto, auto]) == ""
+    assert differing_requests([auto, fixed]) == "num_slots: rank 0='auto', rank 1=3"
+    # explicit values that differ are the startup agreement's to name
+    assert differing_requests([fixed, requested_settings(OffloadConfig(num_slots=2))]) == ""
+    budget = requested_settings(OffloadConfig(device_budget_gb=2.0))
+    assert "device_budget_gb: rank 0=None, rank 1=2.0" in differing_requests([fixed, budget])
