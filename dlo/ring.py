@@ -23,6 +23,18 @@ with its tensors rebound to views of the slot).
   slot. The copy stream waits on ``free`` before overwriting the slot, so a slot is never
   reused while kernels reading it are queued.
 
+[Note: writes into streamed tensors]
+A block may write one of its own tensors in place (a cache kept in a buffer, refreshed
+every other step). The write lands in the slot, which the next load of any block overwrites,
+so it would be lost and later steps would silently differ from the resident model. Each
+tensor's version counter (bumped by every in-place write, not by dlo's ``.data`` rebinding)
+is read at enter and at exit. A written tensor of a whole-block host shard (group size 1,
+host region) is copied back into the shard at exit, synchronously (only when a write
+happened), so every later load and the restore at disable see it, as a resident model
+would. With AllGather a rank holds only its slice of the block, and with
+``host_backing="mapped"`` the block's source is the read-only checkpoint: there the forward
+fails with an error naming the tensors, instead of losing the write silently.
+
 Every decision depends only on the sequence of hook calls, so ranks that run the same block
 sequence issue the same loads (and collectives) in the same order. No step waits on the
 host: hooks only enqueue work and make streams wait on events.
@@ -43,6 +55,7 @@ from torch.utils._pytree import tree_leaves
 from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import ModelHook, frame_on_stack, module_call_frame
+from dlo.host import shard_view
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 from dlo.slots import Slot, SlotPool
@@ -81,6 +94,9 @@ class StreamedBlock:
     """Exposed wait of this block: compute-stream time spent waiting on ``ready``."""
     num_runs: int = 0
     num_demand_loads: int = 0
+    versions: list[int] = field(default_factory=list)
+    """Each tensor's version counter when the block entered (see [Note: writes into
+    streamed tensors])."""
 
 
 @dataclass(eq=False)
@@ -105,7 +121,17 @@ class _BlockHook(ModelHook):
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        self.scheduler.exit(self.block)
+        lost = self.scheduler.exit(self.block)
+        if lost:
+            raise OffloadError(
+                f"the block wrote its streamed tensor(s) {', '.join(lost)} in place, and "
+                "this backend cannot keep the write (with AllGather each rank holds only a "
+                "slice of the block; host_backing='mapped' streams from the read-only "
+                "checkpoint): keep such state out of the block's parameters and buffers, keep "
+                "the block resident (resident_layers), or use transfer='rank-local'",
+                rank=self.scheduler.rank,
+                block=self.block.name,
+            )
         return output
 
 
@@ -230,6 +256,7 @@ class RingScheduler:
             assert slot is not None
             self._wait(block, slot, compute)
             self._rebind(block, block.views[slot.index])
+            block.versions = [t._version for t in block.tensors]
             block.state = RUNNING
             block.num_runs += 1
             self._prefetch(block)
@@ -306,9 +333,12 @@ class RingScheduler:
             )
         self._check_inputs(block, args, kwargs)
 
-    def exit(self, block: StreamedBlock) -> None:
+    def exit(self, block: StreamedBlock) -> list[str]:
+        """Release the running ``block``; returns the names of tensors it wrote in place that
+        could not be kept (see [Note: writes into streamed tensors])."""
         if self._running is not block or self._running_thread != threading.get_ident():
-            return  # this call's enter refused or never ran
+            return []  # this call's enter refused or never ran
+        lost = self._keep_writes(block)
         self._rebind(block, block.placeholders)
         slot = block.slot
         assert slot is not None
@@ -318,6 +348,23 @@ class RingScheduler:
         slot.owner, slot.stamp = None, self._clock
         block.slot, block.state = None, IDLE
         self._release_claim()
+        return lost
+
+    def _keep_writes(self, block: StreamedBlock) -> list[str]:
+        """Copy the tensors ``block`` wrote in place back into its whole-block host shard;
+        returns the names of written tensors that have no such shard to go to."""
+        written = [
+            i for i, (t, v) in enumerate(zip(block.tensors, block.versions)) if t._version != v
+        ]
+        if not written:
+            return []
+        specs = [block.layout.tensors[i] for i in written]
+        if block.layout.group_size > 1 or not isinstance(block.shard, torch.Tensor):
+            return [spec.name for spec in specs]
+        for i, spec in zip(written, specs):
+            # a synchronous copy on the compute stream: after the kernels that wrote it
+            shard_view(block.shard, spec).copy_(block.tensors[i].data)
+        return []
 
     def _release_claim(self) -> None:
         self._running = self._running_thread = self._running_frame = None

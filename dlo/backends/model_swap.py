@@ -80,6 +80,9 @@ class _Unit:
     num_loads: int = 0
     timer: StreamTimer | None = None
     """Compute-stream time spent waiting for this component's loads (all exposed)."""
+    versions: list[int] = field(default_factory=list)
+    """Each tensor's version counter when the component was loaded (see [Note: writes into
+    streamed tensors] in dlo.ring)."""
 
 
 class _SwapHook(ModelHook):
@@ -372,10 +375,23 @@ class ModelSwapBackend(OffloadBackend):
         u.num_loads += 1
         self._h2d_nbytes += u.layout.shard_nbytes
         self._rebind(u, [shard_view(buf, spec) for spec in u.layout.tensors])
+        u.versions = [t._version for t in u.tensors]
 
     def _evict(self, u: _Unit) -> None:
+        if u.buffer is not None:
+            self._keep_writes(u)
         self._rebind(u, u.placeholders)
         u.buffer = None
+
+    def _keep_writes(self, u: _Unit) -> None:
+        """Copy the tensors the component wrote in place while resident back into its host
+        copy, so its next load and the restore at disable see them (see [Note: writes into
+        streamed tensors] in dlo.ring); synchronous, and only when a write happened."""
+        assert self._region is not None
+        host = self._region.view(u.region_index)
+        for t, v, spec in zip(u.tensors, u.versions, u.layout.tensors):
+            if t._version != v:
+                shard_view(host, spec).copy_(t.data)
 
     def _evict_all(self) -> None:
         self.platform.synchronize()
