@@ -162,6 +162,21 @@ def test_budget_sizes_resident_blocks_identically() -> None:
     assert res[0]["policy"]["device_weight_nbytes"] <= 12_000
 
 
+def _enabled_or_refusal(cfg: dlo.OffloadConfig, world: int) -> str:
+    """Enable on a fresh toy: "enabled", or the refusal's message after checking that the
+    model was left as it was."""
+    model = ToyDiT(4)
+    before = [p.detach().clone() for p in model.parameters()]
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    try:
+        backend.enable(model)
+    except dlo.OffloadError as e:
+        assert not backend.is_enabled()
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        return str(e)
+    return "enabled"
+
+
 def _failing_probe(rank: int, world: int) -> str:
     import dlo.measure as measure
 
@@ -171,17 +186,8 @@ def _failing_probe(rank: int, world: int) -> str:
             raise RuntimeError("probe broke")
 
         measure.h2d_bandwidth = broken  # type: ignore[assignment]
-    model = ToyDiT(4)
-    before = [p.detach().clone() for p in model.parameters()]
     cfg = dlo.OffloadConfig(mode="layer", transfer="auto", collective_timeout_s=20.0)
-    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
-    try:
-        backend.enable(model)
-    except dlo.OffloadError as e:
-        assert not backend.is_enabled()
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        return str(e)
-    return "enabled"
+    return _enabled_or_refusal(cfg, world)
 
 
 def test_a_failed_probe_fails_every_rank_naming_it() -> None:
@@ -195,17 +201,8 @@ def _auto_on_one_rank(rank: int, world: int, field: str) -> str:
     kw: dict[str, Any] = {"transfer": "allgather"}
     if rank == 0:
         kw[field] = {"num_slots": "auto", "device_budget_gb": 1.0, "transfer": "auto"}[field]
-    model = ToyDiT(4)
-    before = [p.detach().clone() for p in model.parameters()]
     cfg = dlo.OffloadConfig(mode="layer", collective_timeout_s=60.0, **kw)
-    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
-    try:
-        backend.enable(model)
-    except dlo.OffloadError as e:
-        assert not backend.is_enabled()
-        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-        return str(e).split("]", 1)[1]
-    return "enabled"
+    return _enabled_or_refusal(cfg, world).split("]", 1)[-1]
 
 
 @pytest.mark.parametrize(
