@@ -171,6 +171,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for tokens in tokens_list:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             fwd = _fwd(dit, inp)
+            platform.reset_peak_memory_stats()  # every row: its own forwards' peak
             t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
             record("resident", tokens, t, {"peak_device_nbytes": _peak(platform)})
             del fwd, inp
@@ -222,6 +223,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             st0 = backend.stats()
             fwd = _fwd(cpu_dit, inp)
+            # every row: its own forwards' peak (not enable's transients, not a larger row's)
+            platform.reset_peak_memory_stats()
             t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
             st = backend.stats()
             if args.profile:  # every rank runs the forward; rank 0 writes the files
@@ -486,8 +489,9 @@ def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
         if r["method"] in MANUAL_DLO_METHODS:
             manual[r["tokens"]] = min(manual.get(r["tokens"], float("inf")), r["median_ms"])
     for r in report["results"]:
-        if r["method"] == "dlo-auto" and r["tokens"] in manual:
-            r["x_best_manual"] = r["median_ms"] / manual[r["tokens"]]
+        if r["method"] == "dlo-auto":  # null: no manual row at these tokens in this run
+            best = manual.get(r["tokens"])
+            r["x_best_manual"] = r["median_ms"] / best if best else None
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -525,11 +529,13 @@ def markdown(report: dict[str, Any]) -> str:
     for r in report["results"]:
         name = label(r)
         if r["method"] == "dlo-auto":
-            name += f" ({r['transfer']}, {r['num_slots']} slots, x{f(r.get('x_best_manual'))} best manual)"
+            vs = r.get("x_best_manual")
+            versus = f"x{f(vs)} best manual" if vs is not None else "no manual row"
+            name += f" ({r['transfer']}, {r['num_slots']} slots, {versus})"
         lines.append(
             f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
             f"{f(r['x_h2d_limit'])} | {f(r['x_best_peer'])} | "
-            f"{r['peak_device_nbytes'] / GB:.2f} | {f(r.get('host_pinned_nbytes', 0) / GB, '{:.2f}')} |"
+            f"{r['peak_device_nbytes'] / GB:.2f} | {_pinned_gb(r)} |"
         )
     if report.get("swap"):
         lines += ["", "| swap component | MB | load ms | x H2D limit |", "|---|---|---|---|"]
@@ -539,6 +545,12 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{f(r['x_h2d_limit'])} |"
             )
     return "\n".join(lines)
+
+
+def _pinned_gb(row: dict[str, Any]) -> str:
+    """dlo's pinned bytes per rank; "-" for methods whose host memory dlo does not manage."""
+    nbytes = row.get("host_pinned_nbytes")
+    return f"{nbytes / GB:.2f}" if nbytes is not None else "-"
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -553,16 +565,22 @@ def plot(report: dict[str, Any], path: str) -> None:
     for m in methods:
         rows = sorted((r for r in report["results"] if label(r) == m), key=lambda r: r["tokens"])
         ax_t.plot([r["tokens"] for r in rows], [r["median_ms"] for r in rows], marker="o", label=m)
-    limit = [r for r in report["results"] if r.get("h2d_limit_ms")]
-    if limit:
-        tokens = sorted({r["tokens"] for r in limit})
+    # one dashed line per distinct limit (rank-local rows move every byte, AllGather 1/G)
+    limits: dict[float, list[str]] = {}
+    for r in report["results"]:
+        if r.get("h2d_limit_ms"):
+            names = limits.setdefault(round(r["h2d_limit_ms"], 3), [])
+            if r["method"] not in names:
+                names.append(r["method"])
+    tokens = sorted({r["tokens"] for r in report["results"]})
+    for ms, names in sorted(limits.items()):
         ax_t.hlines(
-            limit[0]["h2d_limit_ms"],
+            ms,
             min(tokens),
             max(tokens),
             colors="gray",
             linestyles="dashed",
-            label="H2D limit (this rank's bytes)",
+            label=f"H2D limit of {', '.join(names)}",
         )
     ax_t.set_xlabel("tokens")
     ax_t.set_ylabel("ms / forward (median)")

@@ -282,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
                 shard_non_block(pipe, cfg, par, device_type=device.type)
             backend.enable(pipe)
     enable_s = time.perf_counter() - t0
+    enable_rss = process_peak_rss_bytes()  # VmHWM now: the build and enable, not the run
     platform.reset_peak_memory_stats()
     if args.explain and rank0:
         # stdout carries the JSON report with --json: the explanation goes to stderr then
@@ -321,7 +322,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
     stats = backend.stats() if backend is not None else {}
-    hbm_peak = device_peak_nbytes(platform, stats)  # before the reference run below
+    # both before the teardown and the reference run below
+    hbm_peak = device_peak_nbytes(platform, stats)
+    run_rss = process_peak_rss_bytes()
     parity: bool | None = None
     if backend is not None:
         backend.disable()  # frees host and device memory before the reference run
@@ -349,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         "load": "built" if args.checkpoint is None else f"checkpoint-{args.checkpoint_load}",
         "build_s": build_s,
         "enable_s": enable_s,
-        "enable_peak_rss_nbytes": stats.get("enable_peak_rss_nbytes", process_peak_rss_bytes()),
+        "enable_peak_rss_nbytes": stats.get("enable_peak_rss_nbytes", enable_rss),
         "hbm_peak_nbytes": hbm_peak,
         "device_slot_nbytes": stats.get("device_slot_nbytes", 0),
         "host_nbytes": stats.get("host_nbytes", 0),
@@ -357,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         "host_backing": stats.get("host_backing", "-"),
         "host_mapped_nbytes": stats.get("host_mapped_nbytes", 0),
         "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
-        "peak_rss_nbytes": process_peak_rss_bytes(),
+        "peak_rss_nbytes": run_rss,
         "parity": parity,
         "output_finite": bool(torch.isfinite(out.float()).all()),
         "num_slots": stats.get("num_slots", 0),

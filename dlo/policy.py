@@ -276,6 +276,9 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
             for b in s.block_nbytes
         )
     rl_ms, ag_ms = rl / n * 1e3, (ag / n * 1e3 if ag is not None else None)
+    if s.transfer == "allgather" and s.group_size > 1 and ag is None:
+        # its slot count is sized by the gather's time: a guessed bandwidth would size it wrong
+        raise ValueError(f"stack {s.name!r}: no AllGather measurement for axis {s.group_axis!r}")
     if s.transfer != "auto":
         transfer, reason = s.transfer, "explicit"
     elif s.group_size == 1:
@@ -365,7 +368,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
                 group_size=c.group_size,
                 chunk_nbytes=chunk,
                 h2d_bps=m.h2d_bps,
-                allgather_bps=m.allgather_bps.get(c.group_axis, 1.0),
+                allgather_bps=m.allgather_bps.get(c.group_axis, 0.0),  # unused at G = 1
             )
             cycle_slots = max(cycle_slots, slots_needed(lat, occ, inp.block_compute_s))
 

@@ -153,8 +153,18 @@ def resolve_automatic(
         )
     assert inp is not None
 
-    axes = sorted({s.group_axis for s in plan.stacks if s.transfer == "auto" and s.group_size > 1})
-    if axes and not world.distributed:
+    # every axis a stack may gather on: "auto" chooses by it, and an explicit AllGather
+    # stack's slot count depends on it too (num_slots="auto")
+    axes = sorted(
+        {
+            s.group_axis
+            for s in plan.stacks
+            if s.transfer in ("auto", "allgather") and s.group_size > 1
+        }
+    )
+    if any(s.transfer == "auto" and s.group_size > 1 for s in plan.stacks) and not (
+        world.distributed
+    ):
         raise OffloadError(
             "transfer='auto' with a weight group of more than one rank needs a process group: "
             "run under torchrun with the ParallelConfig's world size",

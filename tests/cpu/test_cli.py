@@ -43,6 +43,32 @@ def test_run_check_in_process(flags: list[str], capsys: pytest.CaptureFixture[st
     assert report["steps"] == 3
 
 
+@pytest.mark.parametrize("mode", ["layer", "module", "none"])
+def test_run_reads_rss_before_teardown_and_the_reference_run(
+    mode: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # VmHWM only grows: a read stamped with the number of pipelines built so far tells
+    # whether it came before the --check reference pipeline was built
+    import dlo.models
+    import dlo.platform
+
+    built: list[int] = []
+    real = dlo.models.build_pipeline
+
+    def counting(*a: Any, **k: Any) -> Any:
+        built.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(dlo.models, "build_pipeline", counting)
+    monkeypatch.setattr(dlo.platform, "process_peak_rss_bytes", lambda: len(built))
+    rc = main(["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--mode", mode])
+    (report,) = json.loads(capsys.readouterr().out)
+    assert rc == 0 and len(built) == 2
+    assert report["peak_rss_nbytes"] == 1
+    if mode != "layer":  # the layer backend reports its own reading, taken inside enable
+        assert report["enable_peak_rss_nbytes"] == 1
+
+
 TINY_BENCH = ["bench", "--preset", "tiny", "--tokens", "64", "--methods", "resident"]
 
 

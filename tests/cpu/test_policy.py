@@ -151,6 +151,18 @@ def test_real_probes_and_every_automatic_setting() -> None:
     assert measured["num_ranks"] == 2
 
 
+def test_explicit_allgather_with_auto_slots_measures_its_gather() -> None:
+    # the slot count of an AllGather stack depends on the gather's time: it is measured even
+    # though the transfer is explicit (a guessed bandwidth gave 2 slots instead of 3)
+    numbers = {0: (10.0, 40.0)}  # H2D 10 GB/s, AllGather 40 GB/s: L = 1.25 P -> 3 slots
+    cfg = {"transfer": "allgather", "num_slots": "auto"}
+    res = assert_all_ok(run_ranks(_auto, 2, numbers, cfg, timeout_s=120))
+    assert all(r["same"] for r in res)
+    assert res[0]["policy"]["measured"]["allgather_GBps"] == {"data": 40.0}
+    assert [r["num_slots"] for r in res] == [3, 3]
+    assert "AllGather[data] 40.00 GB/s" in res[0]["policy"]["explanation"]
+
+
 def test_budget_sizes_resident_blocks_identically() -> None:
     # a budget that holds about half of the toy's blocks beside two slots
     cfg = {"transfer": "rank-local", "device_budget_gb": 12_000 / (1 << 30)}
