@@ -271,14 +271,36 @@ class RingScheduler:
             if block.state == LOADED and block.slot is not None:
                 # its load failed (or was never waited for): the slot holds nothing usable
                 block.slot.owner, block.slot, block.state = None, None, IDLE
-            if isinstance(e, InjectedFault) or not isinstance(e, Exception):
-                raise  # an injected "user error inside the block", or KeyboardInterrupt
+            if not isinstance(e, Exception):
+                # KeyboardInterrupt (or another BaseException) inside dlo's own loading: a
+                # prefetch may be half enqueued, and a rank of a gathering group has left
+                # the group's collective sequence midway
+                self._drop_loaded()
+                if self._gathers():
+                    self.poisoned = (
+                        f"interrupted ({type(e).__name__}) while loading weights with a "
+                        "collective; the group is out of step: recreate the worker"
+                    )
+                raise
+            if isinstance(e, InjectedFault):
+                raise  # an injected "user error inside the block"
             if block.transport.group_size > 1:
                 # the group may be misaligned now: no further weight collective is safe
                 self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
             if isinstance(e, OffloadError):
                 raise
             raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def _drop_loaded(self) -> None:
+        """Forget every loaded (not running) block: its slot is free and it loads again."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                if b.state == LOADED and b.slot is not None:
+                    b.slot.owner, b.slot, b.state = None, None, IDLE
+
+    def _gathers(self) -> bool:
+        """Whether any block's load takes part in a collective (group size > 1)."""
+        return any(b.transport.group_size > 1 for ring in self.rings for b in ring.blocks)
 
     def _stale(self, running: StreamedBlock) -> bool:
         """The running block's call ended without its post-hook (see [Note: calls that ended

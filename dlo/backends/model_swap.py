@@ -38,6 +38,7 @@ from torch import nn
 
 from dlo import faults
 from dlo.backends.common import (
+    check_not_released,
     install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
@@ -174,6 +175,9 @@ class ModelSwapBackend(OffloadBackend):
         comps = [(p, get_by_path(pipeline, p)) for p, _ in units_paths]
         claim_components(comps + [(p, get_by_path(pipeline, p)) for p in plan.vaes], owner, journal)
         check_blocks(comps, every_component(pipeline, plan))
+        check_not_released(
+            [(f"{p}.{n}", t) for p, m in comps for n, _, t in module_tensor_entries(m)], rank=0
+        )
         faults.check("manifest_build")
         chunk = self.config.chunk_mb * MIB
         for (path, kind), (_, module) in zip(units_paths, comps):

@@ -336,21 +336,24 @@ def test_diverging_block_sequence_is_reported_naming_the_block() -> None:
         assert "recreate the worker" in o.split("||")[1]  # the backend is poisoned
 
 
-def _reenable_after_allgather(rank: int, world: int) -> str:
+def _reenable_after_allgather(rank: int, world: int, mode: str) -> str:
     model = ToyDiT(3)
     backend = LayerwiseBackend(_cfg(), _par(world), CpuPlatform())
     backend.enable(model)
     backend.disable()
-    fresh = LayerwiseBackend(_cfg(), _par(world), CpuPlatform())
+    fresh = dlo.get_offload_backend(dlo.OffloadConfig(mode=mode), _par(world), "cpu")
+    assert fresh is not None
     try:
         fresh.enable(model)
     except dlo.OffloadError as e:
+        assert not fresh.is_enabled()
         return str(e)
     return "enabled"
 
 
-def test_enable_after_allgather_disable_refuses_the_released_model() -> None:
-    outs = assert_all_ok(run_ranks(_reenable_after_allgather, 2, timeout_s=60))
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_enable_after_allgather_disable_refuses_the_released_model(mode: str) -> None:
+    outs = assert_all_ok(run_ranks(_reenable_after_allgather, 2, mode, timeout_s=60))
     assert all("lost their weights" in o and "reload the model" in o for o in outs), outs
 
 
@@ -404,3 +407,44 @@ def _auto_engine_on_cpu(rank: int, world: int) -> dict[str, Any]:
 def test_auto_gather_engine_on_cpu_is_nccl_path_and_bitwise() -> None:
     for r in assert_all_ok(run_ranks(_auto_engine_on_cpu, 2, timeout_s=90)):
         assert r == {"same": True, "engine": "nccl"}
+
+
+def _interrupted_load(rank: int, world: int) -> list[str]:
+    import dlo.transport as transport
+
+    model = ToyDiT(4)
+    cfg = _cfg(num_slots=3, collective_timeout_s=5.0)
+    backend = LayerwiseBackend(cfg, _par(world), CpuPlatform())
+    backend.enable(model)
+    real, calls = transport.all_gather_into, [0]
+
+    def gather(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+        real(out, inp, group)
+        calls[0] += 1
+        if rank == 0 and calls[0] == 3:
+            raise KeyboardInterrupt  # Ctrl-C lands inside dlo's loading, mid-prefetch
+
+    transport.all_gather_into = gather  # type: ignore[assignment]
+    log: list[str] = []
+    for step in range(3):
+        try:
+            with torch.no_grad():
+                model(torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(step)))
+            log.append("ok")
+        except KeyboardInterrupt:
+            log.append("interrupted")
+        except dlo.OffloadError as e:
+            log.append(f"{type(e).__name__}: {e}")
+            break
+    backend.disable()
+    return log
+
+
+def test_interrupt_inside_a_gathering_load_poisons_the_backend() -> None:
+    # the interrupted rank left the group's collective sequence midway: its next forward must
+    # be refused clearly (it crashed gloo with mismatched sizes before), and its peer ends in
+    # an error within the bound, never a wrong result or a hang
+    r0, r1 = assert_all_ok(run_ranks(_interrupted_load, 2, timeout_s=90))
+    assert r0[0] == "interrupted", r0
+    assert r0[1].startswith("BackendPoisonedError") and "recreate the worker" in r0[1], r0
+    assert "ok" not in r1[1:] and r1[-1].startswith(("OffloadError", "BackendPoisonedError")), r1
