@@ -435,7 +435,6 @@ class LayerwiseBackend(OffloadBackend):
         assert self._region is not None and self._pool is not None
         copy_stream, comm_stream = pf.new_stream(), pf.new_stream()
         transports: dict[str, BlockTransport | StagedTransport] = {}
-        dit_group_set = False
         mapped = [b.mapped for b in blocks if b.mapped is not None]
         if mapped:  # every stack is rank-local (_check_mapped_stacks)
             staging = StagedTransport(
@@ -502,9 +501,10 @@ class LayerwiseBackend(OffloadBackend):
                 sequence_check=check,
                 ce_gather=ce,
             )
-            if stack.component == "dit" and not dit_group_set:
-                self._group_rank, self._group_size = ranks.index(world.rank), len(ranks)
-                dit_group_set = True
+            if len(ranks) > 1 and self._group_size == 1:
+                # stats' group: the first gathering stack's (stats' "transfer" is "allgather"
+                # when any stack gathers), else one rank
+                self._group_rank, self._group_size = group_rank, len(ranks)
 
         self._place_non_block_state(pipeline, plan, blocks, journal)
         faults.check("first_transfer")

@@ -448,3 +448,33 @@ def test_interrupt_inside_a_gathering_load_poisons_the_backend() -> None:
     assert r0[0] == "interrupted", r0
     assert r0[1].startswith("BackendPoisonedError") and "recreate the worker" in r0[1], r0
     assert "ok" not in r1[1:] and r1[-1].startswith(("OffloadError", "BackendPoisonedError")), r1
+
+
+def _encoder_gathers_only(rank: int, world: int) -> dict[str, Any]:
+    from tests.toys import ToyPipeline
+
+    pipe = ToyPipeline()
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        components=("dit", "encoder"),
+        transfer="rank-local",
+        layer_options={"encoder": {"weight_transfer": "allgather"}},
+        collective_timeout_s=20.0,
+    )
+    backend = LayerwiseBackend(cfg, _par(world), CpuPlatform())
+    backend.enable(pipe)
+    with torch.no_grad():
+        pipe(torch.randn(2, 3, 16))
+    st = backend.stats()
+    backend.disable()
+    return {k: st[k] for k in ("transfer", "group_size", "group_rank")}
+
+
+def test_stats_group_is_the_gathering_stacks() -> None:
+    # the DiT streams rank-local, the encoder gathers: "transfer" says allgather, so the group
+    # reported beside it is the encoder's (it said size 1, rank 0 on both ranks before)
+    res = assert_all_ok(run_ranks(_encoder_gathers_only, 2, timeout_s=90))
+    assert res == [
+        {"transfer": "allgather", "group_size": 2, "group_rank": 0},
+        {"transfer": "allgather", "group_size": 2, "group_rank": 1},
+    ]
