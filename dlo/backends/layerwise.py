@@ -11,7 +11,9 @@ Install sequence (every step journaled; see [Note: one journal for enable and di
 3. local preparation: one exact-size host region, filled block by block with this rank's
    slices, pinned (budgeted); device slots. With group size 1 the pageable originals are
    released as soon as their block is in the region (rollback rebuilds them from it);
-4. startup agreement when any stack has group size > 1 ([Note: startup agreement]);
+4. startup agreement when any stack has group size > 1 ([Note: startup agreement]); a
+   multi-rank startup that fails after its first exchange marks the process and the store
+   ([Note: one failed startup ends the worker]);
 5. weight groups, non-block state and declared resident modules to the device, resident
    blocks loaded once, rings and hooks installed, block 0 of each ring preloaded. With
    group size > 1 the originals are released only here, after every rank agreed, because a
@@ -38,7 +40,16 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.agreement import RankReport, Verdict, decide, exchange, settings_of
+from dlo.agreement import (
+    RankReport,
+    Verdict,
+    decide,
+    describe_failure,
+    exchange,
+    exchanges_started,
+    settings_of,
+    startup_failed,
+)
 from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
 from dlo.backends.common import (
     check_not_released,
@@ -166,6 +177,15 @@ class LayerwiseBackend(OffloadBackend):
         self._reset_state()
 
     def _install(self, pipeline: Any, journal: Journal) -> None:
+        started = exchanges_started()
+        try:
+            self._install_steps(pipeline, journal)
+        except BaseException as e:
+            if exchanges_started() != started:  # see [Note: one failed startup ends the worker]
+                startup_failed(describe_failure(e), rank=self.world.rank)
+            raise
+
+    def _install_steps(self, pipeline: Any, journal: Journal) -> None:
         t0 = time.perf_counter()
         cfg, par, world = self.config, self.parallel, current_world()
         self.world = world
@@ -185,20 +205,7 @@ class LayerwiseBackend(OffloadBackend):
                 pipeline, plan, cfg, par, self.platform, world
             )
         self.plan = plan
-        if cfg.host_backing == "mapped":
-            _check_mapped_stacks(plan)
-        claim_components(
-            [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)],
-            f"dlo {self.name} backend #{id(self):x}",
-            journal,
-            rank=world.rank,
-        )
         distributed = any(s.group_size > 1 for s in plan.stacks)
-        if distributed and cfg.gather_engine == "copy" and not self.platform.has_streams:
-            raise ValueError(
-                f"gather_engine='copy' needs CUDA GPUs with peer access; this rank runs on "
-                f"{self.platform.device} (use gather_engine='nccl')"
-            )
         if distributed and not world.distributed:
             raise OffloadError(
                 "an AllGather stack needs a process group: run under torchrun (or call "
@@ -216,7 +223,20 @@ class LayerwiseBackend(OffloadBackend):
             rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg, plan.stacks)
         )
         blocks: list[_Block] = []
-        try:
+        try:  # every failure from here to the vote is the vote's (peers are waiting in it)
+            if cfg.host_backing == "mapped":
+                _check_mapped_stacks(plan)
+            claim_components(
+                [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)],
+                f"dlo {self.name} backend #{id(self):x}",
+                journal,
+                rank=world.rank,
+            )
+            if distributed and cfg.gather_engine == "copy" and not self.platform.has_streams:
+                raise ValueError(
+                    f"gather_engine='copy' needs CUDA GPUs with peer access; this rank runs "
+                    f"on {self.platform.device} (use gather_engine='nccl')"
+                )
             blocks = self._select_blocks(pipeline, plan)
             self._blocks = blocks
             check_blocks(
@@ -268,6 +288,8 @@ class LayerwiseBackend(OffloadBackend):
         if not verdict.ok:
             if distributed:
                 self._poisoned = f"multi-rank startup failed ({verdict.message})"
+            if isinstance(local_error, ValueError):  # this rank's own config was refused
+                raise ValueError(verdict.message) from local_error
             raise OffloadError(verdict.message, rank=world.rank) from local_error
         self._apply_fallback(verdict, blocks)
         self._copy_gather = verdict.copy_gather
