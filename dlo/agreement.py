@@ -193,6 +193,9 @@ _CLOSED = 1 << 20
 """Added to an exchange's arrival counter by a rank that gave up waiting (more than any
 rank count)."""
 _POLL_S = 0.02
+_POLL_MAX_S = 0.25
+"""A waiting rank polls the store at 20 ms, backing off to 250 ms: quick startups stay quick,
+a long wait (a peer loading a checkpoint) costs rank 0's store a few requests a second."""
 
 
 def exchanges_started() -> int:
@@ -306,6 +309,7 @@ def _share(
     if arrived == world_size:
         store.set(outcome, b"ok")
     deadline = time.monotonic() + timeout_s
+    pause = _POLL_S
     while not _has_key(store, outcome):
         refused = _refusal(store, rank=rank, what=what)
         if refused is not None:
@@ -321,7 +325,8 @@ def _share(
                     rank=rank,
                 )
             break
-        time.sleep(_POLL_S)
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 1.5, _POLL_MAX_S)
     if bytes(store.get(outcome)) != b"ok":
         raise OffloadError(f"{what}: a peer gave up this exchange after {timeout_s:g}s", rank=rank)
     return [pickle.loads(store.get(k)) for k in keys]

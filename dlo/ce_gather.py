@@ -142,7 +142,9 @@ class SyncWatchdog:
             what = self._pending[0][1]
             self._pending.clear()
             self.on_expire(
-                f"dlo: the device failed while gathering block {what!r} ({e}); ending this worker"
+                f"dlo: the device reported an error while block {what!r} was being gathered "
+                f"(its cause may be any kernel of this process: {e}); the context is unusable: "
+                "ending this worker"
             )
             return
         if self._pending and time.monotonic() - self._head_since > self.timeout_s:

@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from types import FrameType
@@ -86,6 +87,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "HookRegistry",
     "ModelHook",
+    "call_ended",
     "find_foreign_offloaders",
     "foreign_offloader",
     "frame_on_stack",
@@ -751,8 +753,11 @@ def _names_of_hook(state: _ModuleState, hook: ModelHook) -> str:
 # it (:func:`module_call_frame`). A later call from the same thread whose marker's frame is no
 # longer on its own stack (:func:`frame_on_stack`) knows that call ended without its
 # post-hook, and releases it as on an error path. A legitimately nested call still has the
-# outer frame on its stack. The frame is held (not its id, which Python may reuse) only until
-# the call's post-hook runs.
+# outer frame on its stack. The frame is held (not its id, which Python may reuse: the next
+# call of the same block can get the same address) until the call's post-hook runs; after an
+# interrupt, until the next forward or disable, so the interrupted call's locals (its
+# activations) live that long. A claim whose thread is gone, or whose frame is not on that
+# thread's stack, is stale too (:func:`call_ended`).
 _CALL_IMPL_CODES = tuple(
     f.__code__
     for f in (
@@ -776,7 +781,23 @@ def module_call_frame() -> FrameType | None:
 
 def frame_on_stack(frame: FrameType) -> bool:
     """True while ``frame`` is executing on the calling thread's stack."""
-    f: FrameType | None = sys._getframe(1)
+    return _in_chain(frame, sys._getframe(1))
+
+
+def call_ended(frame: FrameType | None, thread: int | None) -> bool:
+    """Whether the module call ``frame``, made on ``thread``, ended without its post-hook:
+    ``frame`` is no longer on that thread's stack, or the thread is gone (a worker that died
+    of ``SystemExit`` inside a forward). False when unknown (no frame recorded)."""
+    if frame is None or thread is None:
+        return False
+    if thread == threading.get_ident():
+        return not _in_chain(frame, sys._getframe(1))
+    top = sys._current_frames().get(thread)
+    return top is None or not _in_chain(frame, top)
+
+
+def _in_chain(frame: FrameType, top: FrameType | None) -> bool:
+    f = top
     while f is not None:
         if f is frame:
             return True

@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_leaves
 
 from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
-from dlo.hooks import ModelHook, frame_on_stack, module_call_frame
+from dlo.hooks import ModelHook, call_ended, module_call_frame
 from dlo.host import shard_view
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
@@ -226,12 +226,14 @@ class RingScheduler:
                     block=block.name,
                 )
             running, thread = self._running, self._running_thread
-            if running is not None and thread == me and self._stale(running):
-                self.exit(running)
+            if running is not None and self._stale(running):
+                self._release_stale(running)
                 running = None
-            if running is None:
+            if running is None and self.poisoned is None:
                 self._running, self._running_thread = block, me
                 self._running_frame = frame
+        if self.poisoned is not None:  # a released stale claim poisoned a gathering ring
+            raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
         if running is not None:
             raise OffloadError(
                 f"forward of this block started while block {running.name!r} is still "
@@ -304,9 +306,9 @@ class RingScheduler:
 
     def _stale(self, running: StreamedBlock) -> bool:
         """The running block's call ended without its post-hook (see [Note: calls that ended
-        without post-hooks] in dlo.hooks): release it as after an exception."""
-        frame = self._running_frame
-        if frame is None or frame_on_stack(frame):
+        without post-hooks] in dlo.hooks), on this thread or on another (a worker thread
+        that died inside the forward)."""
+        if not call_ended(self._running_frame, self._running_thread):
             return False
         logger.warning(
             "dlo: block %s ended without its post-forward hook (KeyboardInterrupt or another "
@@ -315,6 +317,21 @@ class RingScheduler:
         )
         return True
 
+    def _release_stale(self, running: StreamedBlock) -> None:
+        """Release a stale claim as after an exception (the caller holds the claim lock). A
+        ring that gathers is poisoned: ranks interrupted at different blocks no longer load
+        in lock step (their prefetched blocks differ)."""
+        lost = self._release(running)
+        if lost:
+            logger.warning(
+                "dlo: the interrupted block %s wrote %s in place; not kept", running.name, lost
+            )
+        if self._gathers():
+            self.poisoned = (
+                f"block {running.name!r} was interrupted inside its forward while the ranks "
+                "gather weights; the group is out of step: recreate the worker"
+            )
+
     def begin_disable(self) -> None:
         """Decide, under the claim lock, whether disable may proceed: refused while another
         thread runs a block (its forward would lose its weights mid-block); otherwise every
@@ -322,6 +339,9 @@ class RingScheduler:
         block (disable from inside a forward) does not count."""
         with self._claim:
             running, thread = self._running, self._running_thread
+            if running is not None and thread != threading.get_ident() and self._stale(running):
+                self._release_stale(running)
+                running = None
             if running is not None and thread != threading.get_ident():
                 raise OffloadError(
                     "disable() called while another thread runs this block's forward; "
@@ -360,6 +380,10 @@ class RingScheduler:
         could not be kept (see [Note: writes into streamed tensors])."""
         if self._running is not block or self._running_thread != threading.get_ident():
             return []  # this call's enter refused or never ran
+        return self._release(block)
+
+    def _release(self, block: StreamedBlock) -> list[str]:
+        """:meth:`exit`'s work, for the claim's owner or for a stale claim."""
         lost = self._keep_writes(block)
         self._rebind(block, block.placeholders)
         slot = block.slot

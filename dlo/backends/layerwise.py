@@ -624,9 +624,38 @@ class LayerwiseBackend(OffloadBackend):
             self._resident_nbytes += b.layout.padded_nbytes
             if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
                 journal.record(f"resident {b.name}", functools.partial(self._release_originals, b))
+            else:  # ... from the host region: in-place writes go back there first
+                versions = [t._version for t in b.tensors]
+                journal.record(
+                    f"keep writes {b.name}",
+                    functools.partial(self._keep_resident_writes, b, versions),
+                )
         if self._staging is not None:
             self._staging.drain()
         pf.synchronize()
+
+    def _keep_resident_writes(self, b: _Block, versions: list[int]) -> None:
+        """Before a resident block (group size 1) is restored from its host copy, copy the
+        tensors its forwards wrote in place into that copy (see [Note: writes into streamed
+        tensors] in dlo.ring); the mapped backing's source is the read-only checkpoint."""
+        written = [
+            (spec, t)
+            for spec, t, v in zip(b.layout.tensors, b.tensors, versions)
+            if t._version != v
+        ]
+        if not written:
+            return
+        if b.mapped is not None or self._region is None:
+            logger.warning(
+                "dlo: resident block %s wrote %s in place; its source is the checkpoint: the "
+                "writes are not kept after disable",
+                b.name,
+                [spec.name for spec, _ in written],
+            )
+            return
+        host = self._region.view(b.region_index)
+        for spec, t in written:
+            shard_view(host, spec).copy_(t.data)
 
     def _unbind_rings(self) -> None:
         self.platform.synchronize()

@@ -63,7 +63,10 @@ def load_pipeline(
         prepare: called with the filled pipeline before offload is enabled, for what must
             happen in between, such as ``lambda p: shard_non_block(p, config, parallel)``
             for HSDP (:mod:`dlo.backends.hsdp`). A failure rolls the load back; what
-            ``prepare`` itself changed is its own to undo.
+            ``prepare`` itself changed is its own to undo. ``prepare`` must not read the
+            streamed blocks' weights: they are served from the file when the backend packs
+            them, and a block tensor whose data is not aligned to its dtype in the file
+            holds uninitialized memory until then.
     Returns:
         ``(pipeline, backend)``; ``backend`` is None when offload is disabled (the model is
         then on ``device``). With ``mode="layer"`` every non-block tensor is copied straight

@@ -47,7 +47,7 @@ from dlo.backends.common import (
 from dlo.blocks import check_blocks
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
-from dlo.hooks import HookRegistry, ModelHook, frame_on_stack, module_call_frame
+from dlo.hooks import HookRegistry, ModelHook, call_ended, module_call_frame
 from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
 from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
@@ -136,6 +136,7 @@ class ModelSwapBackend(OffloadBackend):
         if self.is_enabled():
             me = threading.get_ident()
             with self._claim:  # decided under the lock enter claims under
+                self._drop_stale()
                 busy = [
                     u.path
                     for u in self._units
@@ -287,7 +288,7 @@ class ModelSwapBackend(OffloadBackend):
                     "disable()); call it again once disable() returned",
                     block=unit.path,
                 )
-            self._drop_stale(me)
+            self._drop_stale()
             busy = [
                 u.path
                 for u in self._units
@@ -318,14 +319,15 @@ class ModelSwapBackend(OffloadBackend):
             if not calls:
                 self._inflight.pop(id(unit), None)
 
-    def _drop_stale(self, me: int) -> None:
-        """Forget this thread's forwards that ended without their post-hook (KeyboardInterrupt
-        inside a component; see [Note: calls that ended without post-hooks] in dlo.hooks)."""
+    def _drop_stale(self) -> None:
+        """Forget forwards that ended without their post-hook (KeyboardInterrupt inside a
+        component, or a worker thread that died in one; see [Note: calls that ended without
+        post-hooks] in dlo.hooks). The caller holds the claim lock."""
         for u in self._units:
             calls = self._inflight.get(id(u))
             if not calls:
                 continue
-            live = [(t, f) for t, f in calls if t != me or f is None or frame_on_stack(f)]
+            live = [(t, f) for t, f in calls if not call_ended(f, t)]
             if len(live) != len(calls):
                 logger.warning(
                     "dlo: forward of %s ended without its post-forward hook (KeyboardInterrupt "

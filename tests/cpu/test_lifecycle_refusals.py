@@ -279,6 +279,75 @@ def test_keyboard_interrupt_inside_a_block_then_next_forward_is_bitwise(mode: st
     base.check(model)
 
 
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_a_worker_thread_that_died_inside_a_block_leaves_no_claim(mode: str) -> None:
+    # SystemExit (or an async exception a server injects) ends a worker thread inside a
+    # block's forward: torch skips the post-hook, and the dead thread's claim must not
+    # refuse every later forward and disable (it did)
+    model = _model(mode)
+    ref = clone(model)
+    base = Baseline.take(model)
+    backend = _enable(model, mode)
+    armed = [True]
+
+    def die(module: nn.Module, args: tuple) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise SystemExit
+
+    handle = _a_block(model).lin.register_forward_pre_hook(die)
+
+    def work() -> None:
+        try:
+            with torch.no_grad():
+                model(_x())
+        except SystemExit:
+            return  # the thread ends here, its block's post-hook never ran
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert not worker.is_alive()
+    with torch.no_grad():
+        assert torch.equal(model(_x(1)), ref(_x(1)))
+    handle.remove()
+    backend.disable()
+    base.check(model)
+
+
+def _interrupted_in_a_gathering_block(rank: int, world: int) -> list[str]:
+    model = ToyDiT(4)
+    cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", collective_timeout_s=5.0)
+    backend = dlo.enable_offload(model, cfg, dlo.ParallelConfig(data_parallel_size=world), "cpu")
+    assert backend is not None
+    stop = _Interrupt()
+    model.blocks[1].lin.register_forward_pre_hook(lambda m, a: (stop(a[0]), None)[1])
+    stop.armed = rank == 0
+    log: list[str] = []
+    for seed in range(2):
+        try:
+            with torch.no_grad():
+                model(_x(seed))
+            log.append("ok")
+        except KeyboardInterrupt:
+            log.append("interrupted")
+        except OffloadError as e:
+            log.append(f"{type(e).__name__}: {e}")
+            break
+    backend.disable()
+    return log
+
+
+def test_an_interrupted_block_poisons_a_gathering_ring() -> None:
+    # ranks interrupted at different blocks hold different prefetched blocks: releasing the
+    # interrupted one and going on would pair the gathers off by one
+    from tests.harness import assert_all_ok, run_ranks
+
+    r0, _ = assert_all_ok(run_ranks(_interrupted_in_a_gathering_block, 2, timeout_s=90))
+    assert r0[0] == "interrupted", r0
+    assert r0[1].startswith("BackendPoisonedError") and "recreate the worker" in r0[1], r0
+
+
 # ------------------------------------------------------------------ D8: disable racing a forward
 @pytest.mark.parametrize("mode", ["layer", "module"])
 def test_disable_while_another_thread_runs_a_block_is_refused(mode: str) -> None:

@@ -58,12 +58,14 @@ def _state(m: nn.Module) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in [*m.named_parameters(), *m.named_buffers()]}
 
 
-@pytest.mark.parametrize("num_slots", [1, 2])
-def test_ring_keeps_in_place_writes_like_the_resident_model(num_slots: int) -> None:
+@pytest.mark.parametrize("num_slots, resident", [(1, 0), (2, 0), (2, 1)])
+def test_ring_keeps_in_place_writes_like_the_resident_model(num_slots: int, resident: int) -> None:
+    # resident: a resident block keeps its writes on the device; disable restores them too
     torch.manual_seed(0)
     model = _CachingDiT()
     ref = clone(model)
-    b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", num_slots=num_slots), None, "cpu")
+    cfg = dlo.OffloadConfig(mode="layer", num_slots=num_slots, resident_layers=resident)
+    b = dlo.enable_offload(model, cfg, None, "cpu")
     with torch.no_grad():
         for step in range(6):
             assert torch.equal(model(_x(step), step), ref(_x(step), step)), step
