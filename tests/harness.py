@@ -179,3 +179,25 @@ def assert_all_ok(outcomes: list[Outcome]) -> list[Any]:
     bad = [o for o in outcomes if not o.ok]
     assert not bad, "\n".join(repr(o) for o in bad)
     return [o.value for o in outcomes]
+
+
+def forward_outcomes(model: Any, inputs: list[Any]) -> list[str]:
+    """Run ``model(x)`` under ``no_grad`` for each input, as an application that catches
+    Ctrl-C would: ``"ok"``, ``"interrupted"``, or the first dlo error (type: message), which
+    ends the list."""
+    import torch
+
+    import dlo
+
+    log: list[str] = []
+    for x in inputs:
+        try:
+            with torch.no_grad():
+                model(x)
+            log.append("ok")
+        except KeyboardInterrupt:
+            log.append("interrupted")
+        except dlo.OffloadError as e:
+            log.append(f"{type(e).__name__}: {e}")
+            break
+    return log

@@ -12,7 +12,7 @@ from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.host import LEDGER
 from dlo.platform import CpuPlatform
-from tests.harness import assert_all_ok, run_ranks
+from tests.harness import assert_all_ok, forward_outcomes, run_ranks
 from tests.toys import ToyDiT, TwoStackDiT, assert_same, clone, snapshot
 
 DIM = 16
@@ -425,17 +425,8 @@ def _interrupted_load(rank: int, world: int) -> list[str]:
             raise KeyboardInterrupt  # Ctrl-C lands inside dlo's loading, mid-prefetch
 
     transport.all_gather_into = gather  # type: ignore[assignment]
-    log: list[str] = []
-    for step in range(3):
-        try:
-            with torch.no_grad():
-                model(torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(step)))
-            log.append("ok")
-        except KeyboardInterrupt:
-            log.append("interrupted")
-        except dlo.OffloadError as e:
-            log.append(f"{type(e).__name__}: {e}")
-            break
+    inputs = [torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    log = forward_outcomes(model, inputs)
     backend.disable()
     return log
 

@@ -20,6 +20,7 @@ import dlo
 from dlo.errors import OffloadError
 from dlo.hooks import HookRegistry
 from dlo.host import LEDGER
+from tests.harness import assert_all_ok, forward_outcomes, run_ranks
 from tests.nothing_lost import Baseline
 from tests.toys import ToyDiT, ToyPipeline, assert_same, clone, snapshot
 
@@ -323,17 +324,7 @@ def _interrupted_in_a_gathering_block(rank: int, world: int) -> list[str]:
     stop = _Interrupt()
     model.blocks[1].lin.register_forward_pre_hook(lambda m, a: (stop(a[0]), None)[1])
     stop.armed = rank == 0
-    log: list[str] = []
-    for seed in range(2):
-        try:
-            with torch.no_grad():
-                model(_x(seed))
-            log.append("ok")
-        except KeyboardInterrupt:
-            log.append("interrupted")
-        except OffloadError as e:
-            log.append(f"{type(e).__name__}: {e}")
-            break
+    log = forward_outcomes(model, [_x(seed) for seed in range(2)])
     backend.disable()
     return log
 
@@ -341,8 +332,6 @@ def _interrupted_in_a_gathering_block(rank: int, world: int) -> list[str]:
 def test_an_interrupted_block_poisons_a_gathering_ring() -> None:
     # ranks interrupted at different blocks hold different prefetched blocks: releasing the
     # interrupted one and going on would pair the gathers off by one
-    from tests.harness import assert_all_ok, run_ranks
-
     r0, _ = assert_all_ok(run_ranks(_interrupted_in_a_gathering_block, 2, timeout_s=90))
     assert r0[0] == "interrupted", r0
     assert r0[1].startswith("BackendPoisonedError") and "recreate the worker" in r0[1], r0
