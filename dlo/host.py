@@ -111,9 +111,14 @@ class HostRegion:
 
     # ------------------------------------------------------------------ pinning
     def pin(
-        self, platform: Platform, *, budget_nbytes: int | None = None, num_workers: int = 4
+        self,
+        platform: Platform,
+        *,
+        budget_nbytes: int | None = None,
+        num_workers: int = 4,
+        blocks: Sequence[int] | None = None,
     ) -> PinReport:
-        """Page-lock every block's range until the budget is used.
+        """Page-lock every block's range (or those of ``blocks``) until the budget is used.
 
         Which blocks fit the budget is decided first, in block order (each block whole);
         those are registered by ``num_workers`` threads (registration is per block and
@@ -122,13 +127,15 @@ class HostRegion:
         Blocks that do not fit the budget or whose registration fails stay pageable and are
         listed in the report; the caller decides (alone or group-wide) what that means.
         """
-        report = PinReport(requested_blocks=len(self.block_nbytes))
+        wanted = range(len(self.block_nbytes)) if blocks is None else sorted(blocks)
+        report = PinReport(requested_blocks=len(wanted))
         if not platform.can_pin:
             return report
         self._platform = platform
         used = self.pinned_nbytes
         chosen: list[int] = []
-        for i, n in enumerate(self.block_nbytes):
+        for i in wanted:
+            n = self.block_nbytes[i]
             if n == 0 or self._pinned[i]:
                 continue
             if budget_nbytes is not None and used + n > budget_nbytes:

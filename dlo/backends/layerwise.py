@@ -257,7 +257,14 @@ class LayerwiseBackend(OffloadBackend):
             self._prepare_host(blocks, journal, group_ranks)
             assert self._region is not None
             budget = int(cfg.pin_budget_gb * (1 << 30)) if cfg.pin_budget_gb is not None else None
-            pin = self._region.pin(self.platform, budget_nbytes=budget) if cfg.pin_memory else None
+            # resident blocks cross the link once, at enable: pinning them would only take
+            # budget from the blocks streamed every forward
+            streamed = [i for i, b in enumerate(blocks) if not b.resident]
+            pin = (
+                self._region.pin(self.platform, budget_nbytes=budget, blocks=streamed)
+                if cfg.pin_memory
+                else None
+            )
             if pin is not None:
                 report.unpinned_blocks = tuple(blocks[i].name for i in pin.unpinned_blocks)
             slot_nbytes = (

@@ -469,3 +469,28 @@ def test_stats_group_is_the_gathering_stacks() -> None:
         {"transfer": "allgather", "group_size": 2, "group_rank": 0},
         {"transfer": "allgather", "group_size": 2, "group_rank": 1},
     ]
+
+
+@pytest.mark.parametrize("policy", ["fail", "whole_block_fallback"])
+def test_resident_blocks_take_no_pin_budget(policy: str) -> None:
+    # a resident block crosses the link once, at enable: a budget of exactly the streamed
+    # blocks pins all of them (the resident block took one block's share before)
+    model = ToyDiT(5)
+    probe = LayerwiseBackend(dlo.OffloadConfig(mode="layer"), _par(1), CpuPlatform())
+    probe.enable(ToyDiT(5))
+    block_nbytes = probe.stats()["host_nbytes"] // 5
+    probe.disable()
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        resident_layers=1,
+        pin_budget_gb=4 * block_nbytes / (1 << 30),
+        pin_failure_policy=policy,
+    )
+    backend = LayerwiseBackend(cfg, _par(1), FakePinPlatform())
+    backend.enable(model)
+    st = backend.stats()
+    assert st["num_resident_blocks"] == 1
+    assert st["host_pinned_nbytes"] == 4 * block_nbytes
+    assert st["pageable_blocks"] == []  # no streamed block left pageable
+    backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
