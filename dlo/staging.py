@@ -293,7 +293,8 @@ class StagedTransport:
         self._queue: collections.deque[_Request | None] = collections.deque()
         self._issued = 0
         self._enqueued = 0
-        self._errors: dict[int, BaseException] = {}
+        self._errors: dict[int, tuple[str, BaseException]] = {}
+        """seq -> (block name, error) of the requests that failed."""
         self._tickets: dict[int, int] = {}
         self.host_wait_s = 0.0
         """Time the compute thread waited for the filler (see [Note: staged ready])."""
@@ -356,9 +357,10 @@ class StagedTransport:
         with self._cond:
             errors, self._errors = list(self._errors.values()), {}
         if errors:
+            name, error = errors[0]
             raise OffloadError(
-                f"staging from the checkpoint failed: {errors[0]!r}", rank=self.rank
-            ) from errors[0]
+                f"staging from the checkpoint failed: {error!r}", rank=self.rank, block=name
+            ) from error
 
     def _wait(self, seq: int, block: str) -> None:
         with self._cond:
@@ -372,7 +374,8 @@ class StagedTransport:
                     self._cond.wait(timeout=1.0)
                 self.host_wait_s += time.perf_counter() - t0
                 self.num_host_waits += 1
-            error = self._errors.pop(seq, None) if block else None
+            failed = self._errors.pop(seq, None) if block else None
+        error = failed[1] if failed is not None else None
         if error is not None:
             raise OffloadError(
                 f"staging from the checkpoint failed: {error!r}", rank=self.rank, block=block
@@ -398,7 +401,7 @@ class StagedTransport:
                 with self._cond:
                     self._enqueued = req.seq
                     if error is not None:
-                        self._errors[req.seq] = error
+                        self._errors[req.seq] = (req.block.name, error)
                     self._cond.notify_all()
 
     def _serve(self, req: _Request) -> None:

@@ -287,3 +287,23 @@ def test_cli_run_with_mapped_backing(tmp_path: Any, capsys: pytest.CaptureFixtur
     assert 0 < report["host_nbytes"] < report["host_mapped_nbytes"] // 100
     assert main([*argv, "--host-backing", "mapped"]) == 2
     assert "--host-backing mapped" in capsys.readouterr().err
+
+
+def test_a_resident_blocks_failed_fill_at_enable_names_the_block(checkpoint: str) -> None:
+    from dlo.staging import MappedBlock
+
+    fill = MappedBlock.fill_chunk
+
+    def broken(self: MappedBlock, k: int, dst: torch.Tensor, **kw: Any) -> None:
+        if self.name == "transformer.blocks.0":
+            raise OSError("disk gone")
+        fill(self, k, dst, **kw)
+
+    MappedBlock.fill_chunk = broken  # type: ignore[method-assign]
+    try:
+        with pytest.raises(OffloadError, match="disk gone") as info:
+            load_pipeline(_skeleton, checkpoint, _cfg(resident_layers=1), None, "cpu")
+        assert info.value.block == "transformer.blocks.0"
+    finally:
+        MappedBlock.fill_chunk = fill  # type: ignore[method-assign]
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
