@@ -6,10 +6,11 @@ the same staging thread and code path as on CUDA (ordered on the host here).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -243,29 +244,35 @@ def test_failure_at_every_point_of_a_mapped_enable_rolls_back(checkpoint: str) -
             assert all(not HookRegistry.owners_on(m) for m in skeleton.modules()), point
 
 
-def test_failed_fill_raises_naming_the_block_and_the_next_forward_is_correct(
-    checkpoint: str,
-) -> None:
+@contextlib.contextmanager
+def _fill_fails(block: str) -> Iterator[None]:
+    """Every staged read of ``block`` from the checkpoint fails (a disk gone)."""
     from dlo.staging import MappedBlock
 
-    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
-    ref = build_pipeline(PRESET, dtype=DTYPE).generate(ids, latents, 2)
-    pipe, backend = load_pipeline(_skeleton, checkpoint, _cfg(), None, "cpu")
-    assert backend is not None
     fill = MappedBlock.fill_chunk
 
     def broken(self: MappedBlock, k: int, dst: torch.Tensor, **kw: Any) -> None:
-        if self.name == "transformer.blocks.2":
+        if self.name == block:
             raise OSError("disk gone")
         fill(self, k, dst, **kw)
 
     MappedBlock.fill_chunk = broken  # type: ignore[method-assign]
     try:
-        with pytest.raises(OffloadError, match="disk gone") as info:
-            pipe.generate(ids, latents, 2)
-        assert info.value.block == "transformer.blocks.2"
+        yield
     finally:
         MappedBlock.fill_chunk = fill  # type: ignore[method-assign]
+
+
+def test_failed_fill_raises_naming_the_block_and_the_next_forward_is_correct(
+    checkpoint: str,
+) -> None:
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    ref = build_pipeline(PRESET, dtype=DTYPE).generate(ids, latents, 2)
+    pipe, backend = load_pipeline(_skeleton, checkpoint, _cfg(), None, "cpu")
+    assert backend is not None
+    with _fill_fails("transformer.blocks.2"), pytest.raises(OffloadError, match="disk gone") as e:
+        pipe.generate(ids, latents, 2)
+    assert e.value.block == "transformer.blocks.2"
     assert torch.equal(pipe.generate(ids, latents, 2), ref)
     backend.disable()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
@@ -290,20 +297,7 @@ def test_cli_run_with_mapped_backing(tmp_path: Any, capsys: pytest.CaptureFixtur
 
 
 def test_a_resident_blocks_failed_fill_at_enable_names_the_block(checkpoint: str) -> None:
-    from dlo.staging import MappedBlock
-
-    fill = MappedBlock.fill_chunk
-
-    def broken(self: MappedBlock, k: int, dst: torch.Tensor, **kw: Any) -> None:
-        if self.name == "transformer.blocks.0":
-            raise OSError("disk gone")
-        fill(self, k, dst, **kw)
-
-    MappedBlock.fill_chunk = broken  # type: ignore[method-assign]
-    try:
-        with pytest.raises(OffloadError, match="disk gone") as info:
-            load_pipeline(_skeleton, checkpoint, _cfg(resident_layers=1), None, "cpu")
-        assert info.value.block == "transformer.blocks.0"
-    finally:
-        MappedBlock.fill_chunk = fill  # type: ignore[method-assign]
+    with _fill_fails("transformer.blocks.0"), pytest.raises(OffloadError, match="disk gone") as e:
+        load_pipeline(_skeleton, checkpoint, _cfg(resident_layers=1), None, "cpu")
+    assert e.value.block == "transformer.blocks.0"
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
