@@ -183,7 +183,6 @@ def decide(
 
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}
-_EXCHANGES = itertools.count(1)
 _exchanges_started = 0
 _failed: str | None = None
 """What made this process's multi-rank startup fail (see [Note: one failed startup ends
@@ -271,7 +270,7 @@ def share(
     if world_size == 1:
         return [obj]
     global _exchanges_started
-    _exchanges_started = next(_EXCHANGES)
+    _exchanges_started += 1
     store = _default_store()
     refused = _refusal(store, rank=rank, what=what)
     if refused is not None:

@@ -90,7 +90,6 @@ __all__ = [
     "call_ended",
     "find_foreign_offloaders",
     "foreign_offloader",
-    "frame_on_stack",
     "module_call_frame",
 ]
 
@@ -465,7 +464,7 @@ class HookRegistry:
 
         # A fresh object per registration: torch marks hooks registered through the public
         # API with an attribute, and the same callable may serve several modules.
-        state_dict_post_hook = _StateDictPostHook(fn)
+        state_dict_post_hook = _Callback(lambda mod, sd, prefix, _metadata: fn(mod, sd, prefix))
         public = getattr(module, "register_state_dict_post_hook", None)
         if public is not None:
             handle = public(state_dict_post_hook)
@@ -700,16 +699,6 @@ class _Callback(_NotCopyable):
         return self.fn(*args, **kwargs)
 
 
-class _StateDictPostHook(_NotCopyable):
-    def __init__(self, fn: Callable[[nn.Module, dict[str, Any], str], None]) -> None:
-        self.fn = fn
-
-    def __call__(
-        self, mod: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-    ) -> None:
-        self.fn(mod, state_dict, prefix)
-
-
 class _ApplyHandle:
     """Installs a refusal of ``module._apply`` as an instance attribute; ``remove`` puts back
     what was there (normally nothing, so the class method shows through again)."""
@@ -751,7 +740,7 @@ def _names_of_hook(state: _ModuleState, hook: ModelHook) -> str:
 # a block, a backend's "this block is running" marker would stay set forever. A backend keeps,
 # with each such marker, the Python frame of the module call (torch's ``_call_impl``) that set
 # it (:func:`module_call_frame`). A later call from the same thread whose marker's frame is no
-# longer on its own stack (:func:`frame_on_stack`) knows that call ended without its
+# longer on its own stack (:func:`call_ended`) knows that call ended without its
 # post-hook, and releases it as on an error path. A legitimately nested call still has the
 # outer frame on its stack. The frame is held (not its id, which Python may reuse: the next
 # call of the same block can get the same address) until the call's post-hook runs; after an
@@ -777,11 +766,6 @@ def module_call_frame() -> FrameType | None:
             return f
         f = f.f_back
     return None
-
-
-def frame_on_stack(frame: FrameType) -> bool:
-    """True while ``frame`` is executing on the calling thread's stack."""
-    return _in_chain(frame, sys._getframe(1))
 
 
 def call_ended(frame: FrameType | None, thread: int | None) -> bool:

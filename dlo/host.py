@@ -296,3 +296,18 @@ def shard_view(shard: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
     """A tensor of ``spec``'s shape/strides/dtype aliasing a full-block byte buffer."""
     flat = shard[spec.offset : spec.end].view(spec.dtype)
     return flat.as_strided(spec.shape, spec.stride)
+
+
+def written_tensors(
+    specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], versions: Sequence[int]
+) -> list[tuple[TensorSpec, torch.Tensor]]:
+    """The ``(spec, tensor)`` pairs of ``tensors`` written in place since their version
+    counters read ``versions`` (see [Note: writes into streamed tensors] in dlo.ring)."""
+    return [(spec, t) for spec, t, v in zip(specs, tensors, versions) if t._version != v]
+
+
+def copy_back(shard: torch.Tensor, written: Sequence[tuple[TensorSpec, torch.Tensor]]) -> None:
+    """Copy each written tensor into its place in the full-block host ``shard``
+    (synchronous: after the kernels that wrote it)."""
+    for spec, t in written:
+        shard_view(shard, spec).copy_(t.data)

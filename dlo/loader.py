@@ -281,7 +281,7 @@ def pack_block(
 
 
 # ----------------------------------------------------------------------------- materialize
-def _copy_reason(target: _Target, checkpoint: Checkpoint, mapped: bool) -> str | None:
+def _copy_reason(target: _Target, mapped: bool) -> str | None:
     if not mapped:
         return "copy requested"
     if not target.tensor.is_contiguous():
@@ -364,7 +364,7 @@ def materialize(
     for target in plan.targets:
         nbytes = ckpt.entries[target.source].nbytes
         block = mapped(target.name)
-        reason = _copy_reason(target, ckpt, block)
+        reason = _copy_reason(target, block)
         if reason is None:
             new = _install(target, _file_served(ckpt, target.source), journal)
             _register(new, ckpt, target.source)

@@ -276,16 +276,15 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
             for b in s.block_nbytes
         )
     rl_ms, ag_ms = rl / n * 1e3, (ag / n * 1e3 if ag is not None else None)
-    if s.transfer == "allgather" and s.group_size > 1 and ag is None:
-        # its slot count is sized by the gather's time: a guessed bandwidth would size it wrong
+    if s.transfer != "rank-local" and s.group_size > 1 and ag is None:
+        # "auto" chooses by the gather's time, and an AllGather stack's slot count is sized
+        # by it: a guessed bandwidth would decide wrong
         raise ValueError(f"stack {s.name!r}: no AllGather measurement for axis {s.group_axis!r}")
     if s.transfer != "auto":
         transfer, reason = s.transfer, "explicit"
     elif s.group_size == 1:
         transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
-    elif ag is None:
-        raise ValueError(f"stack {s.name!r}: no AllGather measurement for axis {s.group_axis!r}")
-    elif ag < rl:
+    elif ag is not None and ag < rl:
         transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
     else:
         transfer, reason = "rank-local", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"

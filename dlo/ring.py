@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_leaves
 from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import ModelHook, call_ended, module_call_frame
-from dlo.host import shard_view
+from dlo.host import copy_back, shard_view, written_tensors
 from dlo.layout import BlockLayout
 from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
 from dlo.slots import Slot, SlotPool
@@ -171,8 +171,6 @@ class RingScheduler:
         self.rings.append(ring)
 
     def _views(self, block: StreamedBlock, slot: Slot) -> list[torch.Tensor]:
-        from dlo.host import shard_view
-
         return [shard_view(slot.buffer, spec) for spec in block.layout.tensors]
 
     def hook_for(self, block: StreamedBlock) -> ModelHook:
@@ -399,17 +397,10 @@ class RingScheduler:
     def _keep_writes(self, block: StreamedBlock) -> list[str]:
         """Copy the tensors ``block`` wrote in place back into its whole-block host shard;
         returns the names of written tensors that have no such shard to go to."""
-        written = [
-            i for i, (t, v) in enumerate(zip(block.tensors, block.versions)) if t._version != v
-        ]
-        if not written:
-            return []
-        specs = [block.layout.tensors[i] for i in written]
-        if block.layout.group_size > 1 or not isinstance(block.shard, torch.Tensor):
-            return [spec.name for spec in specs]
-        for i, spec in zip(written, specs):
-            # a synchronous copy on the compute stream: after the kernels that wrote it
-            shard_view(block.shard, spec).copy_(block.tensors[i].data)
+        written = written_tensors(block.layout.tensors, block.tensors, block.versions)
+        if written and (block.layout.group_size > 1 or not isinstance(block.shard, torch.Tensor)):
+            return [spec.name for spec, _ in written]
+        copy_back(block.shard, written)
         return []
 
     def _release_claim(self) -> None:

@@ -131,16 +131,21 @@ def install_load_refusal_on_ancestors(
     without this a load from the root would overwrite the tensors it reaches before the first
     managed module. A module another mechanism manages (FSDP2's root under HSDP) is skipped:
     its hooks are its own."""
-    ancestors = {""}
-    for path in managed:
-        parts = path.split(".")
-        ancestors.update(".".join(parts[:k]) for k in range(1, len(parts)))
-    for path in sorted(ancestors - set(managed)):
+    for path in sorted(_enclosing_paths(managed) - set(managed)):
         module = get_by_path(root, path)
         if isinstance(module, nn.Module) and foreign_offloader(module) is None:
             registry.register_load_state_dict_pre_hook(
                 module, LOAD_REFUSAL, _refuse_load(path or type(root).__name__, rank)
             )
+
+
+def _enclosing_paths(managed: Sequence[str]) -> set[str]:
+    """The root (``""``) and every module path strictly above one of ``managed``."""
+    out = {""}
+    for path in managed:
+        parts = path.split(".")
+        out.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return out
 
 
 APPLY_REFUSAL = "dlo._apply"
@@ -166,12 +171,9 @@ def install_apply_refusal(
     converts anything: torch converts a module's children first, so the refusal must sit on
     the module the user calls. dlo's own enable and disable rebind ``.data`` and never call
     ``_apply``. A module another mechanism manages is skipped (its hooks are its own)."""
-    paths, managed_set = {""}, set(managed)
-    for path in managed_set:
-        parts = path.split(".")
-        paths.update(".".join(parts[:k]) for k in range(1, len(parts) + 1))
+    managed_set = set(managed)
     seen: set[int] = set()
-    for path in sorted(paths):
+    for path in sorted(_enclosing_paths(managed) | managed_set):
         module = get_by_path(root, path)
         if not isinstance(module, nn.Module):
             continue

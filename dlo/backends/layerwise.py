@@ -64,7 +64,7 @@ from dlo.ce_gather import CopyEngineGather
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import HookRegistry, is_dtensor
-from dlo.host import HostRegion, shard_view, unpack_tensor
+from dlo.host import HostRegion, copy_back, shard_view, unpack_tensor, written_tensors
 from dlo.layout import (
     MIB,
     BlockLayout,
@@ -645,11 +645,7 @@ class LayerwiseBackend(OffloadBackend):
         """Before a resident block (group size 1) is restored from its host copy, copy the
         tensors its forwards wrote in place into that copy (see [Note: writes into streamed
         tensors] in dlo.ring); the mapped backing's source is the read-only checkpoint."""
-        written = [
-            (spec, t)
-            for spec, t, v in zip(b.layout.tensors, b.tensors, versions)
-            if t._version != v
-        ]
+        written = written_tensors(b.layout.tensors, b.tensors, versions)
         if not written:
             return
         if b.mapped is not None or self._region is None:
@@ -660,9 +656,7 @@ class LayerwiseBackend(OffloadBackend):
                 [spec.name for spec, _ in written],
             )
             return
-        host = self._region.view(b.region_index)
-        for spec, t in written:
-            shard_view(host, spec).copy_(t.data)
+        copy_back(self._region.view(b.region_index), written)
 
     def _unbind_rings(self) -> None:
         self.platform.synchronize()

@@ -48,7 +48,14 @@ from dlo.blocks import check_blocks
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
 from dlo.hooks import HookRegistry, ModelHook, call_ended, module_call_frame
-from dlo.host import HostRegion, pack_shard, shard_view, unpack_tensor
+from dlo.host import (
+    HostRegion,
+    copy_back,
+    pack_shard,
+    shard_view,
+    unpack_tensor,
+    written_tensors,
+)
 from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
 from dlo.plan import (
@@ -394,10 +401,10 @@ class ModelSwapBackend(OffloadBackend):
         copy, so its next load and the restore at disable see them (see [Note: writes into
         streamed tensors] in dlo.ring); synchronous, and only when a write happened."""
         assert self._region is not None
-        host = self._region.view(u.region_index)
-        for t, v, spec in zip(u.tensors, u.versions, u.layout.tensors):
-            if t._version != v:
-                shard_view(host, spec).copy_(t.data)
+        copy_back(
+            self._region.view(u.region_index),
+            written_tensors(u.layout.tensors, u.tensors, u.versions),
+        )
 
     def _evict_all(self) -> None:
         self.platform.synchronize()
