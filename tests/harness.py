@@ -108,13 +108,29 @@ def _child(
             out.put((rank, "err", type(e).__name__, f"result not picklable: {e}", None))
     out.close()
     out.join_thread()  # the result reaches the parent before this process may exit
-    if ok:
-        # every rank reaches this point before any rank tears the store down
-        with contextlib.suppress(Exception):
-            dist.barrier()
+    if ok and _all_arrive(world):
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     os._exit(0)
+
+
+def _all_arrive(world: int, bound_s: float = 10.0) -> bool:
+    """Every rank reaches this point before any rank tears the store down (rank 0 hosts
+    it). Through the store, bounded: a collective barrier would wait on a dead or diverged
+    peer until the harness's bound."""
+    import torch.distributed as dist
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("harness/done", 1)
+        deadline = time.monotonic() + bound_s
+        while store.add("harness/done", 0) < world:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return True
+    except Exception:
+        return False
 
 
 def run_ranks(
