@@ -58,6 +58,9 @@ class RankReport:
     """Every group of every weight axis in use (the whole layout, not just this rank's)."""
     unpinned_blocks: tuple[str, ...] = ()
     host: str = ""
+    token: str = ""
+    """A random name for this rank's node-shared host copy (the first sharer's names the
+    file; see [Note: node-shared host copy])."""
     symmetric_slots: bool = False
     """This rank's slots are in symmetric memory (it can take part in the copy-engine
     gather)."""
@@ -131,6 +134,22 @@ def gather_engine_verdict(reports: list[RankReport], gather_engine: str) -> str 
     )
 
 
+def pin_verdict(
+    unpinned_by_rank: Sequence[tuple[int, Sequence[str]]], pin_failure_policy: str
+) -> tuple[tuple[str, ...], str]:
+    """Blocks every rank keeps pageable (the union, for equal timing) and, under
+    ``pin_failure_policy="fail"``, the refusal when there are any ("" when none)."""
+    unpinned = tuple(sorted({b for _, blocks in unpinned_by_rank for b in blocks}))
+    if not unpinned or pin_failure_policy != "fail":
+        return unpinned, ""
+    ranks = [r for r, blocks in unpinned_by_rank if blocks]
+    return unpinned, (
+        f"pinning failed or exceeded pin_budget_gb on rank(s) {ranks} for blocks "
+        f"{list(unpinned[:8])}{'...' if len(unpinned) > 8 else ''} (pin_failure_policy='fail';"
+        " set 'whole_block_fallback' to keep them pageable)"
+    )
+
+
 def decide(
     reports: list[RankReport], *, pin_failure_policy: str, gather_engine: str = "nccl"
 ) -> Verdict:
@@ -166,16 +185,11 @@ def decide(
             "ranks disagree on dlo's weight groups: "
             + "; ".join(f"rank {r.rank}: {list(r.groups)}" for r in reports),
         )
-    unpinned = sorted({b for r in reports for b in r.unpinned_blocks})
-    if unpinned:
-        ranks = [r.rank for r in reports if r.unpinned_blocks]
-        if pin_failure_policy == "fail":
-            return Verdict(
-                False,
-                f"pinning failed or exceeded pin_budget_gb on rank(s) {ranks} for blocks "
-                f"{unpinned[:8]}{'...' if len(unpinned) > 8 else ''} (pin_failure_policy='fail';"
-                " set 'whole_block_fallback' to keep them pageable)",
-            )
+    unpinned, refused = pin_verdict(
+        [(r.rank, r.unpinned_blocks) for r in reports], pin_failure_policy
+    )
+    if refused:
+        return Verdict(False, refused)
     engine = gather_engine_verdict(reports, gather_engine)
     if engine not in ("copy", "nccl"):
         return Verdict(False, str(engine))

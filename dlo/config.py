@@ -32,7 +32,7 @@ from typing import Any
 
 MODES = ("none", "module", "layer")
 COMPONENTS = ("dit", "encoder")
-TRANSFERS = ("rank-local", "allgather", "auto")
+TRANSFERS = ("rank-local", "allgather", "node-shared", "auto")
 GATHER_ENGINES = ("nccl", "copy", "auto")
 GATHER_SYNCS = ("auto", "stream", "kernel")
 HOST_BACKINGS = ("region", "mapped")
@@ -100,8 +100,8 @@ class LayerOptions:
     """Per-component overrides of the layerwise settings."""
 
     weight_transfer: str | None = None
-    """Transfer for this component's blocks (``"rank-local"``, ``"allgather"``, ``"auto"``);
-    None inherits :attr:`OffloadConfig.transfer`."""
+    """Transfer for this component's blocks (``"rank-local"``, ``"allgather"``,
+    ``"node-shared"``, ``"auto"``); None inherits :attr:`OffloadConfig.transfer`."""
     resident_layers: int | str | None = None
     """Leading blocks kept on the device (DiT only), or ``"auto"``; None inherits
     :attr:`OffloadConfig.resident_layers`."""
@@ -220,8 +220,11 @@ class OffloadConfig:
     declared; declaration problems warn and skip. An explicit tuple turns them into errors."""
     transfer: str = "rank-local"
     """Default weight transfer: ``"rank-local"`` (each rank holds whole blocks),
-    ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"auto"`` (chosen
-    at enable from measured bandwidths, the same on every rank; see [Note: policy model])."""
+    ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"node-shared"``
+    (the ranks of the weight group on one node share one host copy, each rank charged 1/L of
+    it, and each copies whole blocks over its own link, no collective; see [Note: node-shared
+    host copy]), ``"auto"`` (chosen at enable from measured bandwidths and compute, the same
+    on every rank; see [Note: policy model])."""
     resident_layers: int | str = 0
     """Leading DiT blocks kept on the device instead of streamed; ``"auto"`` keeps as many
     as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom."""
@@ -237,7 +240,8 @@ class OffloadConfig:
     """Transfer chunk in MiB: a block moves as chunks; with AllGather each chunk's gather
     starts as soon as this rank's slice of it has landed."""
     pin_budget_gb: float | None = None
-    """Cap on pinned host bytes per rank (GiB); None is unlimited."""
+    """Cap on pinned host bytes per rank (GiB; a node-shared block costs each of its L ranks
+    1/L of its bytes); None is unlimited."""
     device_budget_gb: float | None = None
     """Device memory for weights per rank (GiB): non-block weights, slots and resident
     blocks. Given, it sizes the resident blocks (``resident_layers`` must be 0 or
@@ -397,7 +401,8 @@ class OffloadConfig:
         """The (axis, size) of the weight-collective group for ``component``.
 
         Rank-local transfer is always ``("local", 1)``. Otherwise the axis is
-        :attr:`weight_axis`, resolved as DESIGN.md section 3 says when ``"auto"``.
+        :attr:`weight_axis`, resolved as DESIGN.md section 3 says when ``"auto"`` (for
+        ``"node-shared"`` the group whose ranks on one node share the host copy).
         """
         if self.mode != "layer" or self.transfer_for(component) == "rank-local":
             return ("local", 1)

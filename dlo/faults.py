@@ -25,6 +25,7 @@ POINTS = (
     "config_validated",
     "manifest_build",
     "host_allocation",
+    "host_share",
     "pin_allocation",
     "host_fill",
     "slot_allocation",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,19 +70,30 @@ class HostRegion:
 
     Args:
         nbytes: bytes of each block's shard on this rank (exact; 0 allowed).
+        path: map this file (created if missing, sized with ``posix_fallocate`` so a full
+            tmpfs fails here instead of at the first write) shared with the other processes
+            that map it, instead of anonymous private memory (see [Note: node-shared host
+            copy] in :mod:`dlo.node_share`).
+        share_ranks: ranks that share the region; each is charged ``1/share_ranks`` of a
+            block against the pin budget.
     """
 
-    def __init__(self, nbytes: Sequence[int]) -> None:
+    def __init__(
+        self, nbytes: Sequence[int], *, path: str | None = None, share_ranks: int = 1
+    ) -> None:
         faults.check("host_allocation")
         page = page_size()
         self.block_nbytes = [int(n) for n in nbytes]
         self.block_offsets: list[int] = []
+        self.share_ranks = share_ranks
         total = 0
         for n in self.block_nbytes:
             self.block_offsets.append(total)
             total += round_up(n, page)
         self.nbytes = total
-        self._mmap: mmap.mmap | None = mmap.mmap(-1, total) if total else None
+        self._mmap: mmap.mmap | None = (
+            None if not total else mmap.mmap(-1, total) if path is None else _map_file(path, total)
+        )
         self._buffer: torch.Tensor | None = (
             torch.frombuffer(self._mmap, dtype=torch.uint8)
             if self._mmap is not None
@@ -132,10 +144,10 @@ class HostRegion:
         if not platform.can_pin:
             return report
         self._platform = platform
-        used = self.pinned_nbytes
+        used = self.charged_pinned_nbytes
         chosen: list[int] = []
         for i in wanted:
-            n = self.block_nbytes[i]
+            n = self._charge(i)
             if n == 0 or self._pinned[i]:
                 continue
             if budget_nbytes is not None and used + n > budget_nbytes:
@@ -143,20 +155,30 @@ class HostRegion:
                 continue
             chosen.append(i)
             used += n
-        used -= self._register(chosen, report, num_workers)
+        used -= sum(self._charge(i) for i in self._register(chosen, report, num_workers))
         retry, report.over_budget_blocks = report.over_budget_blocks, []
         for i in retry:  # only after a failed registration freed some budget
-            n = self.block_nbytes[i]
+            n = self._charge(i)
             if budget_nbytes is not None and used + n > budget_nbytes:
                 report.over_budget_blocks.append(i)
                 continue
-            used += n - self._register([i], report, 1)
+            if not self._register([i], report, 1):
+                used += n
         report.pinned_blocks.sort()
         report.failed_blocks.sort()
         return report
 
-    def _register(self, blocks: list[int], report: PinReport, num_workers: int) -> int:
-        """Register ``blocks``; returns the bytes of those that failed."""
+    def _charge(self, index: int) -> int:
+        """What pinning block ``index`` costs this rank's budget: its share of the bytes."""
+        return -(-self.block_nbytes[index] // self.share_ranks)
+
+    @property
+    def charged_pinned_nbytes(self) -> int:
+        """This rank's share of the pinned bytes (all of them unless the region is shared)."""
+        return sum(self._charge(i) for i, p in enumerate(self._pinned) if p)
+
+    def _register(self, blocks: list[int], report: PinReport, num_workers: int) -> list[int]:
+        """Register ``blocks``; returns those that failed."""
         assert self._platform is not None
         platform = self._platform
 
@@ -181,7 +203,7 @@ class HostRegion:
                 except BaseException as e:
                     outcomes.append(e)
                     break
-        failed_nbytes = 0
+        failed: list[int] = []
         error: BaseException | None = None
         for i, ok in zip(blocks, outcomes):
             if ok is True:
@@ -190,12 +212,12 @@ class HostRegion:
                 report.pinned_blocks.append(i)
             elif ok is False:
                 report.failed_blocks.append(i)
-                failed_nbytes += self.block_nbytes[i]
+                failed.append(i)
             elif error is None:
                 error = ok
         if error is not None:
             raise error  # the registered blocks are recorded: close() unregisters them
-        return failed_nbytes
+        return failed
 
     def unpin(self, blocks: Sequence[int] | None = None) -> None:
         """Unregister the pinned ``blocks`` (default: all); idempotent."""
@@ -218,6 +240,17 @@ class HostRegion:
         # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
         # go back to the OS when the last view dies. Closing here would leave views dangling.
         self._mmap = None
+
+
+def _map_file(path: str, nbytes: int) -> mmap.mmap:
+    """``nbytes`` of the file at ``path`` (created if missing), mapped shared."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        faults.check("host_share")
+        os.posix_fallocate(fd, 0, nbytes)  # idempotent: every sharer sizes it, none truncates
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
 
 
 # ----------------------------------------------------------------------------- packing

@@ -223,7 +223,11 @@ class BlockStack:
     group_axis: str
     """Axis of the weight-collective group (``"local"`` for rank-local)."""
     group_size: int
-    """Size of the weight-collective group (1 for rank-local)."""
+    """Size of the weight-collective group (1 for rank-local and node-shared)."""
+    share_axis: str = "local"
+    """Node-shared only: the weight axis whose ranks on one node share the host copy."""
+    share_size: int = 1
+    """Node-shared only: size of that axis's group (the ranks on one node share)."""
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
@@ -238,6 +242,10 @@ class BlockStack:
             )
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.transfer == "node-shared" and self.group_size != 1:
+            raise ValueError(
+                f"a node-shared stack copies whole blocks (group_size 1), got {self.group_size}"
+            )
 
     @property
     def resident_block_paths(self) -> tuple[str, ...]:
@@ -756,6 +764,9 @@ def _finish(
         axis, size = ("local", 1)
         if transfer != "rank-local":
             axis, size = config.weight_group(par, stack.component)
+        share_axis, share_size = ("local", 1)
+        if transfer == "node-shared":  # whole blocks; the group shares the host copy
+            (share_axis, share_size), (axis, size) = (axis, size), ("local", 1)
         out.append(
             BlockStack(
                 component=stack.component,
@@ -766,6 +777,8 @@ def _finish(
                 num_resident=num_resident,
                 group_axis=axis,
                 group_size=size,
+                share_axis=share_axis,
+                share_size=share_size,
             )
         )
         logger.debug(

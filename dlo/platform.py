@@ -24,6 +24,7 @@ import ctypes
 import logging
 import os
 import socket
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -108,6 +109,15 @@ def cpu_share() -> int:
 def host_name() -> str:
     """This machine's name (ranks with the same name share a node)."""
     return socket.gethostname()
+
+
+def shared_memory_dir() -> str:
+    """Where a node's processes share memory through files: ``DLO_SHM_DIR``, else
+    ``/dev/shm`` (a tmpfs on Linux), else the temporary directory."""
+    given = env_str("DLO_SHM_DIR")
+    if given:
+        return given
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 def env_str(name: str, default: str | None = None) -> str | None:

@@ -50,6 +50,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlo.config import TRANSFERS
 from dlo.layout import chunking
 
 GIB = 1 << 30
@@ -249,7 +250,7 @@ def _check_input(inp: PolicyInput) -> None:
     ):
         raise ValueError(f"device_budget_gb={gb!r} must be a finite number > 0")
     for s in inp.stacks:
-        if s.transfer not in ("rank-local", "allgather", "auto"):
+        if s.transfer not in TRANSFERS:
             raise ValueError(f"stack {s.name!r}: transfer={s.transfer!r} is not a transfer")
         if s.group_size < 1:
             raise ValueError(f"stack {s.name!r}: group_size={s.group_size} must be >= 1")
@@ -288,7 +289,7 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
         transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
     else:
         transfer, reason = "rank-local", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"
-    local = transfer == "rank-local"
+    local = transfer in ("rank-local", "node-shared")  # whole blocks, no collective
     return StackChoice(
         name=s.name,
         transfer=transfer,

@@ -83,6 +83,9 @@ class StreamedBlock:
     transport: BlockTransport | StagedTransport
     index: int = -1
     """Position in the manifest (identifies the block in the lock-step check)."""
+    host_writable: bool = True
+    """``shard`` is this rank's own copy of the whole block, so in-place writes can go back
+    to it (not with AllGather, the mapped backing or a node-shared copy)."""
     placeholders: list[torch.Tensor] = field(default_factory=list)
     views: list[list[torch.Tensor]] = field(default_factory=list)
     """``views[slot.index][i]``: tensor i as a view of that slot."""
@@ -127,7 +130,8 @@ class _BlockHook(ModelHook):
                 f"the block wrote its streamed tensor(s) {', '.join(lost)} in place, and "
                 "this backend cannot keep the write (with AllGather each rank holds only a "
                 "slice of the block; host_backing='mapped' streams from the read-only "
-                "checkpoint): keep such state out of the block's parameters and buffers, keep "
+                "checkpoint; with node-shared the node's other ranks stream the same host "
+                "copy): keep such state out of the block's parameters and buffers, keep "
                 "the block resident (resident_layers), or use transfer='rank-local'",
                 rank=self.scheduler.rank,
                 block=self.block.name,
@@ -398,7 +402,11 @@ class RingScheduler:
         """Copy the tensors ``block`` wrote in place back into its whole-block host shard;
         returns the names of written tensors that have no such shard to go to."""
         written = written_tensors(block.layout.tensors, block.tensors, block.versions)
-        if written and (block.layout.group_size > 1 or not isinstance(block.shard, torch.Tensor)):
+        if written and (
+            not block.host_writable
+            or block.layout.group_size > 1
+            or not isinstance(block.shard, torch.Tensor)
+        ):
             return [spec.name for spec, _ in written]
         copy_back(block.shard, written)
         return []

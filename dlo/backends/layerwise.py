@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,7 @@ from dlo.layout import (
 )
 from dlo.lifecycle import Journal, OffloadBackend, claim_components
 from dlo.loader import mapped_source, pack_block
+from dlo.node_share import SharedBlock, share_host, sharers
 from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
 from dlo.plan import (
     BlockStack,
@@ -105,6 +107,11 @@ class _Block:
     layout: BlockLayout
     entries: list[tuple[str, str, torch.Tensor]]
     region_index: int = -1
+    """Position in the manifest."""
+    region: HostRegion | None = None
+    """The host region holding this block: this rank's, or the node-shared copy."""
+    host_index: int = -1
+    """The block's index in ``region``."""
     original_devices: list[torch.device] = field(default_factory=list)
     mapped: MappedBlock | None = None
     """With ``host_backing="mapped"``: the block's host backing (no region bytes)."""
@@ -112,6 +119,15 @@ class _Block:
     @property
     def tensors(self) -> list[torch.Tensor]:
         return [t for _, _, t in self.entries]
+
+    @property
+    def node_shared(self) -> bool:
+        return self.stack.transfer == "node-shared"
+
+    def host_view(self) -> torch.Tensor:
+        """The block's bytes in its host region."""
+        assert self.region is not None
+        return self.region.view(self.host_index)
 
 
 class LayerwiseBackend(OffloadBackend):
@@ -138,6 +154,8 @@ class LayerwiseBackend(OffloadBackend):
     def _reset_state(self) -> None:
         self._blocks: list[_Block] = []
         self._region: HostRegion | None = None
+        self._shared: HostRegion | None = None
+        """The node-shared host copy (see [Note: node-shared host copy])."""
         self._pool: SlotPool | None = None
         self._scheduler: RingScheduler | None = None
         self._staging: StagedTransport | None = None
@@ -205,11 +223,13 @@ class LayerwiseBackend(OffloadBackend):
                 pipeline, plan, cfg, par, self.platform, world
             )
         self.plan = plan
-        distributed = any(s.group_size > 1 for s in plan.stacks)
-        if distributed and not world.distributed:
+        distributed = any(s.group_size > 1 for s in plan.stacks)  # gathers
+        exchanges = distributed or any(s.share_size > 1 for s in plan.stacks)
+        if exchanges and not world.distributed:
             raise OffloadError(
-                "an AllGather stack needs a process group: run under torchrun (or call "
-                "torch.distributed.init_process_group) with the ParallelConfig's world size",
+                "an AllGather or node-shared stack needs a process group: run under torchrun "
+                "(or call torch.distributed.init_process_group) with the ParallelConfig's "
+                "world size",
                 rank=world.rank,
             )
         group_ranks = {
@@ -220,12 +240,17 @@ class LayerwiseBackend(OffloadBackend):
         # 2-3: layouts, manifest, local preparation (failures caught for the agreement)
         local_error: BaseException | None = None
         report = RankReport(
-            rank=world.rank, ok=True, host=host_name(), settings=settings_of(cfg, plan.stacks)
+            rank=world.rank,
+            ok=True,
+            host=host_name(),
+            token=secrets.token_hex(8),
+            settings=settings_of(cfg, plan.stacks),
         )
         blocks: list[_Block] = []
         try:  # every failure from here to the vote is the vote's (peers are waiting in it)
             if cfg.host_backing == "mapped":
                 _check_mapped_stacks(plan)
+            _check_shared_stacks(plan)
             claim_components(
                 [(p, get_by_path(pipeline, p)) for p in _streamed_components(plan)],
                 f"dlo {self.name} backend #{id(self):x}",
@@ -276,13 +301,13 @@ class LayerwiseBackend(OffloadBackend):
             report.symmetric_slots = self._pool.base is not None
             journal.record("device slots", self._release_slots)
         except Exception as e:
-            if not distributed:
+            if not exchanges:
                 raise
             local_error = e
             report.ok, report.error = False, f"{type(e).__name__}: {e}"
 
         # 4: agreement (a group of one agrees with itself)
-        if distributed:
+        if exchanges:
             faults.check("agreement")
             reports = exchange(
                 report, rank=world.rank, world_size=world.size, timeout_s=cfg.collective_timeout_s
@@ -293,7 +318,7 @@ class LayerwiseBackend(OffloadBackend):
             reports, pin_failure_policy=cfg.pin_failure_policy, gather_engine=cfg.gather_engine
         )
         if not verdict.ok:
-            if distributed:
+            if exchanges:
                 self._poisoned = f"multi-rank startup failed ({verdict.message})"
             if isinstance(local_error, ValueError):  # this rank's own config was refused
                 raise ValueError(verdict.message) from local_error
@@ -303,11 +328,12 @@ class LayerwiseBackend(OffloadBackend):
 
         # 5: after agreement; failures here poison a multi-rank backend
         try:
+            self._share_host_copy(blocks, reports, journal, world)
             self._build_runtime(pipeline, plan, blocks, journal, world)
             # 6: commit
             faults.check("commit")
         except BaseException as e:
-            if distributed:
+            if exchanges:
                 self._poisoned = f"failure after startup agreement ({e!r})"
             raise
         self._enable_time_s = time.perf_counter() - t0
@@ -357,11 +383,16 @@ class LayerwiseBackend(OffloadBackend):
             }.values():
                 ckpt.retain()
                 journal.record("checkpoint files", ckpt.release)
-        region = HostRegion([0 if b.mapped else b.layout.shard_nbytes for b in blocks])
+        region = HostRegion(
+            [0 if b.mapped or b.node_shared else b.layout.shard_nbytes for b in blocks]
+        )
         self._region = region
         journal.record("host region", self._close_region)
         for i, b in enumerate(blocks):
             b.region_index = i
+            if b.node_shared:  # packed after the agreement, into the node's copy
+                continue
+            b.region, b.host_index = region, i
             if b.mapped is not None:
                 # its bytes stay in the checkpoint: nothing to pack, the originals go
                 self._release_originals(b)
@@ -407,10 +438,44 @@ class LayerwiseBackend(OffloadBackend):
             for i, (t, dev) in enumerate(zip(b.tensors, b.original_devices)):
                 t.data = b.mapped.rebuild(i).to(dev)
             return
-        assert self._region is not None
-        shard = self._region.view(b.region_index)
+        shard = b.host_view()
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
             t.data = unpack_tensor(shard, spec, dev)
+
+    def _share_host_copy(
+        self, blocks: list[_Block], reports: list[RankReport], journal: Journal, world: World
+    ) -> None:
+        """Pack the node-shared blocks into the node's copy (see [Note: node-shared host
+        copy]); every rank takes part in its exchange, with or without such blocks."""
+        shared = [b for b in blocks if b.node_shared]
+        if not shared:
+            return
+        assert self._region is not None
+        cfg = self.config
+        axis = shared[0].stack.share_axis
+        group = group_of(self.parallel, axis, world.rank) if world.distributed else [world.rank]
+        budget = None
+        if cfg.pin_budget_gb is not None:
+            budget = int(cfg.pin_budget_gb * (1 << 30)) - self._region.charged_pinned_nbytes
+        region, fallback = share_host(
+            [SharedBlock(b.name, b.layout, b.tensors, streamed=not b.resident) for b in shared],
+            reports=reports,
+            members=sharers(reports, group, world.rank),
+            rank=world.rank,
+            world_size=world.size if world.distributed else 1,
+            platform=self.platform,
+            pin=cfg.pin_memory,
+            budget_nbytes=budget,
+            pin_failure_policy=cfg.pin_failure_policy,
+            timeout_s=cfg.collective_timeout_s,
+            journal=journal,
+        )
+        self._shared = region
+        self._fallback_blocks += fallback
+        for i, b in enumerate(shared):
+            b.region, b.host_index = region, i
+            self._release_originals(b)
+            journal.record(f"release {b.name}", functools.partial(self._restore_block, b))
 
     def _allocate_slots(self, cfg: OffloadConfig, slot_nbytes: int, distributed: bool) -> SlotPool:
         """Slots in symmetric memory when the copy-engine gather may be used (``"copy"``;
@@ -550,10 +615,11 @@ class LayerwiseBackend(OffloadBackend):
                 name=b.name,
                 module=b.module,
                 layout=b.layout,
-                shard=b.mapped or self._region.view(b.region_index),
+                shard=b.mapped or b.host_view(),
                 tensors=b.tensors,
                 transport=transports[b.stack.group_axis],
                 index=b.region_index,
+                host_writable=b.layout.group_size == 1 and not b.mapped and not b.node_shared,
             )
             by_stack.setdefault(id(b.stack), []).append(sb)
         for stack in plan.stacks:
@@ -617,7 +683,7 @@ class LayerwiseBackend(OffloadBackend):
             if not b.resident:
                 continue
             buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
-            host: Any = b.mapped or self._region.view(b.region_index)
+            host: Any = b.mapped or b.host_view()
             transports[b.stack.group_axis].load(
                 b.layout,
                 host,
@@ -648,15 +714,16 @@ class LayerwiseBackend(OffloadBackend):
         written = written_tensors(b.layout.tensors, b.tensors, versions)
         if not written:
             return
-        if b.mapped is not None or self._region is None:
+        if b.mapped is not None or b.node_shared or b.region is None:
             logger.warning(
-                "dlo: resident block %s wrote %s in place; its source is the checkpoint: the "
-                "writes are not kept after disable",
+                "dlo: resident block %s wrote %s in place; its source is %s: the writes are "
+                "not kept after disable",
                 b.name,
                 [spec.name for spec, _ in written],
+                "the node-shared host copy" if b.node_shared else "the checkpoint",
             )
             return
-        copy_back(self._region.view(b.region_index), written)
+        copy_back(b.host_view(), written)
 
     def _unbind_rings(self) -> None:
         self.platform.synchronize()
@@ -669,6 +736,7 @@ class LayerwiseBackend(OffloadBackend):
     def stats(self) -> dict[str, Any]:
         """Plain-value statistics (DESIGN.md section 2); synchronizes the device."""
         sched, region, pool, staging = self._scheduler, self._region, self._pool, self._staging
+        shared = self._shared
         if sched is not None:
             self.platform.synchronize()
             sched.harvest_all()
@@ -676,16 +744,27 @@ class LayerwiseBackend(OffloadBackend):
         transfers = sorted({b.stack.transfer for b in self._blocks}) if self._blocks else []
         return {
             "enabled": self.is_enabled(),
-            "transfer": "allgather" if "allgather" in transfers else "rank-local",
+            "transfer": next(
+                (t for t in ("allgather", "node-shared") if t in transfers), "rank-local"
+            ),
             "group_size": self._group_size,
             "group_rank": self._group_rank,
             "host_backing": self.config.host_backing,
+            # what this rank holds, a node-shared block's bytes charged 1/L to each sharer
             "host_nbytes": sum(
-                b.mapped.private_nbytes if b.mapped else b.layout.shard_nbytes for b in self._blocks
+                b.mapped.private_nbytes
+                if b.mapped
+                else -(-b.layout.shard_nbytes // (shared.share_ranks if shared else 1))
+                if b.node_shared
+                else b.layout.shard_nbytes
+                for b in self._blocks
             ),
             "host_mapped_nbytes": sum(b.mapped.mapped_nbytes for b in self._blocks if b.mapped),
             "host_region_nbytes": region.nbytes if region else 0,
+            "host_shared_nbytes": shared.nbytes if shared else 0,
+            "host_share_ranks": shared.share_ranks if shared else 1,
             "host_pinned_nbytes": (region.pinned_nbytes if region else 0)
+            + (shared.charged_pinned_nbytes if shared else 0)
             + (staging.pinned_nbytes if staging else 0),
             "num_staging_buffers": staging.num_buffers if staging else 0,
             "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
@@ -715,13 +794,22 @@ class LayerwiseBackend(OffloadBackend):
 
 def _check_mapped_stacks(plan: ResolvedOffloadPlan) -> None:
     for s in plan.stacks:
-        if s.group_size > 1:
+        if s.group_size > 1 or s.transfer == "node-shared":
             raise ValueError(
                 f"host_backing='mapped' applies to rank-local stacks only, but stack "
                 f"{s.container_path!r} uses transfer {s.transfer!r} (group size "
-                f"{s.group_size}): AllGather stacks keep per-rank shards "
-                "(use host_backing='region')"
+                f"{s.group_size}): AllGather stacks keep per-rank shards, node-shared ones "
+                "a node's copy in shared memory (use host_backing='region')"
             )
+
+
+def _check_shared_stacks(plan: ResolvedOffloadPlan) -> None:
+    axes = {s.container_path: s.share_axis for s in plan.stacks if s.transfer == "node-shared"}
+    if len(set(axes.values())) > 1:
+        raise ValueError(
+            f"node-shared stacks share one host copy per node along one weight axis, but they "
+            f"resolve to different axes: {axes} (set one weight_axis)"
+        )
 
 
 def _streamed_components(plan: ResolvedOffloadPlan) -> list[str]:

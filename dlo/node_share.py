@@ -1,0 +1,148 @@
+"""Node-shared host copy: the ranks of a weight group on one node hold one copy of its blocks.
+
+[Note: node-shared host copy]
+With AllGather each rank holds 1/G of every block, but every forward also moves (G-1)/G of
+the bytes between GPUs; at 16384 tokens on power-limited H200s that peer traffic lowers the
+SM clock of the compute it overlaps (docs/benchmarks.md, fourth GPU session: the GEMMs and
+attention 4.5% slower). Rank-local moves no peer bytes, but each rank holds the whole model.
+``transfer="node-shared"`` keeps the rank-local transport (whole blocks over each rank's own
+host-to-device link, group size 1, no collective) with one host copy per node:
+
+1. after the startup agreement, which carries every rank's host name and a random token, the
+   *sharers* are the ranks of this rank's weight group (the AllGather group's axis, never
+   TP) with this rank's host name; the file is ``dlo-<token of the first sharer>`` in
+   :func:`~dlo.platform.shared_memory_dir` (``/dev/shm``);
+2. each sharer maps the file (created if missing and sized with ``posix_fallocate``, so a
+   full tmpfs fails here, not with SIGBUS at a write), page-locks its streamed blocks with
+   its own registration (each rank charged 1/L of a block against ``pin_budget_gb``), and
+   packs the blocks at positions ``k % L == its index``;
+3. one store exchange carries every rank's outcome and unpinned blocks: a failure anywhere is
+   the same error on every rank, each rolling back locally (unregister, unmap, unlink);
+   blocks left pageable anywhere are kept pageable everywhere (``pin_failure_policy``);
+4. the file is unlinked right away (every sharer has it mapped), so nothing stays in
+   ``/dev/shm`` once the last process unmaps it, even if one is killed; only then are the
+   original tensors released.
+
+Trust is the same as AllGather's: the sharers' weights must be equal (the agreement compares
+layouts by digest, not values). A block's in-place write into its streamed tensors is
+refused (the other sharers stream the same bytes; [Note: writes into streamed tensors]).
+Pages live on the NUMA node of the rank that packed them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlo import faults
+from dlo.agreement import RankReport, pin_verdict, share
+from dlo.errors import OffloadError
+from dlo.host import HostRegion
+from dlo.layout import BlockLayout
+from dlo.lifecycle import Journal
+from dlo.loader import pack_block
+from dlo.platform import Platform, shared_memory_dir
+
+
+@dataclass
+class SharedBlock:
+    """One block of the shared copy, as the caller holds it."""
+
+    name: str
+    layout: BlockLayout
+    tensors: list[torch.Tensor]
+    streamed: bool
+    """Pinned (streamed every forward); a resident block crosses the link once."""
+
+
+def sharers(reports: Sequence[RankReport], group: Sequence[int], rank: int) -> list[int]:
+    """The ranks of ``group`` on this rank's node (by host name), in group order."""
+    host = reports[rank].host if len(reports) > 1 else ""
+    return [r for r in group if len(reports) == 1 or reports[r].host == host]
+
+
+def share_host(
+    blocks: Sequence[SharedBlock],
+    *,
+    reports: Sequence[RankReport],
+    members: Sequence[int],
+    rank: int,
+    world_size: int,
+    platform: Platform,
+    pin: bool,
+    budget_nbytes: int | None,
+    pin_failure_policy: str,
+    timeout_s: float,
+    journal: Journal,
+) -> tuple[HostRegion, tuple[str, ...]]:
+    """Build this node's shared copy of ``blocks`` (steps 2-4 of the note).
+
+    Returns:
+        The region (block ``i`` of ``blocks`` at index ``i``) and the blocks every rank keeps
+        pageable.
+
+    Raises:
+        OffloadError: a rank failed (named, the same message on every rank), or pinning
+            failed under ``pin_failure_policy="fail"``.
+    """
+    index, count = members.index(rank), len(members)
+    path = os.path.join(shared_memory_dir(), f"dlo-{reports[members[0]].token}")
+    unlink = _unlinker(path)
+    region: HostRegion | None = None
+    unpinned: tuple[str, ...] = ()
+    error = ""
+    try:
+        journal.record("shared host file", unlink)  # a failure before step 4 removes it
+        region = HostRegion([b.layout.shard_nbytes for b in blocks], path=path, share_ranks=count)
+        journal.record("shared host region", region.close)
+        if pin:
+            report = region.pin(
+                platform,
+                budget_nbytes=budget_nbytes,
+                blocks=[i for i, b in enumerate(blocks) if b.streamed],
+            )
+            unpinned = tuple(blocks[i].name for i in report.unpinned_blocks)
+        for i, b in enumerate(blocks):
+            if i % count == index:
+                faults.check("host_fill")
+                pack_block(region.view(i), b.layout, 0, b.tensors)
+    except Exception as e:
+        if world_size == 1:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    replies = share(
+        (error, unpinned),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic="host-share",
+        what="node-shared host copy",
+    )
+    failed = [(r, e) for r, (e, _) in enumerate(replies) if e]
+    if failed:
+        raise OffloadError(
+            f"the node-shared host copy failed on rank(s) {[r for r, _ in failed]}: "
+            + "; ".join(f"rank {r}: {e}" for r, e in failed),
+            rank=rank,
+        )
+    assert region is not None
+    unlink()  # every sharer has it mapped (step 4)
+    fallback, refused = pin_verdict(
+        [(r, names) for r, (_, names) in enumerate(replies)], pin_failure_policy
+    )
+    if refused:
+        raise OffloadError(refused, rank=rank)
+    region.unpin([i for i, b in enumerate(blocks) if b.name in set(fallback)])
+    return region, fallback
+
+
+def _unlinker(path: str) -> Callable[[], None]:
+    def unlink() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    return unlink
