@@ -326,7 +326,8 @@ def _share(
     while not _has_key(store, outcome):
         refused = _refusal(store, rank=rank, what=what)
         if refused is not None:
-            _close(store, prefix, world_size)
+            if _close(store, prefix, world_size):
+                break  # decided "ok" before a peer's later failure marked the store
             raise refused
         if time.monotonic() >= deadline:
             if not _close(store, prefix, world_size):

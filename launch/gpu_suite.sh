@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -52,6 +52,10 @@ for s in $steps; do
     failtests)  # the one-rank-failure cases wait for NCCL's watchdog: three at a time (~2.5 min)
       [ "$ngpu" -ge 2 ] && step gpu_fail_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         -n 3 tests/multigpu/test_dlo_nccl.py -k one_rank_failing ;;
+    nstests) [ "$ngpu" -ge 2 ] && step ns_tests 200 python3 -m pytest -v -p no:cacheprovider -rs \
+        tests/multigpu/test_node_shared_gpu.py "tests/multigpu/test_dlo_nccl.py::test_nccl_parity_half_bytes_no_alloc" ;;
+    runns) [ "$ngpu" -ge 2 ] && step run_node_shared 300 torchrun --nproc-per-node="$ngpu" -m dlo \
+        run --preset "$preset" --steps 4 --tokens 4096 --transfer node-shared --check ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/multigpu/test_dlo_nccl.py -k "copy and not one_rank_failing" ;;
     run)

@@ -186,6 +186,14 @@ def _torchrun(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[s
     )
 
 
+def test_torchrun_run_node_shared_check_two_cpu_ranks() -> None:
+    proc = _torchrun("run", "--transfer", "node-shared", "--steps", "2", "--check", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout[proc.stdout.index("[") :])
+    assert all(r["parity"] is True and r["transfer"] == "node-shared" for r in reports)
+    assert reports[0]["host_nbytes"] == reports[1]["host_nbytes"] > 0
+
+
 def test_torchrun_run_allgather_check_two_cpu_ranks() -> None:
     proc = _torchrun(
         "run", "--transfer", "allgather", "--steps", "3", "--check", "--json",
@@ -218,7 +226,13 @@ def test_torchrun_bench_two_cpu_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(path.read_text())
     methods = {r["method"] for r in report["results"]}
-    assert methods == {"resident", "dlo-rank-local", "dlo-allgather", "dlo-auto"}
+    assert methods == {"resident", "dlo-rank-local", "dlo-node-shared", "dlo-allgather", "dlo-auto"}
+    row = {r["method"]: r for r in report["results"]}
+    # node-shared moves whole blocks over each link (rank-local's limit) from half the host
+    assert row["dlo-node-shared"]["h2d_limit_ms"] == row["dlo-rank-local"]["h2d_limit_ms"] > 0
+    assert row["dlo-node-shared"]["transfer"] == "node-shared"
+    half = row["dlo-rank-local"]["host_nbytes"] / 2
+    assert half <= row["dlo-node-shared"]["host_nbytes"] <= half + 64
     assert report["limits"]["allgather_GBps"] > 0  # the shared probes run on gloo too
     auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
     assert [r["transfer"] for r in auto] == [report["policy"]["stacks"]["blocks"]["transfer"]]

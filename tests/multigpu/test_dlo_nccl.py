@@ -35,7 +35,8 @@ def _backend(rank: int, world: int, **kw: Any) -> LayerwiseBackend:
     kw.setdefault("collective_timeout_s", 30.0)
     if kw.get("gather_engine") == "copy-kernel":
         kw["gather_engine"], kw["gather_sync"] = "copy", "kernel"
-    cfg = dlo.OffloadConfig(mode="layer", transfer="allgather", **kw)
+    kw.setdefault("transfer", "allgather")
+    cfg = dlo.OffloadConfig(mode="layer", **kw)
     return LayerwiseBackend(
         cfg, dlo.ParallelConfig(data_parallel_size=world), CudaPlatform(torch.device("cuda", rank))
     )

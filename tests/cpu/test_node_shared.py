@@ -1,0 +1,475 @@
+"""transfer="node-shared": the ranks of a weight group on one node share one host copy in a
+file under DLO_SHM_DIR (see [Note: node-shared host copy] in dlo.node_share). Real gloo ranks;
+every test gives the ranks a private DLO_SHM_DIR, so parallel tests never see each other's
+files."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+import dlo.backends.layerwise as layerwise
+import dlo.host
+import dlo.node_share
+from dlo import agreement, faults
+from dlo.agreement import RankReport, pin_verdict
+from dlo.backends.layerwise import LayerwiseBackend, _check_shared_stacks
+from dlo.host import LEDGER
+from dlo.plan import BlockStack, resolve_offload_plan
+from dlo.platform import CpuPlatform
+from tests.cpu.test_dlo import FakePinPlatform, _cfg, _par, _steps
+from tests.cpu.test_streamed_writes import _CachingDiT, _state
+from tests.cpu.test_streamed_writes import _x as _write_x
+from tests.harness import assert_all_ok, run_ranks
+from tests.toys import ToyDiT, ToyPipeline, TwoStackDiT, assert_same, clone, snapshot
+
+NS = "node-shared"
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {"DLO_SHM_DIR": str(tmp_path)}
+
+
+def _shm_files() -> list[str]:
+    return sorted(f for f in os.listdir(os.environ["DLO_SHM_DIR"]) if f.startswith("dlo-"))
+
+
+def _ns(world: int, platform: CpuPlatform | None = None, **kw: Any) -> LayerwiseBackend:
+    return LayerwiseBackend(_cfg(transfer=NS, **kw), _par(world), platform or CpuPlatform())
+
+
+def _error(e: BaseException) -> str:
+    """The message without its ``[dlo rank N]`` prefix (equal on every rank)."""
+    return str(e).split("]", 1)[1]
+
+
+# ----------------------------------------------------------------------------- parity
+def _parity(
+    rank: int, world: int, num_blocks: int, resident: int, nodes: int, sp: int = 1
+) -> dict[str, Any]:
+    """``nodes`` simulated hosts; ``sp`` > 1: data x sequence, the weight group is DP's."""
+    if nodes > 1:  # ranks [0, world/nodes) on one node, the next ones on another, ...
+        host = f"node{rank * nodes // world}"
+        layerwise.host_name = lambda: host  # type: ignore[assignment]
+    packed: list[str] = []
+    paths: list[str] = []
+    real_pack, real_map = dlo.node_share.pack_block, dlo.host._map_file
+
+    def pack(dst: torch.Tensor, layout: Any, r: int, sources: Any) -> None:
+        packed.append(layout.name)
+        real_pack(dst, layout, r, sources)
+
+    def map_file(path: str, nbytes: int) -> Any:
+        paths.append(path)
+        return real_map(path, nbytes)
+
+    dlo.node_share.pack_block = pack  # type: ignore[assignment]
+    dlo.host._map_file = map_file  # type: ignore[assignment]
+    model = TwoStackDiT(num_blocks, num_blocks2=2) if num_blocks % 2 else ToyDiT(num_blocks)
+    ref = _steps(clone(model), rank, 4)
+    before = snapshot(model)
+    par = dlo.ParallelConfig(data_parallel_size=world // sp, sequence_parallel_size=sp)
+    backend = LayerwiseBackend(_cfg(transfer=NS, resident_layers=resident), par, CpuPlatform())
+    backend.enable(model)
+    files_enabled = _shm_files()
+    got, h2d = _forwards(backend, model, rank)
+    st = backend.stats()
+    blocks = [(b.name, b.layout.shard_nbytes, b.resident) for b in backend._blocks]
+    backend.disable()
+    assert_same(before, model)
+    files_disabled = _shm_files()
+    # what rank-local moves for the same model: with two stacks both move a little more
+    # than one pass over the blocks (each stack's first block is prefetched at the end)
+    local = LayerwiseBackend(
+        _cfg(transfer="rank-local", resident_layers=resident), par, CpuPlatform()
+    )
+    local.enable(model)
+    local_h2d = _forwards(local, model, rank)[1]
+    local.disable()
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(ref, got)),
+        "stats": st,
+        "blocks": blocks,
+        "packed": packed,
+        "paths": paths,
+        "h2d": h2d,
+        "local_h2d": local_h2d,
+        "files_enabled": files_enabled,
+        "files_disabled": files_disabled,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+def _forwards(
+    backend: LayerwiseBackend, model: torch.nn.Module, rank: int
+) -> tuple[list[torch.Tensor], list[int]]:
+    """Four forwards, then one more alone: the outputs, and the bytes each run moved."""
+    h2d = [backend.stats()["h2d_nbytes"]]
+    got = _steps(model, rank, 4)
+    h2d.append(backend.stats()["h2d_nbytes"])
+    _steps(model, rank, 1)
+    h2d.append(backend.stats()["h2d_nbytes"])
+    return got, [b - a for a, b in itertools.pairwise(h2d)]
+
+
+@pytest.mark.parametrize(
+    "world, num_blocks, resident",
+    [(1, 3, 0), (2, 4, 1), (3, 5, 0), (4, 5, 1)],  # odd counts: TwoStackDiT (7 blocks)
+)
+def test_parity_one_copy_per_node_each_rank_packs_its_share(
+    tmp_path: Path, world: int, num_blocks: int, resident: int
+) -> None:
+    res = assert_all_ok(
+        run_ranks(_parity, world, num_blocks, resident, 1, timeout_s=60, env=_env(tmp_path))
+    )
+    names = [n for n, _, _ in res[0]["blocks"]]
+    for rank, r in enumerate(res):
+        st = r["stats"]
+        assert r["same"] and r["ledger"] == (0, 0)
+        assert r["files_enabled"] == [] and r["files_disabled"] == []  # unlinked at enable
+        assert st["transfer"] == NS and st["group_size"] == 1 and st["allgather_nbytes"] == 0
+        assert st["host_share_ranks"] == world and st["host_region_nbytes"] == 0
+        assert st["host_nbytes"] == sum(-(-n // world) for _, n, _ in r["blocks"])
+        assert st["host_shared_nbytes"] >= sum(n for _, n, _ in r["blocks"])
+        assert st["host_shared_nbytes"] % os.sysconf("SC_PAGE_SIZE") == 0
+        assert st["host_pinned_nbytes"] == 0  # CPU: nothing pinned
+        assert st["num_resident_blocks"] == resident
+        streamed = sum(n for _, n, res_ in r["blocks"] if not res_)
+        assert r["h2d"] == r["local_h2d"]  # whole blocks, like rank-local
+        if num_blocks % 2 == 0:  # one stack: each forward moves every streamed block once
+            assert r["h2d"] == [4 * streamed, streamed]
+        # rank r packed exactly the blocks k % L == r, resident ones included
+        assert r["packed"] == names[rank::world], (rank, r["packed"])
+        assert len(set(r["paths"])) == 1
+    assert sorted(n for r in res for n in r["packed"]) == sorted(names)
+    assert len({r["paths"][0] for r in res}) == 1  # one file for the node
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "nodes, sp, copies",
+    [(2, 1, [[0, 1], [2, 3]]), (1, 2, [[0, 2], [1, 3]])],
+    ids=["two-nodes", "two-weight-groups-on-one-node"],
+)
+def test_two_copies_for_two_nodes_or_two_weight_groups(
+    tmp_path: Path, nodes: int, sp: int, copies: list[list[int]]
+) -> None:
+    res = assert_all_ok(run_ranks(_parity, 4, 4, 0, nodes, sp, timeout_s=60, env=_env(tmp_path)))
+    names = [n for n, _, _ in res[0]["blocks"]]
+    for r in res:
+        assert r["same"] and r["ledger"] == (0, 0) and r["h2d"] == r["local_h2d"]
+        # its own file is gone once a rank enabled (the other copy's may not be yet)
+        assert Path(r["paths"][0]).name not in r["files_enabled"] + r["files_disabled"]
+        assert r["stats"]["host_share_ranks"] == 2
+        assert r["stats"]["host_nbytes"] == sum(-(-n // 2) for _, n, _ in r["blocks"])
+    for a, b in copies:  # one file per pair, each rank of it packing its half
+        assert res[a]["paths"] == res[b]["paths"]
+        assert (res[a]["packed"], res[b]["packed"]) == (names[0::2], names[1::2])
+    assert res[copies[0][0]]["paths"] != res[copies[1][0]]["paths"]
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- failures
+def _slow_exchange(rank: int) -> None:
+    """Rank 1 reaches the host-share exchange late, and rank 0 is preempted between its
+    reads of the exchange's outcome and of the failure mark (as a loaded node may do)."""
+    if rank == 1:
+        real_share = dlo.node_share.share
+
+        def late(*args: Any, **kw: Any) -> Any:
+            time.sleep(0.3)
+            return real_share(*args, **kw)
+
+        dlo.node_share.share = late  # type: ignore[assignment]
+    elif rank == 0:
+        real_refusal, polls = agreement._refusal, [0]
+
+        def preempted(store: Any, *, rank: int, what: str) -> Any:
+            polls[0] += what == "node-shared host copy"
+            if polls[0] == 2 and what == "node-shared host copy":  # the first poll
+                time.sleep(0.6)
+            return real_refusal(store, rank=rank, what=what)
+
+        agreement._refusal = preempted  # type: ignore[assignment]
+
+
+def _failure(rank: int, world: int, point: str, slow: bool = False) -> dict[str, Any]:
+    if slow:
+        _slow_exchange(rank)
+    model = ToyDiT(3)
+    before = snapshot(model)
+    backend = _ns(world, collective_timeout_s=10.0)
+    try:
+        if rank == 1:
+            with faults.inject(point):
+                backend.enable(model)
+        else:
+            backend.enable(model)
+    except dlo.OffloadError as e:
+        msg = _error(e)
+    else:
+        return {"msg": "enabled"}
+    assert_same(before, model)
+    later = []
+    for again in (backend, _ns(world)):  # the same object, and a new one on this worker
+        try:
+            again.enable(model)
+            later.append("enabled")
+        except dlo.OffloadError as e:
+            later.append(f"{type(e).__name__}: {e}")
+    assert_same(before, model)
+    return {
+        "msg": msg,
+        "later": later,
+        "files": _shm_files(),
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+@pytest.mark.parametrize("point", ["host_share", "host_fill"])
+def test_failure_on_one_rank_fails_every_rank_and_leaves_nothing(
+    tmp_path: Path, point: str
+) -> None:
+    res = assert_all_ok(run_ranks(_failure, 3, point, timeout_s=60, env=_env(tmp_path)))
+    assert len({r["msg"] for r in res}) == 1, res  # see also the next test
+    msg = res[0]["msg"]
+    assert "node-shared host copy failed on rank(s) [1]" in msg and point in msg, msg
+    for r in res:
+        assert r["files"] == [] and r["ledger"] == (0, 0)
+        # the startup failed after the agreement: the worker is done
+        same, fresh = r["later"]
+        assert same.startswith("BackendPoisonedError") and "recreate the worker" in same, same
+        assert "previous multi-rank startup of dlo failed" in fresh, fresh
+    assert os.listdir(tmp_path) == []
+
+
+def test_failure_reaches_a_peer_polling_the_exchange_as_the_same_error(tmp_path: Path) -> None:
+    # A race, made deterministic: rank 1 completes the host-share exchange, raises and marks
+    # the store failed while rank 0 is between its read of the exchange's outcome and its
+    # read of the mark. dlo.agreement._share at 9f7dccc then raised the refusal ("node-shared
+    # host copy refused: a previous multi-rank startup of dlo failed (rank 1: ...)") on rank
+    # 0 instead of the error, although the exchange had been decided "ok"; it must read the
+    # exchange (FAILED at 9f7dccc until _share broke out of its wait when every rank had
+    # arrived)
+    res = assert_all_ok(run_ranks(_failure, 2, "host_fill", True, timeout_s=60, env=_env(tmp_path)))
+    assert len({r["msg"] for r in res}) == 1, res
+    assert res[0]["msg"].startswith(" the node-shared host copy failed on rank(s) [1]"), res
+
+
+# ----------------------------------------------------------------------------- pinning
+def _pinning(rank: int, world: int, case: str, nbytes: list[int]) -> dict[str, Any]:
+    charge = [-(-n // world) for n in nbytes]
+    platform = FakePinPlatform(fail=case == "fail_one" and rank == 1)
+    budget = {"fits_shared": sum(charge) + charge[0] // 2, "two_blocks": sum(charge[:2])}
+    kw: dict[str, Any] = {
+        "pin_failure_policy": "fail" if case == "fail" else "whole_block_fallback"
+    }
+    if case != "fail_one":
+        kw["pin_budget_gb"] = budget["two_blocks" if case == "fail" else case] / (1 << 30)
+    model = ToyDiT(4)
+    before = snapshot(model)
+    backend = _ns(world, platform, **kw)
+    try:
+        backend.enable(model)
+    except dlo.OffloadError as e:
+        assert_same(before, model)
+        return {
+            "msg": _error(e),
+            "files": _shm_files(),
+            "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+        }
+    same = all(
+        torch.equal(a, b) for a, b in zip(_steps(clone(ToyDiT(4)), rank, 2), _steps(model, rank, 2))
+    )
+    st = backend.stats()
+    backend.disable()
+    assert_same(before, model)
+    return {
+        "same": same,
+        "budget": int(kw.get("pin_budget_gb", 0) * (1 << 30)),
+        "pageable": st["pageable_blocks"],
+        "pinned": st["host_pinned_nbytes"],
+        "charge": charge,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+def _block_nbytes(num_blocks: int) -> list[int]:
+    """Each block's bytes (a whole block, as rank-local holds it)."""
+    probe = LayerwiseBackend(_cfg(transfer="rank-local"), _par(1), CpuPlatform())
+    probe.enable(ToyDiT(num_blocks))
+    out = [b.layout.shard_nbytes for b in probe._blocks]
+    probe.disable()
+    return out
+
+
+def test_pin_budget_charges_each_sharer_its_share(tmp_path: Path) -> None:
+    # the budget holds every block at 1/2 its bytes, not at its whole bytes
+    nbytes = _block_nbytes(4)
+    res = assert_all_ok(
+        run_ranks(_pinning, 2, "fits_shared", nbytes, timeout_s=60, env=_env(tmp_path))
+    )
+    for r in res:
+        assert sum(r["charge"]) <= r["budget"] < sum(nbytes)
+        assert r["same"] and r["pageable"] == [] and r["pinned"] == sum(r["charge"])
+        assert r["ledger"] == (0, 0)
+
+
+@pytest.mark.parametrize("case", ["two_blocks", "fail_one"])
+def test_blocks_left_pageable_anywhere_are_pageable_everywhere(tmp_path: Path, case: str) -> None:
+    res = assert_all_ok(
+        run_ranks(_pinning, 2, case, _block_nbytes(4), timeout_s=60, env=_env(tmp_path))
+    )
+    want = ["blocks.2", "blocks.3"] if case == "two_blocks" else [f"blocks.{i}" for i in range(4)]
+    for r in res:
+        assert r["same"] and r["pageable"] == want, res
+        assert r["pinned"] == (sum(r["charge"][:2]) if case == "two_blocks" else 0)
+        assert r["ledger"] == (0, 0)
+
+
+def test_pin_failure_policy_fail_is_the_same_error_everywhere(tmp_path: Path) -> None:
+    res = assert_all_ok(
+        run_ranks(_pinning, 2, "fail", _block_nbytes(4), timeout_s=60, env=_env(tmp_path))
+    )
+    assert len({r["msg"] for r in res}) == 1, res
+    msg = res[0]["msg"]
+    assert "pin_budget_gb on rank(s) [0, 1]" in msg and "'blocks.2', 'blocks.3']" in msg, msg
+    assert all(r["files"] == [] and r["ledger"] == (0, 0) for r in res)
+    assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- writes
+def _streamed_write(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = _CachingDiT()
+    before = snapshot(model)
+    backend = _ns(world)
+    backend.enable(model)
+    try:
+        with torch.no_grad():
+            model(_write_x(0), 0)
+        msg = "no error"
+    except dlo.OffloadError as e:
+        msg = str(e)
+    backend.disable()
+    assert_same(before, model)
+    return {"msg": msg, "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes)}
+
+
+def test_in_place_write_into_a_streamed_tensor_is_refused(tmp_path: Path) -> None:
+    for r in assert_all_ok(run_ranks(_streamed_write, 2, timeout_s=60, env=_env(tmp_path))):
+        m = r["msg"]
+        assert "blocks.0" in m and "calls" in m and "in place" in m and NS in m, m
+        assert r["ledger"] == (0, 0)
+
+
+def test_resident_block_write_warns_and_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("DLO_SHM_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = _CachingDiT(2)
+    ref, before = clone(model), _state(model)
+    backend = _ns(1, resident_layers=2)
+    backend.enable(model)
+    with torch.no_grad():  # the resident copies keep their writes while enabled
+        for step in range(3):
+            assert torch.equal(model(_write_x(step), step), ref(_write_x(step), step))
+    with caplog.at_level(logging.WARNING, logger="dlo"):
+        backend.disable()
+    assert "blocks.0" in caplog.text and "not kept after disable" in caplog.text
+    assert "node-shared host copy" in caplog.text
+    after = _state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the pre-enable bytes
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0) and os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- refusals
+def test_mapped_backing_is_refused_naming_the_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # checked before any block is mapped: a model without a checkpoint is enough
+    monkeypatch.setenv("DLO_SHM_DIR", str(tmp_path))
+    model = ToyDiT(3)
+    before = snapshot(model)
+    backend = _ns(1, host_backing="mapped")
+    with pytest.raises(ValueError, match=r"host_backing='mapped'.*'node-shared'"):
+        backend.enable(model)
+    assert_same(before, model)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0) and not backend.is_enabled()
+    assert os.listdir(tmp_path) == []
+
+
+def test_stacks_sharing_along_different_axes_are_refused() -> None:
+    # weight_axis is global, so resolution never yields two share axes; the check guards
+    # the plan the backend executes
+    plan = resolve_offload_plan(TwoStackDiT(2, num_blocks2=2), _cfg(transfer=NS), _par(2))
+    _check_shared_stacks(plan)
+    a, b = plan.stacks
+    mixed = dataclasses.replace(plan, stacks=(a, dataclasses.replace(b, share_axis="sequence")))
+    with pytest.raises(ValueError, match=r"different axes.*'blocks2': 'sequence'"):
+        _check_shared_stacks(mixed)
+
+
+# ----------------------------------------------------------------------------- pure
+def test_sharers_are_the_group_on_this_host() -> None:
+    reports = [RankReport(rank=r, ok=True, host="ab"[r // 2]) for r in range(4)]
+    assert dlo.node_share.sharers(reports, [0, 1, 2, 3], 2) == [2, 3]
+    assert dlo.node_share.sharers(reports, [1, 3], 1) == [1]
+    assert dlo.node_share.sharers(reports, [0, 1], 0) == [0, 1]
+    assert dlo.node_share.sharers(reports[:1], [0], 0) == [0]
+
+
+def test_pin_verdict_is_the_union_and_fail_names_the_ranks() -> None:
+    votes = [(0, ["b.2"]), (1, ["b.1", "b.2"]), (2, [])]
+    assert pin_verdict(votes, "whole_block_fallback") == (("b.1", "b.2"), "")
+    blocks, refused = pin_verdict(votes, "fail")
+    assert blocks == ("b.1", "b.2") and "rank(s) [0, 1]" in refused and "'fail'" in refused
+    assert pin_verdict([(0, []), (1, [])], "fail") == ((), "")
+
+
+def test_block_stack_copies_whole_blocks() -> None:
+    kw: dict[str, Any] = dict(
+        component="dit",
+        component_path="",
+        container_path="blocks",
+        block_paths=("blocks.0",),
+        transfer=NS,
+        num_resident=0,
+        group_axis="data",
+    )
+    with pytest.raises(ValueError, match="group_size 1"):
+        BlockStack(group_size=2, **kw)
+    assert BlockStack(group_size=1, share_axis="data", share_size=2, **kw).share_size == 2
+
+
+def test_plan_resolves_the_share_group() -> None:
+    (s,) = resolve_offload_plan(ToyDiT(3), _cfg(transfer=NS), _par(2)).stacks
+    assert (s.transfer, s.group_axis, s.group_size) == (NS, "local", 1)
+    assert (s.share_axis, s.share_size) == ("data", 2)
+    cfg = _cfg(
+        components=("dit", "encoder"),
+        transfer="rank-local",
+        layer_options={"encoder": {"weight_transfer": NS}},
+    )
+    stacks = resolve_offload_plan(ToyPipeline(), cfg, _par(2)).stacks
+    got = {s.container_path: (s.transfer, s.group_size, s.share_axis, s.share_size) for s in stacks}
+    assert got["text_encoder.layers"] == (NS, 1, "data", 2)
+    assert got["transformer.blocks"] == ("rank-local", 1, "local", 1)
+
+
+def test_unknown_transfer_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^transfer='node-share' is not one of .*'node-shared'"):
+        dlo.OffloadConfig(mode="layer", transfer="node-share")
+    options: Any = {"dit": {"weight_transfer": "shared"}}
+    with pytest.raises(ValueError, match=r"layer_options\['dit'\]: .*weight_transfer='shared'"):
+        dlo.OffloadConfig(mode="layer", layer_options=options)
