@@ -56,6 +56,7 @@ def _hsdp(rank: int, world: int, replicate: int, shard: int, transfer: str) -> d
     transport.all_gather_into = real  # type: ignore[assignment]
     all_params = {n for n, _ in ref_model.named_parameters()}
     return {
+        "share_ranks": st["host_share_ranks"],
         "same": same,
         "dtensor": sorted(dtensor_names),
         "blocks": sorted(block_names),
@@ -67,7 +68,7 @@ def _hsdp(rank: int, world: int, replicate: int, shard: int, transfer: str) -> d
 
 
 @pytest.mark.parametrize(("replicate", "shard"), [(2, 2), (1, 2)])
-@pytest.mark.parametrize("transfer", ["allgather", "rank-local"])
+@pytest.mark.parametrize("transfer", ["allgather", "rank-local", "node-shared"])
 def test_hsdp_parity_ownership_and_shard_axis(replicate: int, shard: int, transfer: str) -> None:
     world = replicate * shard
     res = assert_all_ok(run_ranks(_hsdp, world, replicate, shard, transfer, timeout_s=180))
@@ -82,6 +83,8 @@ def test_hsdp_parity_ownership_and_shard_axis(replicate: int, shard: int, transf
             assert r["group_size"] == shard
         else:
             assert r["groups"] == [] and r["group_size"] == 1
+        # node-shared: one host copy per shard group (the axis AllGather would use)
+        assert r["share_ranks"] == (shard if transfer == "node-shared" else 1)
 
 
 def test_shard_non_block_needs_hsdp() -> None:
