@@ -79,25 +79,38 @@ AGREED_SETTINGS = (
     "gather_sync",
     "host_backing",
     "resident_layers",
+    "transfer",
 )
 """Config fields that shape dlo's collectives or the verdict itself: ranks that differ in one
 would issue different collectives (a symmetric buffer of another size, a gather engine the
 peer does not join, a lock-step check the peer does not run, resident blocks gathered at
 enable by one rank and streamed by the other) or reach different verdicts. The manifest
 digest does not cover ``resident_layers`` (a resident block is laid out like a streamed one),
-so it is compared here as the resolved count of every stack."""
+so it is compared here as the resolved count of every stack; nor a stack's ``transfer`` where
+the group size is 1 either way (rank-local and node-shared lay a block out alike, but one
+rank packing a node's shared copy with a peer that streams privately, or with another list of
+shared blocks, would fill it wrong), compared as every stack's resolved transfer."""
 
 
 def settings_of(config: Any, stacks: Sequence[Any] = ()) -> tuple[tuple[str, Any], ...]:
     """``(field, value)`` for each of :data:`AGREED_SETTINGS` of ``config`` (resolved).
 
-    ``resident_layers`` is not the config field (which may be ``"auto"`` or set per
-    component) but the resolved count of each of ``stacks`` (objects with ``container_path``
-    and ``num_resident``, such as the plan's), as ``"path=count, ..."``.
+    ``resident_layers`` and ``transfer`` are not the config fields (which may be ``"auto"``
+    or set per component) but the resolved values of each of ``stacks`` (objects with
+    ``container_path``, ``num_resident``, ``transfer`` and ``share_axis``, such as the
+    plan's), as ``"path=count, ..."`` and ``"path=transfer, ..."`` (node-shared with its
+    axis).
     """
-    resident = ", ".join(f"{s.container_path}={s.num_resident}" for s in stacks)
+    resolved = {
+        "resident_layers": ", ".join(f"{s.container_path}={s.num_resident}" for s in stacks),
+        "transfer": ", ".join(
+            f"{s.container_path}={s.transfer}"
+            + (f"@{s.share_axis}" if s.transfer == "node-shared" else "")
+            for s in stacks
+        ),
+    }
     return tuple(
-        (name, resident if name == "resident_layers" else getattr(config, name))
+        (name, resolved[name] if name in resolved else getattr(config, name))
         for name in AGREED_SETTINGS
     )
 

@@ -76,17 +76,25 @@ class HostRegion:
             copy] in :mod:`dlo.node_share`).
         share_ranks: ranks that share the region; each is charged ``1/share_ranks`` of a
             block against the pin budget.
+        header_nbytes: bytes before the first block (its own pages, never pinned), for the
+            sharers' marks (:meth:`header`).
     """
 
     def __init__(
-        self, nbytes: Sequence[int], *, path: str | None = None, share_ranks: int = 1
+        self,
+        nbytes: Sequence[int],
+        *,
+        path: str | None = None,
+        share_ranks: int = 1,
+        header_nbytes: int = 0,
     ) -> None:
         faults.check("host_allocation")
         page = page_size()
         self.block_nbytes = [int(n) for n in nbytes]
         self.block_offsets: list[int] = []
         self.share_ranks = share_ranks
-        total = 0
+        self.header_nbytes = header_nbytes
+        total = round_up(header_nbytes, page)
         for n in self.block_nbytes:
             self.block_offsets.append(total)
             total += round_up(n, page)
@@ -109,6 +117,11 @@ class HostRegion:
         assert self._buffer is not None, "host region already released"
         start = self.block_offsets[index]
         return self._buffer[start : start + self.block_nbytes[index]]
+
+    def header(self) -> torch.Tensor:
+        """The uint8 tensor over the header bytes."""
+        assert self._buffer is not None, "host region already released"
+        return self._buffer[: self.header_nbytes]
 
     def is_pinned(self, index: int) -> bool:
         return self._pinned[index]

@@ -38,7 +38,7 @@ from dlo.errors import OffloadError
 from dlo.host import HostRegion
 from dlo.layout import ALIGN, MIB
 from dlo.parallel import current_world
-from dlo.platform import Platform
+from dlo.platform import Platform, host_name, shared_memory_free_nbytes
 from dlo.policy import Measurements
 from dlo.transport import all_gather_into
 
@@ -163,6 +163,10 @@ class RankMeasurement:
     h2d_bps: float = 0.0
     allgather_bps: dict[str, float] = field(default_factory=dict)
     free_device_nbytes: int | None = None
+    shared_memory_nbytes: int | None = None
+    """Free bytes in this node's shared-memory folder (for a node-shared copy)."""
+    host: str = ""
+    """This rank's host name (ranks with one name share a node's shared memory)."""
     non_block_nbytes: int = 0
     """Non-block weight bytes this rank holds (its local shard under HSDP)."""
     non_block_to_place_nbytes: int = 0
@@ -191,6 +195,8 @@ def measure_rank(
     )
     try:
         m.free_device_nbytes = platform.free_memory()
+        m.shared_memory_nbytes = shared_memory_free_nbytes()
+        m.host = host_name()
         m.h2d_bps = h2d_bandwidth(platform, nbytes, pinned=pinned)
     except Exception as e:
         m.ok, m.error = False, f"{type(e).__name__}: {e}"
@@ -233,14 +239,27 @@ def combine(records: Sequence[RankMeasurement]) -> Measurements:
     """The minimum of each number over ``records`` (pure)."""
     axes = sorted({a for r in records for a in r.allgather_bps})
     free = [r.free_device_nbytes for r in records if r.free_device_nbytes is not None]
+    shm = [r.shared_memory_nbytes for r in records if r.shared_memory_nbytes is not None]
     return Measurements(
         h2d_bps=min(r.h2d_bps for r in records),
         allgather_bps={
             a: min(r.allgather_bps[a] for r in records if a in r.allgather_bps) for a in axes
         },
         free_device_nbytes=min(free) if len(free) == len(records) else None,
+        shared_memory_nbytes=min(shm) if len(shm) == len(records) else None,
         num_ranks=len(records),
     )
+
+
+def copies_per_node(records: Sequence[RankMeasurement], groups: Sequence[Sequence[int]]) -> int:
+    """How many node-shared copies the fullest node would hold: the number of ``groups``
+    (one copy each) with a rank on it (pure)."""
+    host = {r.rank: r.host for r in records}
+    per_node: dict[str, set[int]] = {}
+    for i, g in enumerate(groups):
+        for rank in g:
+            per_node.setdefault(host.get(rank, ""), set()).add(i)
+    return max((len(s) for s in per_node.values()), default=1)
 
 
 def combine_non_block(records: Sequence[RankMeasurement]) -> tuple[int, int]:

@@ -13,13 +13,18 @@ host-to-device link, group size 1, no collective) with one host copy per node:
    TP) with this rank's host name; the file is ``dlo-<token of the first sharer>`` in
    :func:`~dlo.platform.shared_memory_dir` (``/dev/shm``);
 2. each sharer maps the file (created if missing and sized with ``posix_fallocate``, so a
-   full tmpfs fails here, not with SIGBUS at a write), page-locks its streamed blocks with
+   full tmpfs fails here, not with SIGBUS at a write), writes its token into its slot of the
+   file's header page, page-locks its streamed blocks with
    its own registration (each rank charged 1/L of a block against ``pin_budget_gb``), and
    packs the blocks at positions ``k % L == its index``;
 3. one store exchange carries every rank's outcome and unpinned blocks: a failure anywhere is
    the same error on every rank, each rolling back locally (unregister, unmap, unlink);
    blocks left pageable anywhere are kept pageable everywhere (``pin_failure_policy``);
-4. the file is unlinked right away (every sharer has it mapped), so nothing stays in
+4. every sharer checks that the header holds every sharer's token, and a second exchange
+   shares the verdicts: ranks with one host name that do not see one file (containers on
+   different machines with one host name, a ``DLO_SHM_DIR`` that differs per rank) would each
+   stream a copy others filled only in part, so the enable fails on every rank instead;
+5. the file is unlinked right away (every sharer has it mapped), so nothing stays in
    ``/dev/shm`` once the last process unmaps it, even if one is killed; only then are the
    original tensors released.
 
@@ -68,7 +73,7 @@ def sharers(reports: Sequence[RankReport], group: Sequence[int], rank: int) -> l
 def share_host(
     blocks: Sequence[SharedBlock],
     *,
-    reports: Sequence[RankReport],
+    tokens: Sequence[str],
     members: Sequence[int],
     rank: int,
     world_size: int,
@@ -79,7 +84,8 @@ def share_host(
     timeout_s: float,
     journal: Journal,
 ) -> tuple[HostRegion, tuple[str, ...]]:
-    """Build this node's shared copy of ``blocks`` (steps 2-4 of the note).
+    """Build this node's shared copy of ``blocks`` (steps 2-5 of the note); ``tokens`` are
+    the ``members``' tokens (the sharers, in group order).
 
     Returns:
         The region (block ``i`` of ``blocks`` at index ``i``) and the blocks every rank keeps
@@ -90,15 +96,22 @@ def share_host(
             failed under ``pin_failure_policy="fail"``.
     """
     index, count = members.index(rank), len(members)
-    path = os.path.join(shared_memory_dir(), f"dlo-{reports[members[0]].token}")
+    path = os.path.join(shared_memory_dir(), f"dlo-{tokens[0]}")
     unlink = _unlinker(path)
     region: HostRegion | None = None
     unpinned: tuple[str, ...] = ()
     error = ""
     try:
         journal.record("shared host file", unlink)  # a failure before step 4 removes it
-        region = HostRegion([b.layout.shard_nbytes for b in blocks], path=path, share_ranks=count)
+        region = HostRegion(
+            [b.layout.shard_nbytes for b in blocks],
+            path=path,
+            share_ranks=count,
+            header_nbytes=count * _MARK_NBYTES,
+        )
         journal.record("shared host region", region.close)
+        mark = slice(index * _MARK_NBYTES, (index + 1) * _MARK_NBYTES)
+        region.header()[mark].copy_(_mark(tokens[index]))
         if pin:
             report = region.pin(
                 platform,
@@ -130,7 +143,28 @@ def share_host(
             rank=rank,
         )
     assert region is not None
-    unlink()  # every sharer has it mapped (step 4)
+    header = region.header()
+    one_file = all(
+        torch.equal(header[i * _MARK_NBYTES : (i + 1) * _MARK_NBYTES], _mark(t))
+        for i, t in enumerate(tokens)
+    )
+    seen = share(
+        one_file,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic="host-share-marks",
+        what="node-shared host copy check",
+    )
+    if not all(seen):
+        raise OffloadError(
+            f"rank(s) {[r for r, ok in enumerate(seen) if not ok]} do not map one node-shared "
+            "file with the ranks of their host name (containers on different machines with "
+            "one host name, or DLO_SHM_DIR differing per rank): point DLO_SHM_DIR at one "
+            "shared-memory folder of the node, or use transfer='allgather'",
+            rank=rank,
+        )
+    unlink()  # every sharer has it mapped (step 5)
     fallback, refused = pin_verdict(
         [(r, names) for r, (_, names) in enumerate(replies)], pin_failure_policy
     )
@@ -138,6 +172,15 @@ def share_host(
         raise OffloadError(refused, rank=rank)
     region.unpin([i for i, b in enumerate(blocks) if b.name in set(fallback)])
     return region, fallback
+
+
+_MARK_NBYTES = 64
+"""One sharer's slot in the header: its token, zero-padded."""
+
+
+def _mark(token: str) -> torch.Tensor:
+    raw = token.encode()[:_MARK_NBYTES].ljust(_MARK_NBYTES, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 def _unlinker(path: str) -> Callable[[], None]:

@@ -120,6 +120,15 @@ def shared_memory_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def shared_memory_free_nbytes() -> int | None:
+    """Bytes free in :func:`shared_memory_dir` for an unprivileged writer (None: unknown)."""
+    try:
+        st = os.statvfs(shared_memory_dir())
+    except OSError:
+        return None
+    return int(st.f_bavail * st.f_frsize)
+
+
 def env_str(name: str, default: str | None = None) -> str | None:
     """Read one environment variable (the only ``os.environ`` access outside this module)."""
     return os.environ.get(name, default)

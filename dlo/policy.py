@@ -20,8 +20,13 @@ of the weight group (output bytes per second):
   gather is never overlapped).
 
 ``transfer="auto"`` picks, per stack, the transfer with the smaller summed latency ``L`` over
-the stack's blocks; a tie goes to rank-local (fewer moving parts, no lock step). A stack
-whose weight axis has one rank has nothing to gather with and is rank-local.
+the stack's blocks; a tie goes to whole blocks (fewer moving parts, no lock step). A stack
+whose weight axis has one rank has nothing to gather with and is rank-local. Whole blocks
+for a stack whose axis has more ranks are node-shared ([Note: node-shared host copy]: the
+same copies as rank-local, one host copy per node) when every node's shared-memory folder
+has room for all such stacks with ``SHARED_MEMORY_HEADROOM`` to spare; else rank-local.
+Node-shared is not chosen over a faster AllGather: its case, compute that hides whole-block
+copies (long sequences), depends on the request, which enable does not know.
 
 Slots. With S slots a slot is reused every S blocks, and one slot's cycle is the block's
 load latency plus its compute ``t_c`` (the copy of block i+S waits for block i's ``free``).
@@ -58,6 +63,8 @@ GB = 1e9
 FREE_MEMORY_HEADROOM = 0.2
 """Fraction of the free device memory ``resident_layers="auto"`` leaves for activations."""
 MAX_AUTO_SLOTS = 4
+SHARED_MEMORY_HEADROOM = 0.2
+"""Fraction of the free shared memory an automatic node-shared copy leaves to others."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,8 @@ class Measurements:
     """Weight axis -> AllGather output bytes per second of that axis's group."""
     free_device_nbytes: int | None = None
     """Free device memory at enable, before dlo allocates (None: unknown)."""
+    shared_memory_nbytes: int | None = None
+    """Free bytes in the shared-memory folder of the fullest node (None: unknown)."""
     num_ranks: int = 1
     """How many ranks measured (the minimum is over all of them)."""
 
@@ -117,13 +126,15 @@ class PolicyInput:
     """Of which not on the device yet (they will take free memory at enable)."""
     block_compute_s: float | None = None
     """Known compute time of one block; None assumes it is about the transfer time."""
+    shared_copies_per_node: int = 1
+    """Node-shared copies the fullest node would hold (one per weight group on it)."""
 
 
 @dataclass(frozen=True)
 class StackChoice:
     name: str
     transfer: str
-    """Concrete: ``"rank-local"`` or ``"allgather"``."""
+    """Concrete: ``"rank-local"``, ``"allgather"`` or ``"node-shared"``."""
     group_axis: str
     group_size: int
     num_resident: int
@@ -180,6 +191,7 @@ class PolicyDecision:
                 "h2d_GBps": m.h2d_bps / GB,
                 "allgather_GBps": {k: v / GB for k, v in sorted(m.allgather_bps.items())},
                 "free_device_nbytes": m.free_device_nbytes,
+                "shared_memory_nbytes": m.shared_memory_nbytes,
                 "num_ranks": m.num_ranks,
             },
             "explanation": self.explanation,
@@ -287,8 +299,8 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
         transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
     elif ag is not None and ag < rl:
         transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
-    else:
-        transfer, reason = "rank-local", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"
+    else:  # whole blocks; node-shared if the shared memory holds them (see _fit_shared)
+        transfer, reason = "node-shared", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"
     local = transfer in ("rank-local", "node-shared")  # whole blocks, no collective
     return StackChoice(
         name=s.name,
@@ -301,6 +313,37 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
         allgather_ms=ag_ms,
         reason=reason,
     )
+
+
+def _fit_shared(inp: PolicyInput, choices: list[StackChoice]) -> list[StackChoice]:
+    """Keep the automatic node-shared choices if the fullest node's copies of all of them
+    (one per weight group on it) fit the free shared memory less the headroom; else make
+    them rank-local, saying why."""
+    auto = [
+        (s, c)
+        for s, c in zip(inp.stacks, choices)
+        if c.transfer == "node-shared" and c.requested == "auto"
+    ]
+    if not auto:
+        return choices
+    copies = inp.shared_copies_per_node
+    need = copies * sum(
+        padded_nbytes(b, 1, inp.chunk_nbytes) for s, _ in auto for b in s.block_nbytes
+    )
+    free = inp.measured.shared_memory_nbytes
+    if free is not None and need <= free * (1 - SHARED_MEMORY_HEADROOM):
+        return choices
+    what = "the node's copy needs" if copies == 1 else f"the node's {copies} copies need"
+    why = f"rank-local: {what} {_size(need)}, shared memory has " + (
+        f"{_size(free)} free" if free is not None else "an unknown size"
+    )
+    ids = {id(c) for _, c in auto}
+    return [
+        dataclasses.replace(c, transfer="rank-local", reason=f"{c.reason}; {why}")
+        if id(c) in ids
+        else c
+        for c in choices
+    ]
 
 
 def _resident_split(stacks: tuple[StackSpec, ...], per_dit: int) -> list[int]:
@@ -357,7 +400,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     """
     _check_input(inp)
     chunk, m = inp.chunk_nbytes, inp.measured
-    choices = [_choose_transfer(s, inp) for s in inp.stacks]
+    choices = _fit_shared(inp, [_choose_transfer(s, inp) for s in inp.stacks])
 
     # slots: hide the longest per-slot cycle of any streamed block
     cycle_slots = 2
@@ -475,6 +518,10 @@ def _explain(
     ag = ", ".join(f"AllGather[{k}] {v / GB:.2f} GB/s" for k, v in sorted(m.allgather_bps.items()))
     free = (
         f", free device {_size(m.free_device_nbytes)}" if m.free_device_nbytes is not None else ""
+    ) + (
+        f", free shared memory {_size(m.shared_memory_nbytes)}"
+        if m.shared_memory_nbytes is not None
+        else ""
     )
     lines = [
         f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",

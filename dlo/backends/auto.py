@@ -37,7 +37,7 @@ from dlo.config import COMPONENTS, LayerOptions, OffloadConfig, ParallelConfig
 from dlo.errors import OffloadError
 from dlo.hooks import is_dtensor
 from dlo.layout import MIB, describe_module, plan_block_layout
-from dlo.parallel import World, weight_group
+from dlo.parallel import World, axis_groups, weight_group
 from dlo.plan import ResolvedOffloadPlan, get_by_path, resident_dit_paths_of
 from dlo.platform import Platform
 from dlo.policy import Measurements, PolicyDecision, PolicyInput, StackSpec, decide
@@ -194,12 +194,17 @@ def resolve_automatic(
         mine, world_size=world.size, timeout_s=cfg.collective_timeout_s
     )
     non_block, to_place = measure.combine_non_block(records)
+    shared_axes = {s.group_axis for s in plan.stacks if s.transfer == "auto" and s.group_size > 1}
+    copies = max(
+        (measure.copies_per_node(records, axis_groups(par, a)) for a in shared_axes), default=1
+    )
     decision = decide(
         dataclasses.replace(
             inp,
             measured=measured,
             non_block_nbytes=non_block,
             non_block_to_place_nbytes=to_place,
+            shared_copies_per_node=copies,
         )
     )
     if world.rank == 0:
@@ -213,6 +218,7 @@ def resolve_automatic(
             "h2d_GBps": r.h2d_bps / measure.GB,
             "allgather_GBps": {a: v / measure.GB for a, v in sorted(r.allgather_bps.items())},
             "free_device_nbytes": r.free_device_nbytes,
+            "shared_memory_nbytes": r.shared_memory_nbytes,
             "non_block_nbytes": r.non_block_nbytes,
         }
         for r in records
@@ -301,12 +307,17 @@ def _concrete_plan(plan: ResolvedOffloadPlan, d: PolicyDecision) -> ResolvedOffl
     stacks = []
     for s, c in zip(plan.stacks, d.stacks):
         assert s.container_path == c.name
+        share = (s.share_axis, s.share_size)
+        if c.transfer == "node-shared" and s.transfer == "auto":  # shares along its axis
+            share = (s.group_axis, s.group_size)
         stacks.append(
             dataclasses.replace(
                 s,
                 transfer=c.transfer,
                 group_axis=c.group_axis,
                 group_size=c.group_size,
+                share_axis=share[0],
+                share_size=share[1],
                 num_resident=c.num_resident,
             )
         )

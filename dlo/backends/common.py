@@ -66,10 +66,13 @@ def install_state_dict_hooks(
     tensors: Sequence[torch.Tensor],
     *,
     rank: int,
+    copy: bool = False,
 ) -> None:
     """Make ``module.state_dict()`` return real tensors (views of the host shard, or with
-    ``host_backing="mapped"`` views of the checkpoint's private mapping) instead of
-    placeholders, and refuse ``load_state_dict`` while offload is enabled.
+    ``host_backing="mapped"`` views of the checkpoint's private mapping; with ``copy``
+    private copies, for a node-shared copy that an in-place edit would change under every
+    rank of the node) instead of placeholders, and refuse ``load_state_dict`` while offload
+    is enabled.
 
     With a group size above 1 the host holds only 1/G of the module, so ``state_dict`` raises.
     The returned views alias dlo's host memory; they stay valid after disable (the memory is
@@ -97,11 +100,12 @@ def install_state_dict_hooks(
             i, ref = index.get(id(t), (-1, None))
             key = prefix + local
             if ref is not None and ref() is t and key in state_dict:
-                state_dict[key] = (
+                t = (
                     shard.tensor(i)
                     if isinstance(shard, MappedBlock)
                     else shard_view(shard, layout.tensors[i])
                 )
+                state_dict[key] = t.clone() if copy else t
 
     registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
     registry.register_load_state_dict_pre_hook(module, LOAD_REFUSAL, _refuse_load(name, rank))

@@ -315,7 +315,9 @@ class LayerwiseBackend(OffloadBackend):
         else:
             reports = [report]
         verdict = decide(
-            reports, pin_failure_policy=cfg.pin_failure_policy, gather_engine=cfg.gather_engine
+            reports,
+            pin_failure_policy=cfg.pin_failure_policy,
+            gather_engine=cfg.gather_engine if distributed else "nccl",  # nothing to gather
         )
         if not verdict.ok:
             if exchanges:
@@ -328,7 +330,7 @@ class LayerwiseBackend(OffloadBackend):
 
         # 5: after agreement; failures here poison a multi-rank backend
         try:
-            self._share_host_copy(blocks, reports, journal, world)
+            self._share_host_copy(blocks, reports, journal, world, exchanges)
             self._build_runtime(pipeline, plan, blocks, journal, world)
             # 6: commit
             faults.check("commit")
@@ -443,26 +445,38 @@ class LayerwiseBackend(OffloadBackend):
             t.data = unpack_tensor(shard, spec, dev)
 
     def _share_host_copy(
-        self, blocks: list[_Block], reports: list[RankReport], journal: Journal, world: World
+        self,
+        blocks: list[_Block],
+        reports: list[RankReport],
+        journal: Journal,
+        world: World,
+        exchanges: bool,
     ) -> None:
         """Pack the node-shared blocks into the node's copy (see [Note: node-shared host
-        copy]); every rank takes part in its exchange, with or without such blocks."""
+        copy]). The agreement compared every stack's transfer (``settings_of``), so either
+        every exchanging rank has such blocks and meets the others here, or none has."""
         shared = [b for b in blocks if b.node_shared]
         if not shared:
             return
         assert self._region is not None
         cfg = self.config
         axis = shared[0].stack.share_axis
-        group = group_of(self.parallel, axis, world.rank) if world.distributed else [world.rank]
+        # no exchange: a share group of one (the weight axis has one rank), or one process
+        members = (
+            sharers(reports, group_of(self.parallel, axis, world.rank), world.rank)
+            if exchanges
+            else [world.rank]
+        )
+        token_of = {r.rank: r.token for r in reports}
         budget = None
         if cfg.pin_budget_gb is not None:
             budget = int(cfg.pin_budget_gb * (1 << 30)) - self._region.charged_pinned_nbytes
         region, fallback = share_host(
             [SharedBlock(b.name, b.layout, b.tensors, streamed=not b.resident) for b in shared],
-            reports=reports,
-            members=sharers(reports, group, world.rank),
+            tokens=[token_of[r] for r in members],
+            members=members,
             rank=world.rank,
-            world_size=world.size if world.distributed else 1,
+            world_size=world.size if exchanges else 1,
             platform=self.platform,
             pin=cfg.pin_memory,
             budget_nbytes=budget,
@@ -630,11 +644,19 @@ class LayerwiseBackend(OffloadBackend):
         registry = HookRegistry(owner=f"dlo.layer#{id(self):x}")
         journal.record("hooks", registry.remove_all)
         faults.check("hook_install")
+        shared_names = {b.name for b in blocks if b.node_shared}
         for ring in scheduler.rings:
             for sb in ring.blocks:
                 registry.register(sb.module, HOOK_NAME, scheduler.hook_for(sb))
                 install_state_dict_hooks(
-                    registry, sb.module, sb.name, sb.layout, sb.shard, sb.tensors, rank=world.rank
+                    registry,
+                    sb.module,
+                    sb.name,
+                    sb.layout,
+                    sb.shard,
+                    sb.tensors,
+                    rank=world.rank,
+                    copy=sb.name in shared_names,
                 )
         install_load_refusal_on_ancestors(
             registry,

@@ -4,7 +4,9 @@ still take one decision, and the pipeline stays bitwise equal to a resident run.
 from __future__ import annotations
 
 import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +22,7 @@ from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT, TwoStackDiT, clone
 
 DIM = 16
+NS = "node-shared"
 GBPS = 1e9
 
 
@@ -36,12 +39,21 @@ def _steps(model: torch.nn.Module, rank: int, n: int) -> list[torch.Tensor]:
     return out
 
 
-def _fake_probes(rank: int, numbers: dict[int, tuple[float, float]] | None) -> None:
-    """Make this rank measure ``numbers[rank]`` (GB/s of H2D, AllGather). The real probes
-    still run (the gather is a real collective); only the reported value changes."""
+def _fake_probes(
+    rank: int,
+    numbers: dict[int, tuple[float, float]] | None,
+    shm: dict[int, int | None] | None = None,
+) -> None:
+    """Make this rank measure ``numbers[rank]`` (GB/s of H2D, AllGather) and ``shm[rank]``
+    free bytes of shared memory. The real probes still run (the gather is a real
+    collective); only the reported value changes."""
+    import dlo.measure as measure
+
+    if shm is not None:
+        free = shm[min(rank, max(shm))]
+        measure.shared_memory_free_nbytes = lambda: free  # type: ignore[assignment]
     if numbers is None:
         return
-    import dlo.measure as measure
 
     h2d, ag = numbers[min(rank, max(numbers))]
     real_h2d, real_ag = measure.h2d_bandwidth, measure.allgather_bandwidth
@@ -61,7 +73,7 @@ def _fake_probes(rank: int, numbers: dict[int, tuple[float, float]] | None) -> N
 def _auto(
     rank: int, world: int, numbers: dict[int, tuple[float, float]] | None, cfg_kw: dict[str, Any]
 ) -> dict[str, Any]:
-    _fake_probes(rank, numbers)
+    _fake_probes(rank, numbers, cfg_kw.pop("shm", None))
     model = TwoStackDiT(5, num_blocks2=2) if cfg_kw.pop("two_stacks", False) else ToyDiT(5)
     ref = _steps(clone(model), rank, 3)
     cfg = dlo.OffloadConfig(mode="layer", collective_timeout_s=20.0, **cfg_kw)
@@ -76,6 +88,7 @@ def _auto(
         "policy": st["policy"],
         "transfer": st["transfer"],
         "group_size": st["group_size"],
+        "host_share_ranks": st["host_share_ranks"],
         "num_slots": st["num_slots"],
         "num_resident": st["num_resident_blocks"],
         "allgather_nbytes": st["allgather_nbytes"],
@@ -87,25 +100,32 @@ def _auto(
 # rank -> (H2D GB/s, AllGather GB/s); ranks above the last key use the last entry.
 # Blocks are one chunk, G = 2: AllGather wins roughly when AllGather > 2 x H2D.
 DISAGREE_PICK_ALLGATHER = {0: (10.0, 1000.0), 1: (100.0, 40.0)}  # min (10, 40): allgather
-DISAGREE_PICK_RANK_LOCAL = {0: (10.0, 1000.0), 1: (100.0, 12.0)}  # min (10, 12): rank-local
+DISAGREE_PICK_WHOLE_BLOCKS = {0: (10.0, 1000.0), 1: (100.0, 12.0)}  # min (10, 12): whole
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    """A private DLO_SHM_DIR: a node-shared choice maps its file there."""
+    return {"DLO_SHM_DIR": str(tmp_path)}
 
 
 @pytest.mark.parametrize(
     "numbers, expected",
-    [(DISAGREE_PICK_ALLGATHER, "allgather"), (DISAGREE_PICK_RANK_LOCAL, "rank-local")],
+    [(DISAGREE_PICK_ALLGATHER, "allgather"), (DISAGREE_PICK_WHOLE_BLOCKS, "node-shared")],
 )
 def test_ranks_measuring_differently_take_one_decision(
-    numbers: dict[int, tuple[float, float]], expected: str
+    tmp_path: Path, numbers: dict[int, tuple[float, float]], expected: str
 ) -> None:
-    """Alone, rank 0 would pick AllGather and rank 1 rank-local (a layout mismatch); with
-    the group-wide minimum they agree, and the output is bitwise the resident one."""
-    res = assert_all_ok(
-        run_ranks(_auto, 2, numbers, {"transfer": "auto", "num_slots": "auto"}, timeout_s=120)
-    )
+    """Alone, rank 0 would pick AllGather and rank 1 whole blocks (a layout mismatch); with
+    the group-wide minimum they agree, and the output is bitwise the resident one. Whole
+    blocks of a weight axis of two ranks are node-shared (the shared memory holds them)."""
+    cfg = {"transfer": "auto", "num_slots": "auto"}
+    res = assert_all_ok(run_ranks(_auto, 2, numbers, cfg, timeout_s=120, env=_env(tmp_path)))
     assert all(r["same"] for r in res)
     assert res[0]["policy"] == res[1]["policy"]
     assert {r["transfer"] for r in res} == {expected}
+    assert all(r["stacks"] == {"blocks": (expected, r["group_size"])} for r in res)
     assert all(r["group_size"] == (2 if expected == "allgather" else 1) for r in res)
+    assert all(r["host_share_ranks"] == (2 if expected == NS else 1) for r in res)
     assert all((r["allgather_nbytes"] > 0) == (expected == "allgather") for r in res)
     assert all(r["num_slots"] == (3 if expected == "allgather" else 2) for r in res)
     policy = res[0]["policy"]
@@ -116,7 +136,44 @@ def test_ranks_measuring_differently_take_one_decision(
     assert policy["measured"]["allgather_GBps"]["data"] == pytest.approx(
         min(numbers[0][1], numbers[1][1])
     )
+    assert policy["measured"]["shared_memory_nbytes"] is not None
     assert all(r["ledger"] == (0, 0) for r in res)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "shm, expected",
+    [
+        ({0: 1 << 40, 1: 1000}, "rank-local"),  # the fullest node decides
+        ({0: 1 << 40, 1: None}, "rank-local"),  # unknown on one rank: unknown
+        ({0: 1 << 40, 1: 1 << 30}, NS),
+    ],
+    ids=["one-rank-short", "one-rank-unknown", "both-fit"],
+)
+def test_shared_memory_decides_between_node_shared_and_rank_local(
+    tmp_path: Path, shm: dict[int, int | None], expected: str
+) -> None:
+    cfg = {"transfer": "auto", "num_slots": "auto", "shm": shm}
+    res = assert_all_ok(
+        run_ranks(_auto, 2, DISAGREE_PICK_WHOLE_BLOCKS, cfg, timeout_s=120, env=_env(tmp_path))
+    )
+    assert all(r["same"] and r["ledger"] == (0, 0) for r in res)
+    assert res[0]["policy"] == res[1]["policy"]
+    assert [r["transfer"] for r in res] == [expected] * 2
+    assert all(r["group_size"] == 1 and r["allgather_nbytes"] == 0 for r in res)
+    assert [r["host_share_ranks"] for r in res] == [2 if expected == NS else 1] * 2
+    policy = res[0]["policy"]
+    assert [p["shared_memory_nbytes"] for p in policy["per_rank"]] == [shm[0], shm[1]]
+    known = [v for v in shm.values() if v is not None]
+    assert policy["measured"]["shared_memory_nbytes"] == (
+        min(known) if len(known) == len(shm) else None
+    )
+    reason = policy["stacks"]["blocks"]["reason"]
+    assert ("shared memory" in reason) == (expected == "rank-local"), reason
+    if expected == "rank-local":
+        assert "shared memory" in policy["explanation"] and reason in policy["explanation"]
+        assert ("unknown" in reason) == (None in shm.values()), reason
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("world", [3, 4])
@@ -138,17 +195,19 @@ def test_larger_groups_agree_too(world: int) -> None:
     assert set(res[0]["stacks"].values()) == {("allgather", world)}
 
 
-def test_real_probes_and_every_automatic_setting() -> None:
+def test_real_probes_and_every_automatic_setting(tmp_path: Path) -> None:
     """No fakes: the real probes run on gloo, every setting is automatic, and every rank
     ends with the same concrete values."""
     cfg = {"transfer": "auto", "num_slots": "auto", "resident_layers": "auto"}
-    res = assert_all_ok(run_ranks(_auto, 2, None, cfg, timeout_s=120))
+    res = assert_all_ok(run_ranks(_auto, 2, None, cfg, timeout_s=120, env=_env(tmp_path)))
     assert all(r["same"] for r in res)
     assert res[0]["policy"] == res[1]["policy"]
     assert res[0]["num_resident"] == res[1]["num_resident"] == 5  # host RAM: all fit
     measured = res[0]["policy"]["measured"]
     assert measured["h2d_GBps"] > 0 and measured["allgather_GBps"]["data"] > 0
     assert measured["num_ranks"] == 2
+    assert all(r["stacks"] == res[0]["stacks"] for r in res)
+    assert os.listdir(tmp_path) == []
 
 
 def test_explicit_allgather_with_auto_slots_measures_its_gather() -> None:
@@ -301,3 +360,43 @@ def test_torchrun_run_auto_explain_two_cpu_ranks() -> None:
     # --json keeps stdout machine-readable: rank 0's explanation went to stderr, once
     assert proc.stderr.count("dlo policy (group-wide minimum over 2 rank(s))") == 1
     assert [r["gather_engine"] for r in reports] == ["nccl", "nccl"]  # gloo: never the copy engine
+
+
+def _two_groups_on_one_node(rank: int, world: int, free: int) -> tuple[str, str]:
+    import dlo.measure as measure
+
+    _fake_probes(rank, {0: (10.0, 12.0)})  # whole blocks win
+    measure.shared_memory_free_nbytes = lambda: free  # type: ignore[assignment]
+    backend = LayerwiseBackend(
+        dlo.OffloadConfig(mode="layer", transfer="auto", collective_timeout_s=20.0),
+        dlo.ParallelConfig(data_parallel_size=2, sequence_parallel_size=2),
+        CpuPlatform(),
+    )
+    backend.enable(ToyDiT(5))
+    st = backend.stats()
+    backend.disable()
+    return st["transfer"], st["policy"]["stacks"]["blocks"]["reason"]
+
+
+def test_two_weight_groups_on_one_node_need_two_copies(tmp_path: Path) -> None:
+    """DP 2 x SP 2 on one node, weights shared along data: two groups ([0, 2], [1, 3]), so two
+    copies; shared memory that holds one (with the headroom) but not two is rank-local."""
+    from dlo.layout import MIB, describe_entries, module_tensor_entries, plan_block_layout
+
+    one_copy = sum(
+        plan_block_layout(
+            f"blocks.{i}",
+            describe_entries(module_tensor_entries(b)),
+            group_size=1,
+            chunk_nbytes=64 * MIB,
+        ).padded_nbytes
+        for i, b in enumerate(ToyDiT(5).blocks)
+    )
+    env = {"DLO_SHM_DIR": str(tmp_path)}
+    free = int(one_copy * 1.3)
+    res = assert_all_ok(run_ranks(_two_groups_on_one_node, 4, free, timeout_s=90, env=env))
+    assert {t for t, _ in res} == {"rank-local"}
+    assert all("the node's 2 copies need" in why for _, why in res), res
+    res = assert_all_ok(run_ranks(_two_groups_on_one_node, 4, 3 * one_copy, timeout_s=90, env=env))
+    assert {t for t, _ in res} == {"node-shared"}
+    assert os.listdir(tmp_path) == []

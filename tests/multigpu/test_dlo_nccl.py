@@ -50,30 +50,45 @@ def _steps(model: torch.nn.Module, rank: int, n: int, dim: int) -> list[torch.Te
     return out
 
 
+def warm_then_steady(
+    model: torch.nn.Module, rank: int, dim: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """4 warm-up steps, then 3 more; returns both outputs and the device segments the
+    steady steps allocated (0 when the ring allocates nothing after warm-up)."""
+    dev = torch.device("cuda", rank)
+    got = _steps(model, rank, 4, dim)
+    torch.cuda.synchronize()
+    a0 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
+    more = _steps(model, rank, 3, dim)
+    torch.cuda.synchronize()
+    return got, more, torch.cuda.memory_stats(dev)["segment.all.allocated"] - a0
+
+
+def delay_copy_stream() -> None:
+    """Hold every load's copy stream back 20 M cycles: the ring's events, not luck, must
+    order the copies and the reads (in this process, for the rest of the test)."""
+    from dlo.transport import BlockTransport
+
+    load = BlockTransport.load
+
+    def slow(self: BlockTransport, *a: Any, **k: Any) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            torch.cuda._sleep(20_000_000)
+        load(self, *a, **k)
+
+    BlockTransport.load = slow  # type: ignore[method-assign]
+
+
 def _parity(rank: int, world: int, delayed: bool, engine: str) -> dict[str, Any]:
     dev = torch.device("cuda", rank)
     dim = 256
     model = ToyDiT(7, dim=dim)
     ref = _steps(clone(model).to(dev), rank, 4, dim)
     if delayed:
-        from dlo.transport import BlockTransport
-
-        load = BlockTransport.load
-
-        def slow(self: BlockTransport, *a: Any, **k: Any) -> None:
-            with torch.cuda.stream(self.copy_stream):
-                torch.cuda._sleep(20_000_000)
-            load(self, *a, **k)
-
-        BlockTransport.load = slow  # type: ignore[method-assign]
+        delay_copy_stream()
     b = _backend(rank, world, chunk_mb=1, resident_layers=1, gather_engine=engine)
     b.enable(model)
-    got = _steps(model, rank, 4, dim)
-    torch.cuda.synchronize()
-    a0 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
-    more = _steps(model, rank, 3, dim)
-    torch.cuda.synchronize()
-    a1 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
+    got, more, new_segments = warm_then_steady(model, rank, dim)
     st = b.stats()
     shard = sum(x.layout.shard_nbytes for x in b._blocks)
     streamed = sum(x.layout.shard_nbytes for x in b._blocks if not x.resident)
@@ -92,7 +107,7 @@ def _parity(rank: int, world: int, delayed: bool, engine: str) -> dict[str, Any]
         "padded": padded,
         "pinned": st["host_pinned_nbytes"],
         "streamed": streamed,
-        "new_segments": a1 - a0,
+        "new_segments": new_segments,
         "engine": st["gather_engine"],
         "sync": st["gather_sync"],
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),

@@ -12,7 +12,13 @@ import torch
 from dlo.host import LEDGER
 from dlo.platform import shared_memory_dir
 from tests.harness import assert_all_ok, run_ranks
-from tests.multigpu.test_dlo_nccl import NCCL_ENV, _backend, _steps
+from tests.multigpu.test_dlo_nccl import (
+    NCCL_ENV,
+    _backend,
+    _steps,
+    delay_copy_stream,
+    warm_then_steady,
+)
 from tests.toys import ToyDiT, clone
 
 DIM = 256
@@ -23,26 +29,12 @@ def _node_shared(rank: int, world: int, delayed: bool) -> dict[str, Any]:
     model = ToyDiT(7, dim=DIM)
     ref = _steps(clone(model).to(dev), rank, 4, DIM)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    if delayed:  # a late copy stream: the ring's events, not luck, order the reads
-        from dlo.transport import BlockTransport
-
-        load = BlockTransport.load
-
-        def slow(self: BlockTransport, *a: Any, **k: Any) -> None:
-            with torch.cuda.stream(self.copy_stream):
-                torch.cuda._sleep(20_000_000)
-            load(self, *a, **k)
-
-        BlockTransport.load = slow  # type: ignore[method-assign]
+    if delayed:
+        delay_copy_stream()
     b = _backend(rank, world, transfer="node-shared", resident_layers=1)
     b.enable(model)
     left = [f for f in os.listdir(shared_memory_dir()) if f.startswith("dlo-")]
-    got = _steps(model, rank, 4, DIM)
-    torch.cuda.synchronize()
-    a0 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
-    more = _steps(model, rank, 3, DIM)
-    torch.cuda.synchronize()
-    a1 = torch.cuda.memory_stats(dev)["segment.all.allocated"]
+    got, more, new_segments = warm_then_steady(model, rank, DIM)
     st = b.stats()
     assert b._shared is not None
     streamed = [i for i, x in enumerate(b._blocks) if not x.resident]
@@ -59,7 +51,7 @@ def _node_shared(rank: int, world: int, delayed: bool) -> dict[str, Any]:
         "registered": registered,
         "all_pinned": all_pinned,
         "files_while_enabled": left,
-        "new_segments": a1 - a0,
+        "new_segments": new_segments,
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
     }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from dlo.agreement import AGREED_SETTINGS, RankReport, decide, gather_engine_verdict, settings_of
@@ -73,15 +75,22 @@ def test_settings_that_differ_are_named_and_equal_ones_pass() -> None:
     assert "num_slots" not in verdict.message
 
 
-def test_resolved_resident_counts_are_compared_per_stack() -> None:
-    from types import SimpleNamespace
+def _plan_stack(
+    path: str, *, num_resident: int = 0, transfer: str = "rank-local", share_axis: str = "local"
+) -> SimpleNamespace:
+    """What settings_of reads of a plan's stack."""
+    return SimpleNamespace(
+        container_path=path, num_resident=num_resident, transfer=transfer, share_axis=share_axis
+    )
 
+
+def test_resolved_resident_counts_are_compared_per_stack() -> None:
     cfg = OffloadConfig(mode="layer", resident_layers="auto")
 
     def stacks(n: int) -> list[SimpleNamespace]:
         return [
-            SimpleNamespace(container_path="dit.blocks", num_resident=n),
-            SimpleNamespace(container_path="te.layers", num_resident=0),
+            _plan_stack("dit.blocks", num_resident=n),
+            _plan_stack("te.layers"),
         ]
 
     reports = [
@@ -96,3 +105,48 @@ def test_resolved_resident_counts_are_compared_per_stack() -> None:
         "resident_layers: rank 0='dit.blocks=2, te.layers=0', "
         "rank 1='dit.blocks=1, te.layers=0'" in verdict.message
     )
+
+
+def _verdict(*per_rank: list[SimpleNamespace]) -> tuple[bool, str]:
+    cfg = OffloadConfig(mode="layer", transfer="auto")
+    reports = [
+        RankReport(rank=r, ok=True, digest="d", settings=settings_of(cfg, stacks))
+        for r, stacks in enumerate(per_rank)
+    ]
+    verdict = decide(reports, pin_failure_policy="fail")
+    return verdict.ok, verdict.message
+
+
+def test_resolved_transfers_are_compared_per_stack() -> None:
+    """rank-local and node-shared lay a block out alike (the digest cannot tell them apart),
+    but a rank packing a node's shared copy beside one streaming privately fills it wrong."""
+    shared = _plan_stack("dit.blocks", transfer="node-shared", share_axis="data")
+    local = _plan_stack("dit.blocks")
+    enc = _plan_stack("te.layers", transfer="allgather", share_axis="local")
+    cfg = OffloadConfig(mode="layer")
+    assert dict(settings_of(cfg, [shared, enc]))["transfer"] == (
+        "dit.blocks=node-shared@data, te.layers=allgather"
+    )
+    assert dict(settings_of(cfg, [local]))["transfer"] == "dit.blocks=rank-local"
+    assert dict(settings_of(cfg))["transfer"] == ""
+    assert _verdict([shared, enc], [shared, enc]) == (True, "")
+    assert _verdict([local, enc], [local, enc]) == (True, "")
+    ok, msg = _verdict([shared, enc], [local, enc])
+    assert not ok
+    assert (
+        "different settings (transfer: rank 0='dit.blocks=node-shared@data, "
+        "te.layers=allgather', rank 1='dit.blocks=rank-local, te.layers=allgather')" in msg
+    ), msg
+    assert "resident_layers" not in msg
+
+
+def test_node_shared_along_different_axes_or_stacks_is_refused() -> None:
+    on_data = _plan_stack("dit.blocks", transfer="node-shared", share_axis="data")
+    on_seq = _plan_stack("dit.blocks", transfer="node-shared", share_axis="sequence")
+    ok, msg = _verdict([on_data], [on_seq])
+    assert not ok and "rank 0='dit.blocks=node-shared@data'" in msg
+    assert "rank 1='dit.blocks=node-shared@sequence'" in msg
+    # another list of shared blocks: one stack node-shared on one rank only
+    enc_shared = _plan_stack("te.layers", transfer="node-shared", share_axis="data")
+    ok, msg = _verdict([on_data, _plan_stack("te.layers")], [on_data, enc_shared])
+    assert not ok and "transfer:" in msg and "te.layers=node-shared@data" in msg, msg

@@ -16,6 +16,7 @@ from dlo.layout import ALIGN, MIB
 from dlo.policy import (
     FREE_MEMORY_HEADROOM,
     GIB,
+    SHARED_MEMORY_HEADROOM,
     Measurements,
     PolicyInput,
     StackSpec,
@@ -58,6 +59,7 @@ def _input(
     ag: float | None = 500e9,
     chunk: int = 64 * MIB,
     free: int | None = None,
+    shm: int | None = None,
     **kw: Any,
 ) -> PolicyInput:
     return PolicyInput(
@@ -67,6 +69,7 @@ def _input(
             h2d_bps=h2d,
             allgather_bps={"data": ag} if ag is not None else {},
             free_device_nbytes=free,
+            shared_memory_nbytes=shm,
             num_ranks=2,
         ),
         **kw,
@@ -114,12 +117,14 @@ def test_crossover_moves_with_host_bandwidth(h2d: float) -> None:
     assert decide(inp).stacks[0].transfer == expected
 
 
-def test_tie_goes_to_rank_local() -> None:
-    # G = 2, one chunk, a = 2h exactly: c + g == C / h bit for bit
-    d = decide(_input(_stack((MIB,)), h2d=1e9, ag=2e9))
+@pytest.mark.parametrize("shm, expected", [(None, "rank-local"), (GIB, "node-shared")])
+def test_tie_goes_to_whole_blocks(shm: int | None, expected: str) -> None:
+    # G = 2, one chunk, a = 2h exactly: c + g == C / h bit for bit; whole blocks are
+    # node-shared where the shared memory is known to hold them, else rank-local
+    d = decide(_input(_stack((MIB,)), h2d=1e9, ag=2e9, shm=shm))
     s = d.stacks[0]
     assert s.rank_local_ms == s.allgather_ms
-    assert s.transfer == "rank-local"
+    assert s.transfer == expected and (s.group_axis, s.group_size) == ("local", 1)
 
 
 def test_h200_reference_numbers_pick_allgather_with_three_slots() -> None:
@@ -153,6 +158,128 @@ def test_stacks_decide_independently() -> None:
     enc = _stack((MIB,) * 2, name="enc.layers", component="encoder", dit_path="enc", group_size=1)
     d = decide(_input(dit, enc))
     assert [s.transfer for s in d.stacks] == ["allgather", "rank-local"]
+
+
+# ----------------------------------------------------------------------------- node-shared
+SMALL_AG = 10e9  # H = 50 GB/s: whole blocks win by far (G = 2)
+
+
+def _shared_need(*stacks: StackSpec, chunk: int = 64 * MIB) -> int:
+    """One node's copy of ``stacks``: their padded whole-block bytes."""
+    return sum(padded_nbytes(b, 1, chunk) for s in stacks for b in s.block_nbytes)
+
+
+def test_whole_blocks_are_node_shared_where_the_shared_memory_holds_them() -> None:
+    stack = _stack((64 * MIB,) * 3)
+    need = _shared_need(stack)
+    free = math.ceil(need / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    d = decide(_input(stack, ag=SMALL_AG, shm=free, num_slots="auto"))
+    s = d.stacks[0]
+    assert (s.transfer, s.requested, s.group_axis, s.group_size) == (
+        "node-shared",
+        "auto",
+        "local",
+        1,
+    )
+    assert s.reason.startswith("auto: ") and "shared memory" not in s.reason
+    assert d.num_slots == 2  # whole blocks: L == P
+    assert "-> node-shared" in d.explanation and "free shared memory" in d.explanation
+
+
+@pytest.mark.parametrize("short", [1, 64 * MIB])
+def test_too_little_shared_memory_is_rank_local_saying_why(short: int) -> None:
+    # headroom: the copy must fit in (1 - SHARED_MEMORY_HEADROOM) of the free bytes
+    stack = _stack((64 * MIB,) * 3)
+    need = _shared_need(stack)
+    free = math.floor(need / (1 - SHARED_MEMORY_HEADROOM)) - short
+    assert free > need or short > 1  # the headroom, not the bytes alone, refuses it
+    d = decide(_input(stack, ag=SMALL_AG, shm=free))
+    s = d.stacks[0]
+    assert (s.transfer, s.requested, s.group_size) == ("rank-local", "auto", 1)
+    assert "shared memory" in s.reason and "192.00 MiB" in s.reason, s.reason
+    assert f"{free / MIB:.2f} MiB free" in s.reason, s.reason
+    assert "shared memory" in d.explanation and "-> rank-local" in d.explanation
+
+
+def test_unknown_shared_memory_is_rank_local() -> None:
+    d = decide(_input(_stack(), ag=SMALL_AG, shm=None))
+    s = d.stacks[0]
+    assert s.transfer == "rank-local" and "unknown" in s.reason and "shared memory" in s.reason
+    assert d.as_dict()["measured"]["shared_memory_nbytes"] is None
+
+
+@pytest.mark.parametrize("shm", [None, 0, 100 * GIB])
+def test_explicit_and_gathering_stacks_ignore_the_shared_memory(shm: int | None) -> None:
+    local = _stack(name="l.blocks", dit_path="l", transfer="rank-local")
+    gathered = _stack(name="g.blocks", dit_path="g", transfer="allgather")
+    winner = _stack(name="w.blocks", dit_path="w")  # auto, AllGather is faster
+    one = _stack(name="o.blocks", dit_path="o", group_size=1)  # auto, nothing to share with
+    d = decide(_input(local, gathered, winner, one, ag=5000e9, shm=shm))
+    got = [(s.transfer, s.reason) for s in d.stacks]
+    assert got[0] == ("rank-local", "explicit") and got[1] == ("allgather", "explicit")
+    assert got[2][0] == "allgather" and "shared memory" not in got[2][1]
+    assert got[3][0] == "rank-local" and "one rank" in got[3][1]
+    assert "shared memory" not in got[3][1]
+
+
+def test_stacks_that_fit_alone_but_not_together_are_all_rank_local() -> None:
+    a = _stack((64 * MIB,) * 2, name="a.blocks", dit_path="a")
+    b = _stack((64 * MIB,) * 2, name="b.blocks", dit_path="b")
+    explicit = _stack((64 * MIB,) * 8, name="e.blocks", dit_path="e", transfer="rank-local")
+    one = math.ceil(_shared_need(a) / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    both = math.ceil(_shared_need(a, b) / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    assert [s.transfer for s in decide(_input(a, ag=SMALL_AG, shm=one)).stacks] == ["node-shared"]
+    d = decide(_input(a, b, explicit, ag=SMALL_AG, shm=one))
+    assert [s.transfer for s in d.stacks] == ["rank-local"] * 3
+    assert all("256.00 MiB" in s.reason for s in d.stacks[:2]), d.stacks
+    assert d.stacks[2].reason == "explicit"  # not counted in the node's copy
+    d = decide(_input(a, b, explicit, ag=SMALL_AG, shm=both))
+    assert [s.transfer for s in d.stacks] == ["node-shared", "node-shared", "rank-local"]
+
+
+def test_a_node_holding_several_weight_groups_needs_a_copy_for_each() -> None:
+    stack = _stack((64 * MIB,) * 3)
+    fits_one = math.ceil(_shared_need(stack) / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    assert decide(_input(stack, ag=SMALL_AG, shm=fits_one)).stacks[0].transfer == "node-shared"
+    d = decide(_input(stack, ag=SMALL_AG, shm=fits_one, shared_copies_per_node=2))
+    assert d.stacks[0].transfer == "rank-local"
+    assert "the node's 2 copies need 384.00 MiB" in d.stacks[0].reason, d.stacks[0].reason
+    d = decide(_input(stack, ag=SMALL_AG, shm=2 * fits_one, shared_copies_per_node=2))
+    assert d.stacks[0].transfer == "node-shared"
+
+
+def test_copies_per_node_counts_the_groups_with_a_rank_on_the_fullest_node() -> None:
+    from dlo.measure import RankMeasurement, copies_per_node
+
+    def recs(*hosts: str) -> list[RankMeasurement]:
+        return [RankMeasurement(r, host=h) for r, h in enumerate(hosts)]
+
+    data_of_dp2_sp2 = [[0, 2], [1, 3]]  # two data groups, interleaved with the sequence axis
+    assert copies_per_node(recs("a", "a", "a", "a"), data_of_dp2_sp2) == 2
+    assert copies_per_node(recs("a", "a", "b", "b"), data_of_dp2_sp2) == 2  # each node: both
+    assert copies_per_node(recs("a", "b", "a", "b"), data_of_dp2_sp2) == 1
+    assert copies_per_node(recs("a", "a", "a", "a"), [[0, 1, 2, 3]]) == 1
+    assert copies_per_node(recs("a", "a", "b", "b"), [[0, 1], [2, 3]]) == 1
+
+
+def test_shared_memory_is_reported_and_combined_as_the_minimum() -> None:
+    from dlo.measure import RankMeasurement, combine
+
+    d = decide(_input(_stack(), ag=SMALL_AG, shm=3 * GIB))
+    as_dict = json.loads(json.dumps(d.as_dict()))
+    assert as_dict["measured"]["shared_memory_nbytes"] == 3 * GIB
+    assert as_dict["stacks"]["dit.blocks"]["transfer"] == "node-shared"
+    assert "free shared memory 3.00 GiB" in d.explanation
+
+    def rec(rank: int, shm: int | None) -> RankMeasurement:
+        return RankMeasurement(rank, h2d_bps=H, shared_memory_nbytes=shm)
+
+    assert combine([rec(0, 5 * GIB), rec(1, 2 * GIB), rec(2, 7 * GIB)]).shared_memory_nbytes == (
+        2 * GIB
+    )
+    assert combine([rec(0, 5 * GIB), rec(1, None)]).shared_memory_nbytes is None
+    assert combine([rec(0, None)]).shared_memory_nbytes is None
+    assert combine([rec(0, 0), rec(1, GIB)]).shared_memory_nbytes == 0
 
 
 # ----------------------------------------------------------------------------- slots
