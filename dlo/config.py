@@ -241,7 +241,8 @@ class OffloadConfig:
     starts as soon as this rank's slice of it has landed."""
     pin_budget_gb: float | None = None
     """Cap on pinned host bytes per rank (GiB; a node-shared block costs each of its L ranks
-    1/L of its bytes); None is unlimited."""
+    1/L of its bytes, and node-shared blocks are served before the rank's private ones);
+    None is unlimited."""
     device_budget_gb: float | None = None
     """Device memory for weights per rank (GiB): non-block weights, slots and resident
     blocks. Given, it sizes the resident blocks (``resident_layers`` must be 0 or

@@ -121,7 +121,10 @@ def shared_memory_dir() -> str:
 
 
 def shared_memory_free_nbytes() -> int | None:
-    """Bytes free in :func:`shared_memory_dir` for an unprivileged writer (None: unknown)."""
+    """Bytes free in :func:`shared_memory_dir` for an unprivileged writer; None when unknown
+    or when that folder is only the temporary directory's fallback (maybe on disk)."""
+    if not env_str("DLO_SHM_DIR") and not os.path.isdir("/dev/shm"):
+        return None
     try:
         st = os.statvfs(shared_memory_dir())
     except OSError:

@@ -316,19 +316,17 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
 
 
 def _fit_shared(inp: PolicyInput, choices: list[StackChoice]) -> list[StackChoice]:
-    """Keep the automatic node-shared choices if the fullest node's copies of all of them
-    (one per weight group on it) fit the free shared memory less the headroom; else make
-    them rank-local, saying why."""
-    auto = [
-        (s, c)
-        for s, c in zip(inp.stacks, choices)
-        if c.transfer == "node-shared" and c.requested == "auto"
-    ]
+    """Keep the automatic node-shared choices if the fullest node's copies of every
+    node-shared stack (explicit ones too: one file holds them all; one copy per weight group
+    on the node) fit the free shared memory less the headroom; else make the automatic ones
+    rank-local, saying why."""
+    shared = [(s, c) for s, c in zip(inp.stacks, choices) if c.transfer == "node-shared"]
+    auto = [(s, c) for s, c in shared if c.requested == "auto"]
     if not auto:
         return choices
     copies = inp.shared_copies_per_node
     need = copies * sum(
-        padded_nbytes(b, 1, inp.chunk_nbytes) for s, _ in auto for b in s.block_nbytes
+        padded_nbytes(b, 1, inp.chunk_nbytes) for s, _ in shared for b in s.block_nbytes
     )
     free = inp.measured.shared_memory_nbytes
     if free is not None and need <= free * (1 - SHARED_MEMORY_HEADROOM):

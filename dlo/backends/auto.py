@@ -91,7 +91,10 @@ def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) 
     """
     if not world.distributed:
         return
-    if not is_automatic(cfg) and not any(s.group_size > 1 for s in plan.stacks):
+    if not is_automatic(cfg) and not any(
+        s.group_size > 1 or s.share_size > 1
+        for s in plan.stacks  # as _install_steps' exchanges
+    ):
         return
     replies = share(
         requested_settings(cfg),
@@ -195,6 +198,7 @@ def resolve_automatic(
     )
     non_block, to_place = measure.combine_non_block(records)
     shared_axes = {s.group_axis for s in plan.stacks if s.transfer == "auto" and s.group_size > 1}
+    shared_axes |= {s.share_axis for s in plan.stacks if s.transfer == "node-shared"}
     copies = max(
         (measure.copies_per_node(records, axis_groups(par, a)) for a in shared_axes), default=1
     )

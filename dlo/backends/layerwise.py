@@ -281,7 +281,16 @@ class LayerwiseBackend(OffloadBackend):
             )
             self._prepare_host(blocks, journal, group_ranks)
             assert self._region is not None
-            budget = int(cfg.pin_budget_gb * (1 << 30)) if cfg.pin_budget_gb is not None else None
+            budget = None
+            if cfg.pin_budget_gb is not None:
+                # node-shared blocks come first (packed after the vote; charged 1/L, L at most
+                # the share group): they are the streamed stacks a node shares, the private
+                # ones here are rank-local leftovers (an encoder not declared replicated)
+                budget = int(cfg.pin_budget_gb * (1 << 30)) - sum(
+                    -(-b.layout.shard_nbytes // b.stack.share_size)
+                    for b in blocks
+                    if b.node_shared and not b.resident
+                )
             # resident blocks cross the link once, at enable: pinning them would only take
             # budget from the blocks streamed every forward
             streamed = [i for i, b in enumerate(blocks) if not b.resident]
@@ -342,13 +351,16 @@ class LayerwiseBackend(OffloadBackend):
         self._enable_peak_rss = process_peak_rss_bytes()
         logger.info(
             "dlo layer offload enabled: %d streamed + %d resident blocks, %d slots x %.1f MiB, "
-            "host %.1f MiB (pinned %.1f MiB), mapped from the checkpoint %.1f MiB, %.2fs",
+            "host %.1f MiB (pinned %.1f MiB), node-shared %.1f MiB over %d ranks, mapped from "
+            "the checkpoint %.1f MiB, %.2fs",
             sum(not b.resident for b in blocks),
             sum(b.resident for b in blocks),
             cfg.num_slots,
             (self._pool.slot_nbytes if self._pool else 0) / MIB,
             self._region.nbytes / MIB if self._region else 0,
             self._region.pinned_nbytes / MIB if self._region else 0,
+            self._shared.nbytes / MIB if self._shared else 0,
+            self._shared.share_ranks if self._shared else 1,
             sum(b.mapped.mapped_nbytes for b in blocks if b.mapped) / MIB,
             self._enable_time_s,
         )
@@ -486,6 +498,13 @@ class LayerwiseBackend(OffloadBackend):
         )
         self._shared = region
         self._fallback_blocks += fallback
+        if fallback:
+            logger.warning(
+                "dlo: %d node-shared blocks stay pageable (pin_failure_policy="
+                "'whole_block_fallback'): %s",
+                len(fallback),
+                ", ".join(fallback[:8]),
+            )
         for i, b in enumerate(shared):
             b.region, b.host_index = region, i
             self._release_originals(b)

@@ -663,3 +663,56 @@ def test_copy_gather_engine_with_nothing_to_gather_enables(tmp_path: Path) -> No
         assert st["allgather_nbytes"] == 0
         assert r["files"] == [] and r["ledger"] == (0, 0)
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- second review
+def _auto_against_explicit(rank: int, world: int) -> str:
+    cfg = _cfg(transfer="node-shared", num_slots="auto" if rank == 0 else 2)
+    backend = LayerwiseBackend(cfg, _par(world), CpuPlatform())
+    t0 = time.monotonic()
+    with pytest.raises(dlo.OffloadError) as e:
+        backend.enable(ToyDiT(4))
+    assert time.monotonic() - t0 < 10.0  # named at once, not after collective_timeout_s
+    return str(e.value).split("] ", 1)[1]
+
+
+def test_automatic_settings_on_one_node_shared_rank_only_are_named_at_once(
+    tmp_path: Path,
+) -> None:
+    # node-shared stacks have group size 1 but exchange: the request check must run too
+    res = assert_all_ok(run_ranks(_auto_against_explicit, 2, timeout_s=60, env=_env(tmp_path)))
+    assert res[0] == res[1] and "num_slots: rank 0='auto', rank 1=2" in res[0], res
+    assert os.listdir(tmp_path) == []
+
+
+def _budget_order(rank: int, world: int, budget: int | None) -> dict[str, Any]:
+    cfg = _cfg(
+        transfer="node-shared",
+        layer_options={"encoder": dlo.LayerOptions(weight_transfer="rank-local")},
+        pin_budget_gb=None if budget is None else budget / (1 << 30),
+        pin_failure_policy="whole_block_fallback",
+    )
+    backend = LayerwiseBackend(cfg, _par(world), FakePinPlatform())
+    backend.enable(ToyPipeline())
+    pinned = {b.name: b.region.is_pinned(b.host_index) for b in backend._blocks if b.region}
+    shared = {b.name: b.layout.shard_nbytes for b in backend._blocks if b.node_shared}
+    backend.disable()
+    return {
+        "pinned": pinned,
+        "shared": shared,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+def test_pin_budget_goes_to_the_node_shared_blocks_first(tmp_path: Path) -> None:
+    """A DiT node-shared, an encoder rank-local (not declared replicated, say): a budget that
+    holds the DiT's charged half pins every DiT block, though the private encoder's blocks
+    are pinned first (before the agreement)."""
+    first = assert_all_ok(run_ranks(_budget_order, 2, None, timeout_s=60, env=_env(tmp_path)))
+    charged = sum(-(-n // 2) for n in first[0]["shared"].values())
+    res = assert_all_ok(run_ranks(_budget_order, 2, charged + 64, timeout_s=60, env=_env(tmp_path)))
+    for r in res:
+        assert all(r["pinned"][name] for name in r["shared"]), r["pinned"]
+        assert not all(r["pinned"].values())  # the encoder got what was left
+        assert r["ledger"] == (0, 0)
+    assert os.listdir(tmp_path) == []

@@ -3,6 +3,7 @@ group, no device, no clock."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from typing import Any
@@ -235,6 +236,20 @@ def test_stacks_that_fit_alone_but_not_together_are_all_rank_local() -> None:
     assert d.stacks[2].reason == "explicit"  # not counted in the node's copy
     d = decide(_input(a, b, explicit, ag=SMALL_AG, shm=both))
     assert [s.transfer for s in d.stacks] == ["node-shared", "node-shared", "rank-local"]
+
+
+def test_explicit_node_shared_stacks_count_in_the_node_copy() -> None:
+    # one file holds every node-shared stack: an automatic one must fit beside the explicit
+    explicit = _stack((64 * MIB,) * 3, name="d.blocks", dit_path="d", transfer="node-shared")
+    explicit = dataclasses.replace(explicit, group_axis="local", group_size=1)
+    auto = _stack((64 * MIB,), name="e.blocks", dit_path="e")
+    alone = math.ceil(_shared_need(auto) / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    both = math.ceil(_shared_need(auto, explicit) / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    d = decide(_input(explicit, auto, ag=SMALL_AG, shm=max(alone, both - 2)))
+    assert [s.transfer for s in d.stacks] == ["node-shared", "rank-local"]
+    assert "256.00 MiB" in d.stacks[1].reason and d.stacks[0].reason == "explicit"
+    d = decide(_input(explicit, auto, ag=SMALL_AG, shm=both))
+    assert [s.transfer for s in d.stacks] == ["node-shared", "node-shared"]
 
 
 def test_a_node_holding_several_weight_groups_needs_a_copy_for_each() -> None:
