@@ -70,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="device memory for weights per rank (GiB); sizes the resident blocks",
     )
     r.add_argument(
+        "--block-compute-ms",
+        type=float,
+        default=None,
+        help="expected compute time of one block (ms; `dlo bench` prints it): lets "
+        "--transfer auto take node-shared where compute hides whole-block copies",
+    )
+    r.add_argument(
         "--explain",
         action="store_true",
         help="print the automatic policy's decision and the numbers behind it (rank 0)",
@@ -180,6 +187,7 @@ def _config(args: argparse.Namespace) -> OffloadConfig:
         gather_engine=args.gather_engine,
         gather_sync=args.gather_sync,
         device_budget_gb=args.device_budget_gb,
+        block_compute_ms=args.block_compute_ms,
         host_backing=args.host_backing,
     )
 

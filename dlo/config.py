@@ -247,6 +247,13 @@ class OffloadConfig:
     """Device memory for weights per rank (GiB): non-block weights, slots and resident
     blocks. Given, it sizes the resident blocks (``resident_layers`` must be 0 or
     ``"auto"``) and bounds ``num_slots="auto"``; too small for one slot is an error."""
+    block_compute_ms: float | None = None
+    """Expected device time of one streamed block's forward under the workload (ms; ``dlo
+    bench`` prints it as "resident compute per block"). Automatic settings only: with it,
+    ``transfer="auto"`` takes node-shared over a faster AllGather for a stack whose every
+    whole-block copy that compute hides (long sequences: no peer traffic, which costs compute
+    clock on power-limited GPUs), and ``num_slots="auto"`` may add a slot for a long cycle
+    (never fewer than without it). None: unknown (see [Note: policy model])."""
     pin_failure_policy: str = "fail"
     """On a failed or over-budget pin: ``"fail"`` the enable, or keep the affected blocks
     pageable (``"whole_block_fallback"``), decided group-wide."""
@@ -301,6 +308,8 @@ class OffloadConfig:
             _check_positive_number("pin_budget_gb", self.pin_budget_gb)
         if self.device_budget_gb is not None:
             _check_positive_number("device_budget_gb", self.device_budget_gb)
+        if self.block_compute_ms is not None:
+            _check_positive_number("block_compute_ms", self.block_compute_ms)
         _check_choice("pin_failure_policy", self.pin_failure_policy, PIN_FAILURE_POLICIES)
         _check_choice("weight_axis", self.weight_axis, WEIGHT_AXES)
         _check_positive_number("collective_timeout_s", self.collective_timeout_s)
@@ -318,6 +327,7 @@ class OffloadConfig:
                 "weight_axis": "auto",
                 "num_slots": 2,
                 "device_budget_gb": None,
+                "block_compute_ms": None,
                 "host_backing": "region",
             }
             for name, default in layer_only.items():

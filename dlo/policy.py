@@ -25,8 +25,12 @@ whose weight axis has one rank has nothing to gather with and is rank-local. Who
 for a stack whose axis has more ranks are node-shared ([Note: node-shared host copy]: the
 same copies as rank-local, one host copy per node) when every node's shared-memory folder
 has room for all such stacks with ``SHARED_MEMORY_HEADROOM`` to spare; else rank-local.
-Node-shared is not chosen over a faster AllGather: its case, compute that hides whole-block
-copies (long sequences), depends on the request, which enable does not know.
+Node-shared is chosen over a faster AllGather only when the user gives the compute time of
+a block (``block_compute_ms``) and it hides the copy of the stack's largest whole block: then
+both run at compute speed, and node-shared moves nothing between GPUs (peer traffic costs
+compute clock on power-limited GPUs: 4-5% at 16384 tokens on 2 x H200). Without it enable
+cannot know (the compute depends on the request). If the shared memory lacks room, such a
+stack falls back to AllGather.
 
 Slots. With S slots a slot is reused every S blocks, and one slot's cycle is the block's
 load latency plus its compute ``t_c`` (the copy of block i+S waits for block i's ``free``).
@@ -125,7 +129,8 @@ class PolicyInput:
     non_block_to_place_nbytes: int = 0
     """Of which not on the device yet (they will take free memory at enable)."""
     block_compute_s: float | None = None
-    """Known compute time of one block; None assumes it is about the transfer time."""
+    """Known compute time of one block (``OffloadConfig.block_compute_ms``); None assumes it
+    is about the transfer time."""
     shared_copies_per_node: int = 1
     """Node-shared copies the fullest node would hold (one per weight group on it)."""
 
@@ -297,6 +302,16 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
         transfer, reason = s.transfer, "explicit"
     elif s.group_size == 1:
         transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
+    elif ag is not None and ag < rl and _compute_hides_whole_blocks(s, inp):
+        t_c = inp.block_compute_s
+        assert t_c is not None
+        transfer, reason = (
+            "node-shared",
+            (
+                f"auto: compute ({t_c * 1e3:.3f} ms per block) hides every whole-block copy: no "
+                f"peer traffic ({ag_ms:.3f} < {rl_ms:.3f} ms per block)"
+            ),
+        )
     elif ag is not None and ag < rl:
         transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
     else:  # whole blocks; node-shared if the shared memory holds them (see _fit_shared)
@@ -315,11 +330,25 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
     )
 
 
+def _compute_hides_whole_blocks(s: StackSpec, inp: PolicyInput) -> bool:
+    """The known compute time of a block is at least the copy of the stack's largest block
+    (so node-shared, moving whole blocks, runs at compute speed like AllGather)."""
+    t_c, m = inp.block_compute_s, inp.measured
+    if t_c is None or not s.block_nbytes:
+        return False
+    largest = max(s.block_nbytes)
+    copy = block_times(
+        largest, group_size=1, chunk_nbytes=inp.chunk_nbytes, h2d_bps=m.h2d_bps, allgather_bps=1.0
+    )[0]
+    return copy <= t_c
+
+
 def _fit_shared(inp: PolicyInput, choices: list[StackChoice]) -> list[StackChoice]:
     """Keep the automatic node-shared choices if the fullest node's copies of every
     node-shared stack (explicit ones too: one file holds them all; one copy per weight group
-    on the node) fit the free shared memory less the headroom; else make the automatic ones
-    rank-local, saying why."""
+    on the node) fit the free shared memory less the headroom; else give the automatic ones
+    the transfer they would have had without it (AllGather where it is faster, else
+    rank-local), saying why."""
     shared = [(s, c) for s, c in zip(inp.stacks, choices) if c.transfer == "node-shared"]
     auto = [(s, c) for s, c in shared if c.requested == "auto"]
     if not auto:
@@ -332,16 +361,24 @@ def _fit_shared(inp: PolicyInput, choices: list[StackChoice]) -> list[StackChoic
     if free is not None and need <= free * (1 - SHARED_MEMORY_HEADROOM):
         return choices
     what = "the node's copy needs" if copies == 1 else f"the node's {copies} copies need"
-    why = f"rank-local: {what} {_size(need)}, shared memory has " + (
+    why = f"{what} {_size(need)}, shared memory has " + (
         f"{_size(free)} free" if free is not None else "an unknown size"
     )
-    ids = {id(c) for _, c in auto}
-    return [
-        dataclasses.replace(c, transfer="rank-local", reason=f"{c.reason}; {why}")
-        if id(c) in ids
-        else c
-        for c in choices
-    ]
+    spec = {id(c): s for s, c in auto}
+    return [_without_sharing(c, spec[id(c)], why) if id(c) in spec else c for c in choices]
+
+
+def _without_sharing(c: StackChoice, s: StackSpec, why: str) -> StackChoice:
+    rl = c.rank_local_ms
+    if c.allgather_ms is not None and rl is not None and c.allgather_ms < rl:
+        return dataclasses.replace(
+            c,
+            transfer="allgather",
+            group_axis=s.group_axis,
+            group_size=s.group_size,
+            reason=f"{c.reason}; allgather: {why}",
+        )
+    return dataclasses.replace(c, transfer="rank-local", reason=f"{c.reason}; rank-local: {why}")
 
 
 def _resident_split(stacks: tuple[StackSpec, ...], per_dit: int) -> list[int]:
@@ -411,7 +448,14 @@ def decide(inp: PolicyInput) -> PolicyDecision:
                 h2d_bps=m.h2d_bps,
                 allgather_bps=m.allgather_bps.get(c.group_axis, 0.0),  # unused at G = 1
             )
-            cycle_slots = max(cycle_slots, slots_needed(lat, occ, inp.block_compute_s))
+            # a known compute time never gives fewer slots than the assumption t_c = P:
+            # measured, the third AllGather slot helps at 4096 tokens where the model with
+            # the real t_c says two suffice
+            cycle_slots = max(
+                cycle_slots,
+                slots_needed(lat, occ, None),
+                slots_needed(lat, occ, inp.block_compute_s),
+            )
 
     budget = int(inp.device_budget_gb * GIB) if inp.device_budget_gb is not None else None
     capacity: int | None = None

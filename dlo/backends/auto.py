@@ -62,6 +62,7 @@ def requested_settings(cfg: OffloadConfig) -> tuple[tuple[str, Any], ...]:
         ("num_slots", cfg.num_slots),
         ("resident_layers", cfg.resident_layers_for("dit")),
         ("device_budget_gb", cfg.device_budget_gb),
+        ("block_compute_ms", cfg.block_compute_ms),
     )
 
 
@@ -73,7 +74,10 @@ def differing_requests(replies: list[tuple[tuple[str, Any], ...]]) -> str:
     out = []
     for name, _ in replies[0]:
         got = [v.get(name) for v in values]
-        automatic = any(g == "auto" or (name == "device_budget_gb" and g is not None) for g in got)
+        automatic = any(
+            g == "auto" or (name in ("device_budget_gb", "block_compute_ms") and g is not None)
+            for g in got
+        )
         if automatic and len(set(got)) > 1:
             out.append(f"{name}: " + ", ".join(f"rank {r}={g!r}" for r, g in enumerate(got)))
     return "; ".join(out)
@@ -286,6 +290,7 @@ def _policy_input(
         device_budget_gb=budget,
         non_block_nbytes=non_block,
         non_block_to_place_nbytes=to_place,
+        block_compute_s=cfg.block_compute_ms / 1e3 if cfg.block_compute_ms else None,
     )
 
 

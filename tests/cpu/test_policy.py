@@ -400,3 +400,39 @@ def test_two_weight_groups_on_one_node_need_two_copies(tmp_path: Path) -> None:
     res = assert_all_ok(run_ranks(_two_groups_on_one_node, 4, 3 * one_copy, timeout_s=90, env=env))
     assert {t for t, _ in res} == {"node-shared"}
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("compute_ms", "expected"), [(None, "allgather"), (1e4, "node-shared")])
+def test_a_given_block_compute_takes_node_shared_where_it_hides_whole_copies(
+    tmp_path: Path, compute_ms: float | None, expected: str
+) -> None:
+    """AllGather is faster per block (DISAGREE_PICK_ALLGATHER's minimum), but a compute of
+    10 s per block hides every whole-block copy: node-shared, no peer traffic; the same
+    decision on both ranks, bitwise output."""
+    cfg = {"transfer": "auto", "block_compute_ms": compute_ms}
+    res = assert_all_ok(
+        run_ranks(_auto, 2, DISAGREE_PICK_ALLGATHER, cfg, timeout_s=120, env=_env(tmp_path))
+    )
+    assert all(r["same"] and r["transfer"] == expected for r in res)
+    assert res[0]["policy"] == res[1]["policy"]
+    reason = res[0]["policy"]["stacks"]["blocks"]["reason"]
+    assert ("hides every whole-block copy" in reason) == (expected == NS), reason
+    assert os.listdir(tmp_path) == []
+
+
+def _one_rank_hints(rank: int, world: int) -> str:
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        transfer="auto",
+        block_compute_ms=5.0 if rank == 0 else None,
+        collective_timeout_s=20.0,
+    )
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    with pytest.raises(dlo.OffloadError) as e:
+        backend.enable(ToyDiT(3))
+    return str(e.value).split("] ", 1)[1]
+
+
+def test_a_block_compute_given_on_one_rank_only_is_named(tmp_path: Path) -> None:
+    res = assert_all_ok(run_ranks(_one_rank_hints, 2, timeout_s=60, env=_env(tmp_path)))
+    assert res[0] == res[1] and "block_compute_ms: rank 0=5.0, rank 1=None" in res[0], res

@@ -137,6 +137,9 @@ BAD_OFFLOAD_FIELDS = [
     ("mode", "Layer", ValueError),
     ("mode", None, TypeError),
     ("mode", 1, TypeError),
+    ("block_compute_ms", 0, ValueError),
+    ("block_compute_ms", float("nan"), ValueError),
+    ("block_compute_ms", "5", TypeError),
     ("transfer", "nccl", ValueError),
     ("transfer", "all_gather", ValueError),
     ("transfer", None, TypeError),
@@ -404,6 +407,8 @@ def test_layer_options_must_be_selected_by_components() -> None:
         ("weight_axis", "data"),
         ("weight_axis", "local"),
         ("components", ("dit",)),
+        ("block_compute_ms", 5.0),
+        ("transfer", "node-shared"),
     ],
 )
 def test_mode_module_refuses_layer_only_fields(name: str, value: Any) -> None:

@@ -320,9 +320,41 @@ def test_auto_slots(stack: StackSpec, ag: float | None, expected: int) -> None:
     assert decide(_input(stack, ag=ag, num_slots="auto")).num_slots == expected
 
 
-def test_auto_slots_with_a_known_long_compute_stay_at_two() -> None:
+def test_a_known_compute_never_gives_fewer_slots_than_without_it() -> None:
+    # the model with the real t_c says two AllGather slots hide a long compute, but a third
+    # measured faster where the model is near its edge (4096 tokens): the hint adds, never
+    # removes (no shared memory: AllGather stays)
     d = decide(_input(_stack(), num_slots="auto", block_compute_s=1.0))
-    assert d.stacks[0].transfer == "allgather" and d.num_slots == 2
+    assert d.stacks[0].transfer == "allgather" and d.num_slots == 3
+    without = decide(_input(_stack(), num_slots="auto"))
+    assert without.stacks[0].transfer == "allgather" and without.num_slots == 3
+    # with room in shared memory the long compute takes node-shared: whole blocks, L = P
+    d = decide(_input(_stack(), num_slots="auto", block_compute_s=1.0, shm=100 * GIB))
+    assert d.stacks[0].transfer == "node-shared" and d.num_slots == 2
+    assert "hides every whole-block copy" in d.stacks[0].reason
+
+
+@pytest.mark.parametrize(
+    ("compute_ms", "expected"),
+    [(None, "allgather"), (1.0, "allgather"), (50.0, "node-shared")],
+)
+def test_node_shared_over_a_faster_allgather_only_when_compute_hides_whole_copies(
+    compute_ms: float | None, expected: str
+) -> None:
+    # 64 MiB at H: one whole-block copy takes about 1.3 ms at 50 GB/s
+    stack = _stack((64 * MIB,) * 4)
+    t_c = compute_ms / 1e3 if compute_ms is not None else None
+    d = decide(_input(stack, block_compute_s=t_c, shm=100 * GIB))
+    assert d.stacks[0].transfer == expected
+    assert d.stacks[0].group_size == (2 if expected == "allgather" else 1)
+
+
+def test_compute_hinted_node_shared_without_room_falls_back_to_allgather() -> None:
+    stack = _stack((64 * MIB,) * 4)
+    d = decide(_input(stack, block_compute_s=0.05, shm=MIB))
+    c = d.stacks[0]
+    assert (c.transfer, c.group_axis, c.group_size) == ("allgather", "data", 2)
+    assert "allgather: the node's copy needs" in c.reason, c.reason
 
 
 @pytest.mark.parametrize("n", [1, 2, 5])
