@@ -10,6 +10,9 @@ Methods (those that can run on the platform and world size at hand):
 * ``dlo-allgather-copy`` -- the same with the copy-engine gather (N > 1, CUDA);
 * ``dlo-allgather-copy-kernel`` -- the copy-engine gather held to torch's barrier kernel
   instead of stream memory operations (the A/B of [Note: barriers without kernels]);
+* ``dlo-auto`` -- every setting automatic (``transfer``, ``num_slots``, the gather engine);
+* ``dlo-auto-compute`` -- the same, told each row's compute per block (``block_compute_ms``:
+  the resident row's time / blocks; needs ``resident``): enabled once per token count;
 * ``fsdp2-offload`` -- FSDP2 ``fully_shard`` per block and at the root with
   ``CPUOffloadPolicy(pin_memory=True)`` (N > 1), the peer with the same memory promise;
 * limits measured on the spot: pinned and pageable host-to-device bandwidth (this rank alone
@@ -61,6 +64,7 @@ METHODS = (
     "dlo-allgather-copy",
     "dlo-allgather-copy-kernel",
     "dlo-auto",
+    "dlo-auto-compute",
     "dlo-swap",
     "fsdp2-offload",
     "diffusers-group",
@@ -193,12 +197,26 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dlo-allgather-copy-kernel",
         ]
     )
-    runs: list[tuple[str, int | str, int]] = [
-        (m, s, c) for m in dlo_methods if m in methods for s, c in settings
+    # (method, slots, chunk, token counts, block_compute_ms)
+    runs: list[tuple[str, int | str, int, list[int], float | None]] = [
+        (m, s, c, tokens_list, None) for m in dlo_methods if m in methods for s, c in settings
     ]
     if "dlo-auto" in methods:
-        runs.append(("dlo-auto", "auto", chunks[0]))
-    for method, num_slots, chunk_mb in runs:
+        runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None))
+    if "dlo-auto-compute" in methods:
+        per_block = {
+            r["tokens"]: r["median_ms"] / preset.num_blocks
+            for r in report["results"]
+            if r["method"] == "resident"
+        }
+        if not per_block:
+            logger.warning("dlo-auto-compute: needs the resident rows; method skipped")
+        runs += [
+            ("dlo-auto-compute", "auto", chunks[0], [t], per_block[t])
+            for t in tokens_list
+            if t in per_block
+        ]
+    for method, num_slots, chunk_mb, row_tokens, compute_ms in runs:
         copy = method.startswith("dlo-allgather-copy")
         if copy and not platform.has_streams:
             logger.warning("%s: needs CUDA GPUs; method skipped", method)
@@ -206,7 +224,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         transfer = (
             "allgather" if method.startswith("dlo-allgather") else
             "node-shared" if method == "dlo-node-shared" else
-            "auto" if method == "dlo-auto" else "rank-local"
+            "auto" if method.startswith("dlo-auto") else "rank-local"
         )  # fmt: skip
         cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
         rss0 = process_rss_bytes()
@@ -218,8 +236,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             verify_block_sequence=not args.no_verify,
             nccl_max_ctas=args.nccl_max_ctas,
             # dlo-auto: the defaults' engine choice; the manual AllGather rows name theirs
-            gather_engine="copy" if copy else "auto" if method == "dlo-auto" else "nccl",
+            gather_engine="copy" if copy else "auto" if transfer == "auto" else "nccl",
             gather_sync="kernel" if method.endswith("-kernel") else "auto",
+            block_compute_ms=compute_ms,
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
@@ -228,7 +247,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         backend.enable(cpu_dit)
         enable_s = time.perf_counter() - t0
         bw = lim["h2d_pinned_concurrent_GBps" if world.size > 1 else "h2d_pinned_alone_GBps"]
-        for tokens in tokens_list:
+        for tokens in row_tokens:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             st0 = backend.stats()
             fwd = _fwd(cpu_dit, inp)
@@ -452,6 +471,7 @@ MANUAL_DLO_METHODS = (
     "dlo-allgather-copy-kernel",
 )
 """The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
+AUTO_METHODS = ("dlo-auto", "dlo-auto-compute")
 
 
 def int_list(flag: str, text: Any) -> list[int]:
@@ -502,7 +522,7 @@ def _ratios(report: dict[str, Any], streamed_bytes: int) -> None:
         if r["method"] in MANUAL_DLO_METHODS:
             manual[r["tokens"]] = min(manual.get(r["tokens"], float("inf")), r["median_ms"])
     for r in report["results"]:
-        if r["method"] == "dlo-auto":  # null: no manual row at these tokens in this run
+        if r["method"] in AUTO_METHODS:  # null: no manual row at these tokens in this run
             best = manual.get(r["tokens"])
             r["x_best_manual"] = r["median_ms"] / best if best else None
 
@@ -541,7 +561,7 @@ def markdown(report: dict[str, Any]) -> str:
 
     for r in report["results"]:
         name = label(r)
-        if r["method"] == "dlo-auto":
+        if r["method"] in AUTO_METHODS:
             vs = r.get("x_best_manual")
             versus = f"x{f(vs)} best manual" if vs is not None else "no manual row"
             name += f" ({r['transfer']}, {r['num_slots']} slots, {versus})"

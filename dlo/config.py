@@ -248,12 +248,12 @@ class OffloadConfig:
     blocks. Given, it sizes the resident blocks (``resident_layers`` must be 0 or
     ``"auto"``) and bounds ``num_slots="auto"``; too small for one slot is an error."""
     block_compute_ms: float | None = None
-    """Expected device time of one streamed block's forward under the workload (ms; ``dlo
-    bench`` prints it as "resident compute per block"). Automatic settings only: with it,
-    ``transfer="auto"`` takes node-shared over a faster AllGather for a stack whose every
-    whole-block copy that compute hides (long sequences: no peer traffic, which costs compute
-    clock on power-limited GPUs), and ``num_slots="auto"`` may add a slot for a long cycle
-    (never fewer than without it). None: unknown (see [Note: policy model])."""
+    """Expected device time of one streamed DiT block's forward under the workload (ms;
+    ``dlo bench`` prints it as "resident compute per block"). Automatic settings only: with
+    it, ``transfer="auto"`` takes node-shared over a faster AllGather for a DiT stack whose
+    largest whole-block copy it hides (long sequences: no peer traffic, which costs compute
+    clock on power-limited GPUs); ``num_slots="auto"`` never gets fewer slots for the chosen
+    transfer than without it. None: unknown (see [Note: policy model])."""
     pin_failure_policy: str = "fail"
     """On a failed or over-budget pin: ``"fail"`` the enable, or keep the affected blocks
     pageable (``"whole_block_fallback"``), decided group-wide."""

@@ -133,6 +133,8 @@ class PolicyInput:
     is about the transfer time."""
     shared_copies_per_node: int = 1
     """Node-shared copies the fullest node would hold (one per weight group on it)."""
+    host_backing: str = "region"
+    """``OffloadConfig.host_backing``: ``"mapped"`` streams rank-local stacks only."""
 
 
 @dataclass(frozen=True)
@@ -302,6 +304,8 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
         transfer, reason = s.transfer, "explicit"
     elif s.group_size == 1:
         transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
+    elif inp.host_backing == "mapped":
+        transfer, reason = "rank-local", "auto: host_backing='mapped' streams rank-local stacks"
     elif ag is not None and ag < rl and _compute_hides_whole_blocks(s, inp):
         t_c = inp.block_compute_s
         assert t_c is not None
@@ -334,7 +338,7 @@ def _compute_hides_whole_blocks(s: StackSpec, inp: PolicyInput) -> bool:
     """The known compute time of a block is at least the copy of the stack's largest block
     (so node-shared, moving whole blocks, runs at compute speed like AllGather)."""
     t_c, m = inp.block_compute_s, inp.measured
-    if t_c is None or not s.block_nbytes:
+    if t_c is None or not s.block_nbytes or s.component != "dit":  # the DiT's compute
         return False
     largest = max(s.block_nbytes)
     copy = block_times(

@@ -62,7 +62,8 @@ def requested_settings(cfg: OffloadConfig) -> tuple[tuple[str, Any], ...]:
         ("num_slots", cfg.num_slots),
         ("resident_layers", cfg.resident_layers_for("dit")),
         ("device_budget_gb", cfg.device_budget_gb),
-        ("block_compute_ms", cfg.block_compute_ms),
+        # the hint only shapes automatic decisions: explicit ranks may differ in it
+        ("block_compute_ms", cfg.block_compute_ms if is_automatic(cfg) else None),
     )
 
 
@@ -85,7 +86,7 @@ def differing_requests(replies: list[tuple[tuple[str, Any], ...]]) -> str:
 
 def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) -> None:
     """Every rank that takes part in an exchange at enable (it is automatic, or one of its
-    stacks gathers) first compares what it asked the policy to decide: an ``"auto"`` on one
+    stacks gathers or is node-shared) first compares what it asked the policy to decide: an ``"auto"`` on one
     rank and a value on another would send the first into the policy's exchanges and the
     second into the startup agreement, and both would wait out the timeout.
 
@@ -112,7 +113,8 @@ def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) 
     if differ:
         raise OffloadError(
             f"ranks asked for different automatic settings ({differ}): every rank must leave "
-            "the same settings to the policy, with the same device_budget_gb",
+            "the same settings to the policy, with the same device_budget_gb and "
+            "block_compute_ms",
             rank=world.rank,
         )
 
@@ -291,6 +293,7 @@ def _policy_input(
         non_block_nbytes=non_block,
         non_block_to_place_nbytes=to_place,
         block_compute_s=cfg.block_compute_ms / 1e3 if cfg.block_compute_ms else None,
+        host_backing=cfg.host_backing,
     )
 
 

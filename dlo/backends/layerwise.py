@@ -85,7 +85,7 @@ from dlo.plan import (
     get_by_path,
     resolve_offload_plan,
 )
-from dlo.platform import Platform, host_name, process_peak_rss_bytes
+from dlo.platform import Platform, host_name, process_peak_rss_bytes, torchrun_env
 from dlo.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.slots import SlotPool
 from dlo.staging import MappedBlock, StagedTransport
@@ -283,11 +283,11 @@ class LayerwiseBackend(OffloadBackend):
             assert self._region is not None
             budget = None
             if cfg.pin_budget_gb is not None:
-                # node-shared blocks come first (packed after the vote; charged 1/L, L at most
-                # the share group): they are the streamed stacks a node shares, the private
-                # ones here are rank-local leftovers (an encoder not declared replicated)
+                # node-shared blocks come first (packed after the vote; charged 1/L): they
+                # are the streamed stacks a node shares, the private ones here are rank-local
+                # leftovers (an encoder not declared replicated)
                 budget = int(cfg.pin_budget_gb * (1 << 30)) - sum(
-                    -(-b.layout.shard_nbytes // b.stack.share_size)
+                    -(-b.layout.shard_nbytes // self._expected_sharers(b.stack))
                     for b in blocks
                     if b.node_shared and not b.resident
                 )
@@ -455,6 +455,17 @@ class LayerwiseBackend(OffloadBackend):
         shard = b.host_view()
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
             t.data = unpack_tensor(shard, spec, dev)
+
+    def _expected_sharers(self, stack: BlockStack) -> int:
+        """L before the agreement names the hosts: the share group's ranks on this rank's
+        node as torchrun places them (``LOCAL_WORLD_SIZE`` consecutive ranks per node)."""
+        world = self.world
+        if not world.distributed or stack.share_size == 1:
+            return 1
+        per_node = max(1, torchrun_env().local_world_size)
+        node = world.rank // per_node
+        group = group_of(self.parallel, stack.share_axis, world.rank)
+        return max(1, sum(r // per_node == node for r in group))
 
     def _share_host_copy(
         self,

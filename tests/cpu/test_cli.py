@@ -146,14 +146,29 @@ def test_bench_smoke_json(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads(path.read_text())
     methods = {r["method"] for r in report["results"]}
-    assert methods == {"resident", "dlo-ring", "dlo-auto"}  # FSDP2, diffusers: GPUs / N > 1
+    # FSDP2, diffusers: GPUs / N > 1
+    assert methods == {"resident", "dlo-ring", "dlo-auto", "dlo-auto-compute"}
     assert all(r["median_ms"] > 0 for r in report["results"])
     per_block = report["limits"]["resident_ms_per_block"]
     assert set(per_block) == {"32", "64"} and all(v > 0 for v in per_block.values())
     auto = [r for r in report["results"] if r["method"] == "dlo-auto"]
     assert all(r["transfer"] == "rank-local" and r["x_best_manual"] > 0 for r in auto)
     assert report["policy"]["num_slots"] == 2  # one rank: rank-local, two slots
+    # told each row's compute per block: one row (one enable) per token count
+    told = [r for r in report["results"] if r["method"] == "dlo-auto-compute"]
+    assert sorted(r["tokens"] for r in told) == [32, 64]
+    assert all(r["transfer"] == "rank-local" and r["x_best_manual"] > 0 for r in told)
     assert "partial" not in report and not Path(f"{path}.tmp").exists()
+
+
+def test_bench_auto_compute_without_resident_rows_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--preset", "tiny", "--methods", "dlo-auto-compute", "--tokens", "32"]
+    assert main([*argv, "--warmup", "0", "--reps", "1", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["results"] == []
+    assert "dlo-auto-compute: needs the resident rows; method skipped" in caplog.text
 
 
 def test_bench_cut_short_keeps_the_rows_it_has(tmp_path: Path) -> None:
@@ -226,7 +241,14 @@ def test_torchrun_bench_two_cpu_ranks(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(path.read_text())
     methods = {r["method"] for r in report["results"]}
-    assert methods == {"resident", "dlo-rank-local", "dlo-node-shared", "dlo-allgather", "dlo-auto"}
+    assert methods == {
+        "resident",
+        "dlo-rank-local",
+        "dlo-node-shared",
+        "dlo-allgather",
+        "dlo-auto",
+        "dlo-auto-compute",
+    }
     row = {r["method"]: r for r in report["results"]}
     # node-shared moves whole blocks over each link (rank-local's limit) from half the host
     assert row["dlo-node-shared"]["h2d_limit_ms"] == row["dlo-rank-local"]["h2d_limit_ms"] > 0

@@ -685,7 +685,10 @@ def test_automatic_settings_on_one_node_shared_rank_only_are_named_at_once(
     assert os.listdir(tmp_path) == []
 
 
-def _budget_order(rank: int, world: int, budget: int | None) -> dict[str, Any]:
+def _budget_order(rank: int, world: int, budget: int | None, nodes: int = 1) -> dict[str, Any]:
+    if nodes > 1:  # one rank per node (LOCAL_WORLD_SIZE=1 in the env): the group spans them
+        host = f"node{rank * nodes // world}"
+        layerwise.host_name = lambda: host  # type: ignore[assignment]
     cfg = _cfg(
         transfer="node-shared",
         layer_options={"encoder": dlo.LayerOptions(weight_transfer="rank-local")},
@@ -696,10 +699,12 @@ def _budget_order(rank: int, world: int, budget: int | None) -> dict[str, Any]:
     backend.enable(ToyPipeline())
     pinned = {b.name: b.region.is_pinned(b.host_index) for b in backend._blocks if b.region}
     shared = {b.name: b.layout.shard_nbytes for b in backend._blocks if b.node_shared}
+    share_ranks = backend.stats()["host_share_ranks"]
     backend.disable()
     return {
         "pinned": pinned,
         "shared": shared,
+        "share_ranks": share_ranks,
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
     }
 
@@ -714,5 +719,22 @@ def test_pin_budget_goes_to_the_node_shared_blocks_first(tmp_path: Path) -> None
     for r in res:
         assert all(r["pinned"][name] for name in r["shared"]), r["pinned"]
         assert not all(r["pinned"].values())  # the encoder got what was left
+        assert r["ledger"] == (0, 0)
+    assert os.listdir(tmp_path) == []
+
+
+def test_pin_budget_serves_node_shared_blocks_first_across_nodes(tmp_path: Path) -> None:
+    """A DP group of two on two nodes: each node's copy has one sharer (L = 1, not the group's
+    2), so each rank is charged whole blocks; the reservation before the vote must say so
+    (torchrun's placement: LOCAL_WORLD_SIZE ranks per node), else the private encoder takes
+    the budget of the DiT's streamed blocks."""
+    env = {**_env(tmp_path), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    first = assert_all_ok(run_ranks(_budget_order, 2, None, 2, timeout_s=60, env=env))
+    assert first[0]["share_ranks"] == 1
+    whole = sum(first[0]["shared"].values())
+    res = assert_all_ok(run_ranks(_budget_order, 2, whole + 64, 2, timeout_s=60, env=env))
+    for r in res:
+        assert all(r["pinned"][name] for name in r["shared"]), r["pinned"]
+        assert not all(r["pinned"].values())
         assert r["ledger"] == (0, 0)
     assert os.listdir(tmp_path) == []

@@ -436,3 +436,25 @@ def _one_rank_hints(rank: int, world: int) -> str:
 def test_a_block_compute_given_on_one_rank_only_is_named(tmp_path: Path) -> None:
     res = assert_all_ok(run_ranks(_one_rank_hints, 2, timeout_s=60, env=_env(tmp_path)))
     assert res[0] == res[1] and "block_compute_ms: rank 0=5.0, rank 1=None" in res[0], res
+
+
+def _explicit_hints_differ(rank: int, world: int) -> str:
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        transfer="node-shared",
+        block_compute_ms=1.0 + rank,  # ignored: nothing is automatic
+        collective_timeout_s=20.0,
+    )
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    backend.enable(ToyDiT(3))
+    backend.disable()
+    return "enabled"
+
+
+def test_a_block_compute_that_nothing_uses_may_differ_between_ranks(tmp_path: Path) -> None:
+    assert assert_all_ok(
+        run_ranks(_explicit_hints_differ, 2, timeout_s=60, env=_env(tmp_path))
+    ) == [
+        "enabled",
+        "enabled",
+    ]

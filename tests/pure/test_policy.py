@@ -608,3 +608,24 @@ def test_differing_requests_name_automatic_fields_only() -> None:
     assert differing_requests([fixed, requested_settings(OffloadConfig(num_slots=2))]) == ""
     budget = requested_settings(OffloadConfig(device_budget_gb=2.0))
     assert "device_budget_gb: rank 0=None, rank 1=2.0" in differing_requests([fixed, budget])
+
+
+def test_mapped_backing_keeps_every_automatic_stack_rank_local() -> None:
+    # the mapped backing streams rank-local stacks only: "auto" must not pick what enable
+    # would then refuse
+    for compute in (None, 1.0):
+        d = decide(
+            _input(
+                _stack(), ag=SMALL_AG, shm=100 * GIB, block_compute_s=compute, host_backing="mapped"
+            )
+        )
+        assert d.stacks[0].transfer == "rank-local" and "mapped" in d.stacks[0].reason
+    d = decide(_input(_stack(), ag=5000e9, host_backing="mapped"))
+    assert d.stacks[0].transfer == "rank-local"
+
+
+def test_the_compute_hint_is_the_dits() -> None:
+    # an encoder block computes far less than a DiT block: the hint does not move it
+    enc = _stack((64 * MIB,) * 4, name="te.layers", component="encoder", dit_path="te")
+    d = decide(_input(enc, block_compute_s=0.05, shm=100 * GIB))
+    assert d.stacks[0].transfer == "allgather"
