@@ -183,7 +183,7 @@ class HostRegion:
 
     def _charge(self, index: int) -> int:
         """What pinning block ``index`` costs this rank's budget: its share of the bytes."""
-        return -(-self.block_nbytes[index] // self.share_ranks)
+        return charged_nbytes(self.block_nbytes[index], self.share_ranks)
 
     @property
     def charged_pinned_nbytes(self) -> int:
@@ -253,6 +253,12 @@ class HostRegion:
         # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
         # go back to the OS when the last view dies. Closing here would leave views dangling.
         self._mmap = None
+
+
+def charged_nbytes(nbytes: int, share_ranks: int) -> int:
+    """The bytes one of ``share_ranks`` ranks sharing ``nbytes`` of host memory is charged
+    (rounded up, so the sharers' charges cover the bytes)."""
+    return -(-nbytes // share_ranks)
 
 
 def _map_file(path: str, nbytes: int) -> mmap.mmap:

@@ -65,9 +65,10 @@ class SharedBlock:
 
 
 def sharers(reports: Sequence[RankReport], group: Sequence[int], rank: int) -> list[int]:
-    """The ranks of ``group`` on this rank's node (by host name), in group order."""
-    host = reports[rank].host if len(reports) > 1 else ""
-    return [r for r in group if len(reports) == 1 or reports[r].host == host]
+    """The ranks of ``group`` on this rank's node (by host name, from every rank's
+    ``reports``, indexed by rank), in group order."""
+    host = reports[rank].host
+    return [r for r in group if reports[r].host == host]
 
 
 def share_host(
@@ -89,7 +90,7 @@ def share_host(
 
     Returns:
         The region (block ``i`` of ``blocks`` at index ``i``) and the blocks every rank keeps
-        pageable.
+        pageable (still pinned here: the caller unpins them).
 
     Raises:
         OffloadError: a rank failed (named, the same message on every rank), or pinning
@@ -110,8 +111,7 @@ def share_host(
             header_nbytes=count * _MARK_NBYTES,
         )
         journal.record("shared host region", region.close)
-        mark = slice(index * _MARK_NBYTES, (index + 1) * _MARK_NBYTES)
-        region.header()[mark].copy_(_mark(tokens[index]))
+        _slot(region, index).copy_(_mark(tokens[index]))
         if pin:
             report = region.pin(
                 platform,
@@ -143,11 +143,7 @@ def share_host(
             rank=rank,
         )
     assert region is not None
-    header = region.header()
-    one_file = all(
-        torch.equal(header[i * _MARK_NBYTES : (i + 1) * _MARK_NBYTES], _mark(t))
-        for i, t in enumerate(tokens)
-    )
+    one_file = all(torch.equal(_slot(region, i), _mark(t)) for i, t in enumerate(tokens))
     seen = share(
         one_file,
         rank=rank,
@@ -170,12 +166,16 @@ def share_host(
     )
     if refused:
         raise OffloadError(refused, rank=rank)
-    region.unpin([i for i, b in enumerate(blocks) if b.name in set(fallback)])
     return region, fallback
 
 
 _MARK_NBYTES = 64
 """One sharer's slot in the header: its token, zero-padded."""
+
+
+def _slot(region: HostRegion, index: int) -> torch.Tensor:
+    """Sharer ``index``'s mark in the region's header."""
+    return region.header()[index * _MARK_NBYTES : (index + 1) * _MARK_NBYTES]
 
 
 def _mark(token: str) -> torch.Tensor:

@@ -43,7 +43,6 @@ from torch import nn
 from dlo import faults
 from dlo.agreement import (
     RankReport,
-    Verdict,
     decide,
     describe_failure,
     exchange,
@@ -65,7 +64,14 @@ from dlo.ce_gather import CopyEngineGather
 from dlo.config import OffloadConfig, ParallelConfig
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks import HookRegistry, is_dtensor
-from dlo.host import HostRegion, copy_back, shard_view, unpack_tensor, written_tensors
+from dlo.host import (
+    HostRegion,
+    charged_nbytes,
+    copy_back,
+    shard_view,
+    unpack_tensor,
+    written_tensors,
+)
 from dlo.layout import (
     MIB,
     BlockLayout,
@@ -287,7 +293,7 @@ class LayerwiseBackend(OffloadBackend):
                 # are the streamed stacks a node shares, the private ones here are rank-local
                 # leftovers (an encoder not declared replicated)
                 budget = int(cfg.pin_budget_gb * (1 << 30)) - sum(
-                    -(-b.layout.shard_nbytes // self._expected_sharers(b.stack))
+                    charged_nbytes(b.layout.shard_nbytes, self._expected_sharers(b.stack))
                     for b in blocks
                     if b.node_shared and not b.resident
                 )
@@ -334,7 +340,7 @@ class LayerwiseBackend(OffloadBackend):
             if isinstance(local_error, ValueError):  # this rank's own config was refused
                 raise ValueError(verdict.message) from local_error
             raise OffloadError(verdict.message, rank=world.rank) from local_error
-        self._apply_fallback(verdict, blocks)
+        self._keep_pageable(self._region, blocks, verdict.fallback_blocks, "blocks")
         self._copy_gather = verdict.copy_gather
 
         # 5: after agreement; failures here poison a multi-rank backend
@@ -508,14 +514,7 @@ class LayerwiseBackend(OffloadBackend):
             journal=journal,
         )
         self._shared = region
-        self._fallback_blocks += fallback
-        if fallback:
-            logger.warning(
-                "dlo: %d node-shared blocks stay pageable (pin_failure_policy="
-                "'whole_block_fallback'): %s",
-                len(fallback),
-                ", ".join(fallback[:8]),
-            )
+        self._keep_pageable(region, shared, fallback, "node-shared blocks")
         for i, b in enumerate(shared):
             b.region, b.host_index = region, i
             self._release_originals(b)
@@ -549,16 +548,20 @@ class LayerwiseBackend(OffloadBackend):
         if self._pool is not None:
             self._pool.release()
 
-    def _apply_fallback(self, verdict: Verdict, blocks: list[_Block]) -> None:
-        self._fallback_blocks = verdict.fallback_blocks
-        if verdict.fallback_blocks and self._region is not None:
-            # the group decided: every rank keeps these blocks pageable, for equal timing
-            names = set(verdict.fallback_blocks)
-            self._region.unpin([i for i, b in enumerate(blocks) if b.name in names])
+    def _keep_pageable(
+        self, region: HostRegion | None, blocks: list[_Block], names: tuple[str, ...], what: str
+    ) -> None:
+        """The group decided: every rank keeps ``names`` pageable, for equal timing
+        (``blocks``: the region's blocks, in its order)."""
+        self._fallback_blocks += names
+        if names and region is not None:
+            keep = set(names)
+            region.unpin([i for i, b in enumerate(blocks) if b.name in keep])
             logger.warning(
-                "dlo: %d blocks stay pageable (pin_failure_policy='whole_block_fallback'): %s",
-                len(verdict.fallback_blocks),
-                ", ".join(verdict.fallback_blocks[:8]),
+                "dlo: %d %s stay pageable (pin_failure_policy='whole_block_fallback'): %s",
+                len(names),
+                what,
+                ", ".join(names[:8]),
             )
 
     def _build_runtime(
@@ -806,9 +809,9 @@ class LayerwiseBackend(OffloadBackend):
             "host_nbytes": sum(
                 b.mapped.private_nbytes
                 if b.mapped
-                else -(-b.layout.shard_nbytes // (shared.share_ranks if shared else 1))
-                if b.node_shared
-                else b.layout.shard_nbytes
+                else charged_nbytes(
+                    b.layout.shard_nbytes, shared.share_ranks if shared and b.node_shared else 1
+                )
                 for b in self._blocks
             ),
             "host_mapped_nbytes": sum(b.mapped.mapped_nbytes for b in self._blocks if b.mapped),
