@@ -505,6 +505,11 @@ def _outcome(backend: LayerwiseBackend, model: torch.nn.Module, rank: int) -> di
 
 
 def _share_group_of_one(rank: int, world: int, par_kw: dict[str, int], axis: str) -> Any:
+    # every rank has a copy of its own: a folder of its own, so its "nothing left" check does
+    # not see a peer's file between that peer's map and unlink
+    own = os.path.join(os.environ["DLO_SHM_DIR"], f"rank{rank}")
+    os.makedirs(own)
+    os.environ["DLO_SHM_DIR"] = own
     cfg = _cfg(transfer=NS, weight_axis=axis, collective_timeout_s=10.0)
     backend = LayerwiseBackend(cfg, dlo.ParallelConfig(**par_kw), CpuPlatform())
     (s,) = resolve_offload_plan(ToyDiT(3), cfg, dlo.ParallelConfig(**par_kw)).stacks
@@ -535,7 +540,7 @@ def test_a_share_group_of_one_builds_its_own_copy_on_every_rank(
         assert st["allgather_nbytes"] == 0
         assert r["files"] == [] and r["ledger"] == (0, 0)
         assert r["seconds"] < 8, r["seconds"]  # no wait for a peer (timeout 10 s)
-    assert os.listdir(tmp_path) == []
+    assert [os.listdir(tmp_path / f"rank{r}") for r in range(2)] == [[], []]
 
 
 def _mismatch(rank: int, world: int, transfers: tuple[str, str]) -> dict[str, Any]:
