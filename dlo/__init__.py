@@ -6,21 +6,17 @@ rebuilds each block with an AllGather while the previous block computes. See
 ``docs/design.md`` for the architecture and ``docs/user_guide.md`` for usage.
 """
 
+from dlo.backends.base import OffloadBackend
 from dlo.backends.factory import enable_offload, get_offload_backend
-from dlo.backends.loading import load_pipeline
-from dlo.checkpoint import Checkpoint, CheckpointError, save_checkpoint
-from dlo.config import LayerOptions, OffloadConfig, ParallelConfig
+from dlo.config.offload import LayerOptions, OffloadConfig
+from dlo.config.parallel import ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
-from dlo.hooks import HookRegistry, ModelHook
-from dlo.lifecycle import OffloadBackend
-from dlo.plan import (
-    BlockStack,
-    OffloadPlan,
-    ResolvedOffloadPlan,
-    SupportsComponentDiscovery,
-    SupportsModelOffload,
-    resolve_offload_plan,
-)
+from dlo.hooks.dispatch import ModelHook
+from dlo.hooks.registry import HookRegistry
+from dlo.io.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from dlo.pipelines.load import load_pipeline
+from dlo.plan.declarations import OffloadPlan, SupportsComponentDiscovery, SupportsModelOffload
+from dlo.plan.topology import BlockStack, ResolvedOffloadPlan, resolve_offload_plan
 
 __all__ = [
     "BackendPoisonedError",

@@ -23,15 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.config import (
-    GATHER_ENGINES,
-    GATHER_SYNCS,
-    HOST_BACKINGS,
-    MODES,
-    TRANSFERS,
-    OffloadConfig,
-    ParallelConfig,
-)
+from dlo.config.fields import GATHER_ENGINES, GATHER_SYNCS, HOST_BACKINGS, MODES, TRANSFERS
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="weight seed")
     s.add_argument("--shard-gb", type=float, default=4.0, help="maximum GiB per file")
     b = sub.add_parser("bench", help="benchmark dlo against peers and the physical limits")
-    from dlo.bench import add_arguments
+    from dlo.bench.runner import add_arguments
 
     add_arguments(b)
     return p
@@ -155,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "bench":
-            from dlo.bench import check_args
-            from dlo.bench import main as bench_main
-            from dlo.parallel import init, shutdown
+            from dlo.bench.runner import check_args
+            from dlo.bench.runner import main as bench_main
+            from dlo.dist.groups import init, shutdown
 
             check_args(args)  # before the process group and any measurement
             init()
@@ -201,7 +195,7 @@ def _device(text: str) -> torch.device:
 
 def save(args: argparse.Namespace) -> int:
     """``dlo save-checkpoint``: the embedded pipeline's weights as safetensors."""
-    from dlo.checkpoint import save_checkpoint
+    from dlo.io.checkpoint import save_checkpoint
     from dlo.models import build_pipeline
 
     if not math.isfinite(args.shard_gb) or args.shard_gb <= 0:
@@ -221,11 +215,12 @@ def run(args: argparse.Namespace) -> int:
     """``dlo run``: see the module docstring."""
     from dlo.backends.factory import get_offload_backend
     from dlo.backends.hsdp import shard_non_block
-    from dlo.backends.loading import load_pipeline
-    from dlo.measure import device_peak_nbytes
+    from dlo.dist.groups import init, shutdown
     from dlo.models import build_pipeline, get_preset, make_inputs
-    from dlo.parallel import init, shutdown
-    from dlo.platform import default_device, get_platform, process_peak_rss_bytes, torchrun_env
+    from dlo.pipelines.load import load_pipeline
+    from dlo.platform.device import default_device, get_platform
+    from dlo.platform.env import process_peak_rss_bytes, torchrun_env
+    from dlo.runtime.measure import device_peak_nbytes
 
     cfg = _config(args)  # bad flag values fail here, before any work
     for name in ("steps", "seed"):

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo.hooks import HookRegistry
-from dlo.host import LEDGER
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import LEDGER
 
 _HOOK_DICTS = (
     "_forward_hooks",

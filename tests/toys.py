@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dlo.plan import OffloadPlan
+from dlo.plan.declarations import OffloadPlan
 
 
 class ToyBlock(nn.Module):

@@ -10,12 +10,12 @@ digest and the groups compared at the startup agreement. Steps:
 1. local sizing (pure): every block's payload bytes, the non-block weights;
 2. a readiness exchange through the store (a rank that failed step 1, or never came, is
    named on every rank before anyone enters a probe collective);
-3. probes (:func:`dlo.measure.measure_rank`): free device memory, host-to-device bandwidth
+3. probes (:func:`dlo.runtime.measure.measure_rank`): free device memory, host-to-device bandwidth
    with every rank copying, and the AllGather of each weight group an ``"auto"`` stack
    would use (the groups are created here, once, and reused by the ring);
 4. one exchange of the measurements and of each rank's non-block bytes; every rank takes
    the minimum of each measurement and the maximum of the non-block bytes
-   ([Note: one set of numbers]) and calls the pure :func:`dlo.policy.decide`
+   ([Note: one set of numbers]) and calls the pure :func:`dlo.plan.policy.decide`
    ([Note: policy model]);
 5. the plan's stacks and the config are rewritten with concrete values, so the rest of the
    install sees no ``"auto"``.
@@ -30,17 +30,22 @@ import dataclasses
 import logging
 from typing import Any
 
-from dlo import measure
-from dlo.agreement import share
-from dlo.blocks import non_block_tensors
-from dlo.config import COMPONENTS, LayerOptions, OffloadConfig, ParallelConfig
+from dlo.config.fields import COMPONENTS
+from dlo.config.offload import LayerOptions, OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.dist.groups import World, axis_groups, weight_group
+from dlo.dist.store import share
 from dlo.errors import OffloadError
-from dlo.hooks import is_dtensor
-from dlo.layout import MIB, describe_module, plan_block_layout
-from dlo.parallel import World, axis_groups, weight_group
-from dlo.plan import ResolvedOffloadPlan, get_by_path, resident_dit_paths_of
-from dlo.platform import Platform
-from dlo.policy import Measurements, PolicyDecision, PolicyInput, StackSpec, decide
+from dlo.hooks.foreign import is_dtensor
+from dlo.plan.checks import non_block_tensors
+from dlo.plan.declarations import get_by_path
+from dlo.plan.discovery import resident_dit_paths_of
+from dlo.plan.layout import MIB, describe_module, plan_block_layout
+from dlo.plan.policy import decide
+from dlo.plan.policy_model import Measurements, PolicyDecision, PolicyInput, StackSpec
+from dlo.plan.topology import ResolvedOffloadPlan
+from dlo.platform.device import Platform
+from dlo.runtime import measure
 
 logger = logging.getLogger(__name__)
 

@@ -7,9 +7,11 @@ from typing import Any
 
 import torch
 
-from dlo.config import OffloadConfig, ParallelConfig
-from dlo.lifecycle import OffloadBackend
-from dlo.platform import Platform, get_platform, torchrun_env
+from dlo.backends.base import OffloadBackend
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.platform.device import Platform, get_platform
+from dlo.platform.env import torchrun_env
 
 logger = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
 The single-rank ring and distributed layerwise offload are one code path: a stack with
 group size 1 (rank-local transfer, or no peers) is simply the degenerate case of the
-chunked AllGather transport (see :mod:`dlo.layout` and :mod:`dlo.transport`).
+chunked AllGather transport (see :mod:`dlo.plan.layout` and :mod:`dlo.runtime.transport`).
 
 Install sequence (every step journaled; see [Note: one journal for enable and disable]):
 
-1. resolve the plan (pure) and check the selected blocks (:mod:`dlo.blocks`);
+1. resolve the plan (pure) and check the selected blocks (:mod:`dlo.plan.checks`);
 2. lay out every block for its stack's group size and digest the manifest;
 3. local preparation: one exact-size host region, filled block by block with this rank's
    slices, pinned (budgeted); device slots. With group size 1 the pageable originals are
@@ -41,17 +41,9 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.agreement import (
-    RankReport,
-    decide,
-    describe_failure,
-    exchange,
-    exchanges_started,
-    settings_of,
-    startup_failed,
-)
 from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
-from dlo.backends.common import (
+from dlo.backends.base import OffloadBackend, claim_components
+from dlo.backends.model_hooks import (
     check_not_released,
     install_apply_refusal,
     install_load_refusal_on_ancestors,
@@ -59,20 +51,24 @@ from dlo.backends.common import (
     mark_released,
     move_tensor,
 )
-from dlo.blocks import check_blocks, non_block_tensors
-from dlo.ce_gather import CopyEngineGather
-from dlo.config import OffloadConfig, ParallelConfig
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.dist.agreement import RankReport, decide, exchange, settings_of
+from dlo.dist.groups import World, axis_groups, current_world, group_of, weight_group
+from dlo.dist.store import describe_failure, exchanges_started, startup_failed
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
-from dlo.hooks import HookRegistry, is_dtensor
-from dlo.host import (
-    HostRegion,
-    charged_nbytes,
-    copy_back,
-    shard_view,
-    unpack_tensor,
-    written_tensors,
-)
-from dlo.layout import (
+from dlo.hooks.foreign import is_dtensor
+from dlo.hooks.registry import HookRegistry
+from dlo.host.mapped import MappedBlock
+from dlo.host.node_share import SharedBlock, share_host, sharers
+from dlo.host.packer import pack_block
+from dlo.host.region import HostRegion, charged_nbytes
+from dlo.host.shards import copy_back, shard_view, unpack_tensor, written_tensors
+from dlo.io.materialize import mapped_source
+from dlo.journal import Journal
+from dlo.plan.checks import check_blocks, non_block_tensors
+from dlo.plan.declarations import get_by_path
+from dlo.plan.layout import (
     MIB,
     BlockLayout,
     build_manifest,
@@ -80,22 +76,15 @@ from dlo.layout import (
     module_tensor_entries,
     plan_block_layout,
 )
-from dlo.lifecycle import Journal, OffloadBackend, claim_components
-from dlo.loader import mapped_source, pack_block
-from dlo.node_share import SharedBlock, share_host, sharers
-from dlo.parallel import World, axis_groups, current_world, group_of, weight_group
-from dlo.plan import (
-    BlockStack,
-    ResolvedOffloadPlan,
-    every_component,
-    get_by_path,
-    resolve_offload_plan,
-)
-from dlo.platform import Platform, host_name, process_peak_rss_bytes, torchrun_env
-from dlo.ring import BlockRing, RingScheduler, StreamedBlock
-from dlo.slots import SlotPool
-from dlo.staging import MappedBlock, StagedTransport
-from dlo.transport import BlockTransport, SequenceCheck, TransferCounters
+from dlo.plan.topology import BlockStack, ResolvedOffloadPlan, every_component, resolve_offload_plan
+from dlo.platform.device import Platform
+from dlo.platform.env import host_name, process_peak_rss_bytes, torchrun_env
+from dlo.runtime.ce_gather import CopyEngineGather
+from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
+from dlo.runtime.sequence import SequenceCheck
+from dlo.runtime.slots import SlotPool
+from dlo.runtime.staged import StagedTransport
+from dlo.runtime.transport import BlockTransport, TransferCounters
 
 logger = logging.getLogger(__name__)
 
@@ -765,7 +754,7 @@ class LayerwiseBackend(OffloadBackend):
     def _keep_resident_writes(self, b: _Block, versions: list[int]) -> None:
         """Before a resident block (group size 1) is restored from its host copy, copy the
         tensors its forwards wrote in place into that copy (see [Note: writes into streamed
-        tensors] in dlo.ring); the mapped backing's source is the read-only checkpoint."""
+        tensors] in dlo.runtime.ring); the mapped backing's source is the read-only checkpoint."""
         written = written_tensors(b.layout.tensors, b.tensors, versions)
         if not written:
             return

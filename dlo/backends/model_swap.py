@@ -2,7 +2,7 @@
 
 [Note: swap protocol]
 Only the executing component group is device resident. DiTs and encoders each get an
-exact-size host copy of all their tensors (one :class:`~dlo.host.HostRegion` entry per
+exact-size host copy of all their tensors (one :class:`~dlo.host.region.HostRegion` entry per
 component, laid out like a block with group size 1, pinned when the platform can), and the
 pageable originals are released. Before a DiT's forward, its pre-forward hook evicts every
 encoder and every other DiT, then loads the DiT; before an encoder's forward, every DiT is
@@ -37,35 +37,35 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.backends.common import (
+from dlo.backends.base import OffloadBackend, claim_components
+from dlo.backends.model_hooks import (
     check_not_released,
     install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
     move_tensor,
 )
-from dlo.blocks import check_blocks
-from dlo.config import OffloadConfig, ParallelConfig
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
-from dlo.hooks import HookRegistry, ModelHook, call_ended, module_call_frame
-from dlo.host import (
-    HostRegion,
-    copy_back,
-    pack_shard,
-    shard_view,
-    unpack_tensor,
-    written_tensors,
+from dlo.hooks.dispatch import ModelHook
+from dlo.hooks.frames import call_ended, module_call_frame
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import HostRegion
+from dlo.host.shards import copy_back, pack_shard, shard_view, unpack_tensor, written_tensors
+from dlo.journal import Journal
+from dlo.plan.checks import check_blocks
+from dlo.plan.declarations import SupportsModelOffload, get_by_path
+from dlo.plan.layout import (
+    MIB,
+    BlockLayout,
+    describe_entries,
+    module_tensor_entries,
+    plan_block_layout,
 )
-from dlo.layout import MIB, BlockLayout, describe_entries, module_tensor_entries, plan_block_layout
-from dlo.lifecycle import Journal, OffloadBackend, claim_components
-from dlo.plan import (
-    ResolvedOffloadPlan,
-    SupportsModelOffload,
-    every_component,
-    get_by_path,
-    resolve_offload_plan,
-)
-from dlo.platform import Platform, StreamTimer, nvtx_range, under_torch_compile
+from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
+from dlo.platform.device import Platform
+from dlo.platform.timing import StreamTimer, nvtx_range, under_torch_compile
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class _Unit:
     """Compute-stream time spent waiting for this component's loads (all exposed)."""
     versions: list[int] = field(default_factory=list)
     """Each tensor's version counter when the component was loaded (see [Note: writes into
-    streamed tensors] in dlo.ring)."""
+    streamed tensors] in dlo.runtime.ring)."""
 
 
 class _SwapHook(ModelHook):
@@ -129,7 +129,7 @@ class ModelSwapBackend(OffloadBackend):
         self._vae_nbytes = 0
         self._inflight: dict[int, list[tuple[int, FrameType | None]]] = {}
         """id(unit) -> (thread, module call frame) of each forward of that unit in progress
-        (see [Note: calls that ended without post-hooks] in dlo.hooks)."""
+        (see [Note: calls that ended without post-hooks] in dlo.hooks.frames)."""
         self._claim = threading.Lock()
         self._closing = False
 
@@ -354,7 +354,7 @@ class ModelSwapBackend(OffloadBackend):
                 "inside the components' forward, or disable offload",
                 block=unit.path,
             )
-        if self.platform.stream_capturing():  # see [Note: CUDA graphs] in dlo.ring
+        if self.platform.stream_capturing():  # see [Note: CUDA graphs] in dlo.runtime.ring
             raise OffloadError(
                 "CUDA graph capture around components dlo swaps is not supported: capture code "
                 "inside the components' forward, or disable offload",
@@ -399,7 +399,7 @@ class ModelSwapBackend(OffloadBackend):
     def _keep_writes(self, u: _Unit) -> None:
         """Copy the tensors the component wrote in place while resident back into its host
         copy, so its next load and the restore at disable see them (see [Note: writes into
-        streamed tensors] in dlo.ring); synchronous, and only when a write happened."""
+        streamed tensors] in dlo.runtime.ring); synchronous, and only when a write happened."""
         assert self._region is not None
         copy_back(
             self._region.view(u.region_index),

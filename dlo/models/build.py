@@ -24,7 +24,7 @@ from torch import nn
 
 from dlo.models.pipeline import DemoPipeline
 from dlo.models.presets import Preset, get_preset
-from dlo.platform import cpu_share
+from dlo.platform.env import cpu_share
 
 WEIGHT_STD = 0.02
 """Std of Linear, Embedding and other free weights (modulation tables, positions)."""

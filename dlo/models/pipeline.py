@@ -18,7 +18,7 @@ from dlo.models.decoder import Decoder
 from dlo.models.dit import DiT
 from dlo.models.presets import Preset, get_preset
 from dlo.models.text_encoder import TextEncoder
-from dlo.plan import OffloadPlan
+from dlo.plan.declarations import OffloadPlan
 
 
 class DemoPipeline(nn.Module):

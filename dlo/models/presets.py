@@ -140,7 +140,7 @@ class Preset:
 
         Counts parameters (the fp32 cross-attention norm at 4 bytes an element, the rest at
         ``dtype``'s size) and the non-persistent RoPE frequency buffer (fp32). Alignment
-        padding added by :mod:`dlo.layout` is not included.
+        padding added by :mod:`dlo.plan.layout` is not included.
         """
         itemsize = torch.empty((), dtype=dtype).element_size()
         fp32 = self._block_fp32_numel()

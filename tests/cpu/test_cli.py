@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dlo.bench import METHODS
+from dlo.bench.methods import METHODS
 from dlo.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ def test_run_reads_rss_before_teardown_and_the_reference_run(
     # VmHWM only grows: a read stamped with the number of pipelines built so far tells
     # whether it came before the --check reference pipeline was built
     import dlo.models
-    import dlo.platform
+    import dlo.platform.env
 
     built: list[int] = []
     real = dlo.models.build_pipeline
@@ -60,7 +60,7 @@ def test_run_reads_rss_before_teardown_and_the_reference_run(
         return real(*a, **k)
 
     monkeypatch.setattr(dlo.models, "build_pipeline", counting)
-    monkeypatch.setattr(dlo.platform, "process_peak_rss_bytes", lambda: len(built))
+    monkeypatch.setattr(dlo.platform.env, "process_peak_rss_bytes", lambda: len(built))
     rc = main(["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--mode", mode])
     (report,) = json.loads(capsys.readouterr().out)
     assert rc == 0 and len(built) == 2
@@ -109,12 +109,12 @@ def test_bad_flags_are_one_clear_line(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dlo.bench
+    import dlo.bench.runner
 
     def measured(*a: Any, **k: Any) -> Any:
         raise AssertionError("a bad flag must be refused before anything is measured")
 
-    monkeypatch.setattr(dlo.bench, "h2d_limits", measured)
+    monkeypatch.setattr(dlo.bench.runner, "h2d_limits", measured)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err and "Traceback" not in err

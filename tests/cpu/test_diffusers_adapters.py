@@ -1,4 +1,4 @@
-"""diffusers transformers stream with no declaration of their own (dlo.adapters).
+"""diffusers transformers stream with no declaration of their own (dlo.plan.adapters).
 
 Each transformer (Flux, Wan, SD3, Qwen-Image) is built from a tiny config with random weights
 (``torch.manual_seed``; nothing is downloaded) and must (a) resolve to its registered block
@@ -31,9 +31,9 @@ from diffusers import (
 from torch import nn
 
 import dlo
-from dlo.adapters import MODEL_ADAPTERS, PIPELINE_ADAPTERS, class_path, model_adapter
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.platform import CpuPlatform
+from dlo.plan.adapters import MODEL_ADAPTERS, PIPELINE_ADAPTERS, class_path, model_adapter
+from dlo.platform.device import CpuPlatform
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import assert_same, snapshot
 

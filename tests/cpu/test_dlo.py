@@ -10,8 +10,8 @@ import torch
 import dlo
 from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.host import LEDGER
-from dlo.platform import CpuPlatform
+from dlo.host.region import LEDGER
+from dlo.platform.device import CpuPlatform
 from tests.harness import assert_all_ok, forward_outcomes, run_ranks
 from tests.toys import ToyDiT, TwoStackDiT, assert_same, clone, snapshot
 
@@ -73,7 +73,7 @@ def _parity(
     same = all(torch.equal(a, b) for a, b in zip(ref, got))
     manifest_digest = None
     assert backend._blocks
-    from dlo.layout import build_manifest
+    from dlo.plan.layout import build_manifest
 
     manifest_digest = build_manifest([b.layout for b in backend._blocks]).digest
     shard_sum = sum(b.layout.shard_nbytes for b in backend._blocks)
@@ -378,7 +378,7 @@ def test_copy_engine_gather_refused_on_cpu_naming_the_field() -> None:
 def _slot_mismatch(rank: int, world: int) -> str:
     import torch.distributed as dist
 
-    from dlo.transport import SequenceCheck
+    from dlo.runtime.sequence import SequenceCheck
 
     check = SequenceCheck(CpuPlatform(), dist.group.WORLD, rank, world, ["a", "b"])
     try:
@@ -410,7 +410,7 @@ def test_auto_gather_engine_on_cpu_is_nccl_path_and_bitwise() -> None:
 
 
 def _interrupted_load(rank: int, world: int) -> list[str]:
-    import dlo.transport as transport
+    import dlo.runtime.transport as transport
 
     model = ToyDiT(4)
     cfg = _cfg(num_slots=3, collective_timeout_s=5.0)

@@ -15,11 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 import dlo
-from dlo import faults, transport
+from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.errors import InjectedFault, OffloadError
-from dlo.host import LEDGER
-from dlo.platform import CpuPlatform, process_rss_bytes
+from dlo.host.region import LEDGER
+from dlo.platform.device import CpuPlatform
+from dlo.platform.env import process_rss_bytes
+from dlo.runtime import transport
 from tests.harness import assert_all_ok, run_ranks
 from tests.nothing_lost import Baseline
 from tests.toys import ToyBlock, ToyDiT, clone
@@ -419,7 +421,7 @@ def test_torch_compile_around_streamed_blocks_is_a_clear_error() -> None:
 def test_cuda_graph_capture_around_offloaded_modules_is_a_clear_error(
     mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlo.platform import CpuPlatform
+    from dlo.platform.device import CpuPlatform
 
     model = ToyDiT(3)
     ref = _steps(clone(model))

@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import dlo
-from dlo import transport
 from dlo.backends.hsdp import shard_non_block
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.parallel import group_of
-from dlo.platform import CpuPlatform
+from dlo.dist.groups import group_of
+from dlo.platform.device import CpuPlatform
+from dlo.runtime import transport
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT, clone
 

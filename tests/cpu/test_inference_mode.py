@@ -3,7 +3,7 @@
 What dlo allocates at enable (slots, staging buffers, resident copies) is written in place
 later, by the staging thread or by forwards outside inference mode; what disable restores
 is the user's again. None of it may be an inference tensor ([Note: no inference tensors] in
-``dlo.lifecycle``).
+``dlo.backends.base``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import dlo
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.platform import CpuPlatform
+from dlo.platform.device import CpuPlatform
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT, ToyPipeline, clone
 
@@ -84,9 +84,9 @@ def test_allgather_enabled_inside_inference_mode() -> None:
 
 def test_mapped_backing_loaded_inside_inference_mode(tmp_path: Path) -> None:
     # the staging thread is never in inference mode: its buffers must not be inference tensors
-    from dlo.backends.loading import load_pipeline
-    from dlo.checkpoint import Checkpoint, save_checkpoint
+    from dlo.io.checkpoint import Checkpoint, save_checkpoint
     from dlo.models import build_pipeline, make_inputs
+    from dlo.pipelines.load import load_pipeline
     from tests.cpu.test_loader import DTYPE, PRESET
 
     resident = build_pipeline(PRESET, dtype=DTYPE)

@@ -18,8 +18,8 @@ from torch import nn
 
 import dlo
 from dlo.errors import OffloadError
-from dlo.hooks import HookRegistry
-from dlo.host import LEDGER
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import LEDGER
 from tests.harness import assert_all_ok, forward_outcomes, run_ranks
 from tests.nothing_lost import Baseline
 from tests.toys import ToyDiT, ToyPipeline, assert_same, clone, snapshot

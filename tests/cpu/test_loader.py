@@ -13,11 +13,11 @@ from safetensors.torch import save_file
 
 import dlo
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.backends.loading import load_pipeline
-from dlo.checkpoint import Checkpoint, CheckpointError, save_checkpoint
-from dlo.host import LEDGER
+from dlo.host.region import LEDGER
+from dlo.io.checkpoint import Checkpoint, CheckpointError, save_checkpoint
 from dlo.models import Preset, build_pipeline, make_inputs
-from dlo.platform import CpuPlatform
+from dlo.pipelines.load import load_pipeline
+from dlo.platform.device import CpuPlatform
 from tests.harness import assert_all_ok, run_ranks
 
 # DiT blocks of about 17 MB in float32: five 4 MiB chunks each, so slices are chunk-major
@@ -68,7 +68,7 @@ def _region_digests(backend: LayerwiseBackend) -> list[str]:
 
 
 def _manifest(backend: LayerwiseBackend) -> str:
-    from dlo.layout import build_manifest
+    from dlo.plan.layout import build_manifest
 
     return build_manifest([b.layout for b in backend._blocks]).digest
 

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 import dlo
-from dlo.backends.loading import load_pipeline
-from dlo.checkpoint import Checkpoint, CheckpointError, save_checkpoint
-from dlo.host import LEDGER
-from dlo.loader import mapped_source
-from dlo.staging import fill_ranges
+from dlo.host.packer import fill_ranges
+from dlo.host.region import LEDGER
+from dlo.io.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from dlo.io.materialize import mapped_source
+from dlo.pipelines.load import load_pipeline
 from tests.harness import assert_all_ok, run_ranks
 
 DIM = 64
@@ -109,7 +109,7 @@ def test_reenable_packs_the_models_weights_not_the_files(ckpt: str) -> None:
 
 
 def test_a_tensor_written_in_place_is_not_served_from_the_file(ckpt: str) -> None:
-    from dlo.loader import _register, _unregister
+    from dlo.io.materialize import _register, _unregister
 
     t = Checkpoint(ckpt).tensor("blocks.0.lin.weight")
     _register(t, Checkpoint(ckpt), "blocks.0.lin.weight")
@@ -187,7 +187,7 @@ def test_a_failed_fill_returns_only_when_none_of_its_reads_is_running(
 ) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from dlo import staging
+    from dlo.host import packer as staging
 
     monkeypatch.setattr(staging, "READ_PIECE_NBYTES", 16)
     src = _SlowFile()

@@ -19,14 +19,15 @@ import torch
 import dlo
 from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.backends.loading import load_pipeline
-from dlo.checkpoint import Checkpoint, save_checkpoint
 from dlo.errors import InjectedFault, OffloadError
-from dlo.hooks import HookRegistry
-from dlo.host import LEDGER
-from dlo.layout import round_up
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import LEDGER
+from dlo.io.checkpoint import Checkpoint, save_checkpoint
 from dlo.models import build_pipeline, make_inputs
-from dlo.platform import CpuPlatform, page_size
+from dlo.pipelines.load import load_pipeline
+from dlo.plan.layout import round_up
+from dlo.platform.device import CpuPlatform
+from dlo.platform.env import page_size
 from tests.cpu.test_loader import DTYPE, PRESET
 from tests.harness import assert_all_ok, run_ranks
 
@@ -59,7 +60,7 @@ def _steps(pipe: Any, ids: torch.Tensor, latents: torch.Tensor) -> list[torch.Te
 
 def _slow_fill(delay_s: float) -> Callable[[], None]:
     """Make every staging fill sleep first (a filler behind the compute thread)."""
-    from dlo.staging import MappedBlock
+    from dlo.host.mapped import MappedBlock
 
     fill = MappedBlock.fill_chunk
 
@@ -247,7 +248,7 @@ def test_failure_at_every_point_of_a_mapped_enable_rolls_back(checkpoint: str) -
 @contextlib.contextmanager
 def _fill_fails(block: str) -> Iterator[None]:
     """Every staged read of ``block`` from the checkpoint fails (a disk gone)."""
-    from dlo.staging import MappedBlock
+    from dlo.host.mapped import MappedBlock
 
     fill = MappedBlock.fill_chunk
 

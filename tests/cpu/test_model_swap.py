@@ -13,9 +13,9 @@ import dlo
 from dlo import faults
 from dlo.backends.model_swap import ModelSwapBackend
 from dlo.errors import InjectedFault, OffloadError
-from dlo.hooks import HookRegistry
-from dlo.host import LEDGER
-from dlo.platform import CpuPlatform
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import LEDGER
+from dlo.platform.device import CpuPlatform
 from tests.toys import ToyDiT, ToyEncoder, assert_same, clone, snapshot
 
 

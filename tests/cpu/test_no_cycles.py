@@ -18,7 +18,7 @@ import dlo
 from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.errors import InjectedFault
-from dlo.platform import CpuPlatform
+from dlo.platform.device import CpuPlatform
 from tests.harness import assert_all_ok, run_ranks
 from tests.nothing_lost import no_cyclic_garbage
 from tests.toys import ToyDiT, ToyPipeline
@@ -112,9 +112,9 @@ def test_hsdp_two_ranks_leaves_no_cycle() -> None:
 
 
 def test_mapped_host_backing_leaves_no_cycle(tmp_path: Path) -> None:
-    from dlo.backends.loading import load_pipeline
-    from dlo.checkpoint import Checkpoint, save_checkpoint
+    from dlo.io.checkpoint import Checkpoint, save_checkpoint
     from dlo.models import build_pipeline, make_inputs
+    from dlo.pipelines.load import load_pipeline
     from tests.cpu.test_loader import DTYPE, PRESET
 
     path = save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), tmp_path, max_shard_nbytes=12 << 20)

@@ -1,5 +1,5 @@
 """transfer="node-shared": the ranks of a weight group on one node share one host copy in a
-file under DLO_SHM_DIR (see [Note: node-shared host copy] in dlo.node_share). Real gloo ranks;
+file under DLO_SHM_DIR (see [Note: node-shared host copy] in dlo.host.node_share). Real gloo ranks;
 every test gives the ranks a private DLO_SHM_DIR, so parallel tests never see each other's
 files."""
 
@@ -18,14 +18,15 @@ import torch
 
 import dlo
 import dlo.backends.layerwise as layerwise
-import dlo.host
-import dlo.node_share
-from dlo import agreement, faults
-from dlo.agreement import RankReport, pin_verdict
+import dlo.host.node_share
+import dlo.host.region
+from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend, _check_shared_stacks
-from dlo.host import LEDGER
-from dlo.plan import BlockStack, resolve_offload_plan
-from dlo.platform import CpuPlatform
+from dlo.dist import store as agreement
+from dlo.dist.agreement import RankReport, pin_verdict
+from dlo.host.region import LEDGER
+from dlo.plan.topology import BlockStack, resolve_offload_plan
+from dlo.platform.device import CpuPlatform
 from tests.cpu.test_dlo import FakePinPlatform, _cfg, _par, _steps
 from tests.cpu.test_streamed_writes import _CachingDiT, _state
 from tests.cpu.test_streamed_writes import _x as _write_x
@@ -62,7 +63,7 @@ def _parity(
         layerwise.host_name = lambda: host  # type: ignore[assignment]
     packed: list[str] = []
     paths: list[str] = []
-    real_pack, real_map = dlo.node_share.pack_block, dlo.host._map_file
+    real_pack, real_map = dlo.host.node_share.pack_block, dlo.host.region._map_file
 
     def pack(dst: torch.Tensor, layout: Any, r: int, sources: Any) -> None:
         packed.append(layout.name)
@@ -72,8 +73,8 @@ def _parity(
         paths.append(path)
         return real_map(path, nbytes)
 
-    dlo.node_share.pack_block = pack  # type: ignore[assignment]
-    dlo.host._map_file = map_file  # type: ignore[assignment]
+    dlo.host.node_share.pack_block = pack  # type: ignore[assignment]
+    dlo.host.region._map_file = map_file  # type: ignore[assignment]
     model = TwoStackDiT(num_blocks, num_blocks2=2) if num_blocks % 2 else ToyDiT(num_blocks)
     ref = _steps(clone(model), rank, 4)
     before = snapshot(model)
@@ -183,13 +184,13 @@ def _slow_exchange(rank: int) -> None:
     """Rank 1 reaches the host-share exchange late, and rank 0 is preempted between its
     reads of the exchange's outcome and of the failure mark (as a loaded node may do)."""
     if rank == 1:
-        real_share = dlo.node_share.share
+        real_share = dlo.host.node_share.share
 
         def late(*args: Any, **kw: Any) -> Any:
             time.sleep(0.3)
             return real_share(*args, **kw)
 
-        dlo.node_share.share = late  # type: ignore[assignment]
+        dlo.host.node_share.share = late  # type: ignore[assignment]
     elif rank == 0:
         real_refusal, polls = agreement._refusal, [0]
 
@@ -255,7 +256,7 @@ def test_failure_on_one_rank_fails_every_rank_and_leaves_nothing(
 def test_failure_reaches_a_peer_polling_the_exchange_as_the_same_error(tmp_path: Path) -> None:
     # A race, made deterministic: rank 1 completes the host-share exchange, raises and marks
     # the store failed while rank 0 is between its read of the exchange's outcome and its
-    # read of the mark. dlo.agreement._share at 9f7dccc then raised the refusal ("node-shared
+    # read of the mark. dlo.dist.store._share at 9f7dccc then raised the refusal ("node-shared
     # host copy refused: a previous multi-rank startup of dlo failed (rank 1: ...)") on rank
     # 0 instead of the error, although the exchange had been decided "ok"; it must read the
     # exchange (FAILED at 9f7dccc until _share broke out of its wait when every rank had
@@ -423,10 +424,10 @@ def test_stacks_sharing_along_different_axes_are_refused() -> None:
 # ----------------------------------------------------------------------------- pure
 def test_sharers_are_the_group_on_this_host() -> None:
     reports = [RankReport(rank=r, ok=True, host="ab"[r // 2]) for r in range(4)]
-    assert dlo.node_share.sharers(reports, [0, 1, 2, 3], 2) == [2, 3]
-    assert dlo.node_share.sharers(reports, [1, 3], 1) == [1]
-    assert dlo.node_share.sharers(reports, [0, 1], 0) == [0, 1]
-    assert dlo.node_share.sharers(reports[:1], [0], 0) == [0]
+    assert dlo.host.node_share.sharers(reports, [0, 1, 2, 3], 2) == [2, 3]
+    assert dlo.host.node_share.sharers(reports, [1, 3], 1) == [1]
+    assert dlo.host.node_share.sharers(reports, [0, 1], 0) == [0, 1]
+    assert dlo.host.node_share.sharers(reports[:1], [0], 0) == [0]
 
 
 def test_pin_verdict_is_the_union_and_fail_names_the_ranks() -> None:

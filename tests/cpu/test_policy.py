@@ -15,8 +15,8 @@ import torch
 import dlo
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.cli import main
-from dlo.host import LEDGER
-from dlo.platform import CpuPlatform
+from dlo.host.region import LEDGER
+from dlo.platform.device import CpuPlatform
 from tests.cpu.test_cli import _torchrun
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT, TwoStackDiT, clone
@@ -47,7 +47,7 @@ def _fake_probes(
     """Make this rank measure ``numbers[rank]`` (GB/s of H2D, AllGather) and ``shm[rank]``
     free bytes of shared memory. The real probes still run (the gather is a real
     collective); only the reported value changes."""
-    import dlo.measure as measure
+    import dlo.runtime.measure as measure
 
     if shm is not None:
         free = shm[min(rank, max(shm))]
@@ -249,7 +249,7 @@ def _enabled_or_refusal(cfg: dlo.OffloadConfig, world: int) -> str:
 
 
 def _failing_probe(rank: int, world: int) -> str:
-    import dlo.measure as measure
+    import dlo.runtime.measure as measure
 
     if rank == 1:
 
@@ -363,7 +363,7 @@ def test_torchrun_run_auto_explain_two_cpu_ranks() -> None:
 
 
 def _two_groups_on_one_node(rank: int, world: int, free: int) -> tuple[str, str]:
-    import dlo.measure as measure
+    import dlo.runtime.measure as measure
 
     _fake_probes(rank, {0: (10.0, 12.0)})  # whole blocks win
     measure.shared_memory_free_nbytes = lambda: free  # type: ignore[assignment]
@@ -381,7 +381,7 @@ def _two_groups_on_one_node(rank: int, world: int, free: int) -> tuple[str, str]
 def test_two_weight_groups_on_one_node_need_two_copies(tmp_path: Path) -> None:
     """DP 2 x SP 2 on one node, weights shared along data: two groups ([0, 2], [1, 3]), so two
     copies; shared memory that holds one (with the headroom) but not two is rank-local."""
-    from dlo.layout import MIB, describe_entries, module_tensor_entries, plan_block_layout
+    from dlo.plan.layout import MIB, describe_entries, module_tensor_entries, plan_block_layout
 
     one_copy = sum(
         plan_block_layout(

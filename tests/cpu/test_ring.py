@@ -12,8 +12,8 @@ import torch
 import dlo
 from dlo import faults
 from dlo.errors import InjectedFault, OffloadError
-from dlo.hooks import HookRegistry
-from dlo.host import LEDGER
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import LEDGER
 from tests.toys import ToyDiT, ToyPipeline, TwoStackDiT, assert_same, clone, snapshot
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import dlo
 from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.platform import CpuPlatform
+from dlo.platform.device import CpuPlatform
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT
 

@@ -1,6 +1,6 @@
 """A block (or swapped component) that writes its own tensors in place: the write is kept
 where the host holds whole blocks, and refused by name where it cannot be kept (see [Note:
-writes into streamed tensors] in dlo.ring)."""
+writes into streamed tensors] in dlo.runtime.ring)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dlo
-from dlo.host import LEDGER
+from dlo.host.region import LEDGER
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyEncoder, clone
 

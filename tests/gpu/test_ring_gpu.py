@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import dlo
-from dlo.host import LEDGER
+from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
-from dlo.ring import RingScheduler
-from dlo.transport import BlockTransport
+from dlo.runtime.ring import RingScheduler
+from dlo.runtime.transport import BlockTransport
 from tests.toys import ToyDiT, ToyPipeline, assert_same, clone, snapshot
 
 DEV = torch.device("cuda", 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import dlo
-from dlo.host import LEDGER
+from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
 
 DEV = torch.device("cuda", 0)

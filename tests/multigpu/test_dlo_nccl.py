@@ -10,8 +10,8 @@ import torch
 
 import dlo
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.host import LEDGER
-from dlo.platform import CudaPlatform
+from dlo.host.region import LEDGER
+from dlo.platform.device import CudaPlatform
 from tests.harness import assert_all_ok, run_ranks
 from tests.toys import ToyDiT, clone
 
@@ -67,7 +67,7 @@ def warm_then_steady(
 def delay_copy_stream() -> None:
     """Hold every load's copy stream back 20 M cycles: the ring's events, not luck, must
     order the copies and the reads (in this process, for the rest of the test)."""
-    from dlo.transport import BlockTransport
+    from dlo.runtime.transport import BlockTransport
 
     load = BlockTransport.load
 

@@ -10,7 +10,7 @@ import torch
 import dlo
 from dlo.backends.hsdp import shard_non_block
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.platform import CudaPlatform
+from dlo.platform.device import CudaPlatform
 from tests.harness import assert_all_ok, run_ranks
 from tests.multigpu.test_dlo_nccl import NCCL_ENV
 from tests.toys import ToyDiT, clone

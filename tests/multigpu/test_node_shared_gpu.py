@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from dlo.host import LEDGER
-from dlo.platform import shared_memory_dir
+from dlo.host.region import LEDGER
+from dlo.platform.env import shared_memory_dir
 from tests.harness import assert_all_ok, run_ranks
 from tests.multigpu.test_dlo_nccl import (
     NCCL_ENV,

@@ -6,8 +6,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from dlo.agreement import AGREED_SETTINGS, RankReport, decide, gather_engine_verdict, settings_of
-from dlo.config import OffloadConfig
+from dlo.config.offload import OffloadConfig
+from dlo.dist.agreement import (
+    AGREED_SETTINGS,
+    RankReport,
+    decide,
+    gather_engine_verdict,
+    settings_of,
+)
 
 
 def _reports(hosts: list[str], symmetric: list[bool]) -> list[RankReport]:

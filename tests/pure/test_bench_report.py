@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from dlo import bench
+from dlo.bench import report as bench
 
 
 def _report(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from dlo.ce_gather import SyncWatchdog
+from dlo.runtime.ce_gather import SyncWatchdog
 
 
 class _Event:
@@ -101,7 +101,7 @@ def test_a_device_error_fires_at_once_naming_the_block() -> None:
 
 
 def test_barrier_kernels_are_watched_at_each_blocks_trailing_barrier() -> None:
-    from dlo.ce_gather import _KernelBarrier
+    from dlo.runtime.ce_gather import _KernelBarrier
 
     class _Handle:
         def __init__(self) -> None:
@@ -130,7 +130,7 @@ def test_flag_addresses_meet_in_real_memory_for_barriers_and_tags() -> None:
 
     import torch
 
-    from dlo.ce_gather import FLAG_NBYTES, TAG_WORD, flag_addresses
+    from dlo.runtime.ce_gather import FLAG_NBYTES, TAG_WORD, flag_addresses
 
     group = 3
     regions = [torch.zeros(FLAG_NBYTES, dtype=torch.uint8) for _ in range(group)]
@@ -163,9 +163,9 @@ def test_symmetric_slots_count_in_the_device_peak() -> None:
     # it, so the backend reports it and the peak figures add it
     import torch
 
-    from dlo.measure import device_peak_nbytes
-    from dlo.platform import CpuPlatform
-    from dlo.slots import SlotPool
+    from dlo.platform.device import CpuPlatform
+    from dlo.runtime.measure import device_peak_nbytes
+    from dlo.runtime.slots import SlotPool
 
     class Peak(CpuPlatform):
         def max_memory_allocated(self) -> int:
@@ -226,7 +226,7 @@ class _ProbePlatform:
 def _probe(platform: _ProbePlatform, monkeypatch: Any) -> bool:
     import torch
 
-    from dlo import ce_gather
+    from dlo.runtime import ce_gather
 
     monkeypatch.setattr(ce_gather, "PROBE_TIMEOUT_S", 0.05)
     platform.word = torch.zeros(1, dtype=torch.int32)
@@ -249,7 +249,7 @@ def test_probe_that_times_out_releases_its_wait_and_says_no(monkeypatch: Any) ->
 def test_probe_that_cannot_be_released_ends_the_worker(monkeypatch: Any) -> None:
     import pytest
 
-    from dlo import ce_gather
+    from dlo.runtime import ce_gather
 
     def abort(message: str) -> None:
         raise SystemExit(message)

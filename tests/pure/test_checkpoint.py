@@ -14,12 +14,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from dlo.checkpoint import Checkpoint, CheckpointError, read_header, save_checkpoint
-from dlo.host import LEDGER, HostRegion, PinReport, shard_copies
-from dlo.layout import plan_block_layout
-from dlo.lifecycle import Journal
-from dlo.loader import materialize, plan_load
-from dlo.platform import CpuPlatform
+from dlo.host.region import LEDGER, HostRegion, PinReport
+from dlo.host.shards import shard_copies
+from dlo.io.checkpoint import Checkpoint, CheckpointError, read_header, save_checkpoint
+from dlo.io.materialize import materialize, plan_load
+from dlo.journal import Journal
+from dlo.plan.layout import plan_block_layout
+from dlo.platform.device import CpuPlatform
 
 
 def _mixed() -> dict[str, torch.Tensor]:

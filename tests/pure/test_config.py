@@ -9,24 +9,16 @@ import dataclasses
 import inspect
 import itertools
 import math
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import dlo
-from dlo import config as config_mod
-from dlo.config import (
-    COMPONENTS,
-    LEGACY_FLAG_DEFAULTS,
-    MODES,
-    PIN_FAILURE_POLICIES,
-    TRANSFERS,
-    WEIGHT_AXES,
-    LayerOptions,
-    OffloadConfig,
-    ParallelConfig,
-)
+from dlo.config.fields import COMPONENTS, MODES, PIN_FAILURE_POLICIES, TRANSFERS, WEIGHT_AXES
+from dlo.config.offload import LEGACY_FLAG_DEFAULTS, LayerOptions, OffloadConfig
+from dlo.config.parallel import ParallelConfig
 
 
 @contextlib.contextmanager
@@ -53,7 +45,7 @@ CLASSES = (OffloadConfig, ParallelConfig, LayerOptions)
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
 def test_every_field_has_a_docstring(cls: type) -> None:
-    tree = ast.parse(inspect.getsource(config_mod))
+    tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
     (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
     documented: dict[str, str] = {}
     body = node.body

@@ -15,9 +15,9 @@ import dlo
 from dlo.backends.factory import enable_offload, get_offload_backend
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.backends.model_swap import ModelSwapBackend
-from dlo.host import LEDGER
+from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
-from dlo.platform import CpuPlatform
+from dlo.platform.device import CpuPlatform
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

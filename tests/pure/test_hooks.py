@@ -13,9 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dlo import hooks as dlo_hooks
 from dlo.errors import OffloadError
-from dlo.hooks import HookRegistry, ModelHook, find_foreign_offloaders, foreign_offloader
+from dlo.hooks import registry as dlo_hooks
+from dlo.hooks.dispatch import ModelHook
+from dlo.hooks.foreign import find_foreign_offloaders, foreign_offloader
+from dlo.hooks.registry import HookRegistry
 
 
 class Recorder(ModelHook):

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dlo.host import pack_shard, shard_view, span_bytes, unpack_tensor
-from dlo.layout import (
+from dlo.host.shards import pack_shard, shard_view, span_bytes, unpack_tensor
+from dlo.plan.layout import (
     ALIGN,
     build_manifest,
     describe_module,

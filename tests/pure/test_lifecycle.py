@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dlo import faults
+from dlo.backends.base import OffloadBackend
 from dlo.errors import InjectedFault, OffloadError
-from dlo.lifecycle import Journal, OffloadBackend
+from dlo.journal import Journal
 
 
 def test_journal_undoes_in_reverse_and_is_idempotent() -> None:

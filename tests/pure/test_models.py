@@ -11,7 +11,8 @@ import dataclasses
 import pytest
 import torch
 
-from dlo.config import OffloadConfig, ParallelConfig
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
 from dlo.models import (
     PRESETS,
     DemoPipeline,
@@ -22,7 +23,8 @@ from dlo.models import (
     get_preset,
     make_inputs,
 )
-from dlo.plan import OffloadPlan, SupportsComponentDiscovery, resolve_offload_plan
+from dlo.plan.declarations import OffloadPlan, SupportsComponentDiscovery
+from dlo.plan.topology import resolve_offload_plan
 
 TINY = PRESETS["tiny"]
 TINY_DIT_STYLE = dataclasses.replace(

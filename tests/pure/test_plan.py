@@ -12,16 +12,15 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dlo.config import OffloadConfig, ParallelConfig
-from dlo.plan import (
-    BlockStack,
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.plan.declarations import (
     OffloadPlan,
-    ResolvedOffloadPlan,
     SupportsComponentDiscovery,
     SupportsModelOffload,
     get_by_path,
-    resolve_offload_plan,
 )
+from dlo.plan.topology import BlockStack, ResolvedOffloadPlan, resolve_offload_plan
 
 LAYER = OffloadConfig(mode="layer")
 DIT_ONLY = OffloadConfig(mode="layer", components=("dit",))

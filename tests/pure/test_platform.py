@@ -15,22 +15,20 @@ import pytest
 import torch
 
 import dlo
-from dlo import platform as plat
-from dlo.platform import (
-    CpuPlatform,
-    NullEvent,
-    NullStream,
-    StreamTimer,
+from dlo.platform import device as plat_device
+from dlo.platform import env as plat_env
+from dlo.platform import timing as plat_timing
+from dlo.platform.device import CpuPlatform, NullEvent, NullStream, default_device, get_platform
+from dlo.platform.env import (
     TorchrunEnv,
-    default_device,
     env_str,
-    get_platform,
     page_size,
     process_peak_rss_bytes,
     process_rss_bytes,
     set_env_default,
     torchrun_env,
 )
+from dlo.platform.timing import StreamTimer
 
 TORCHRUN_VARS = (
     "RANK",
@@ -225,14 +223,14 @@ def test_get_platform_cuda_without_cuda() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines only")
 def test_default_device_is_cpu_here() -> None:
-    assert plat.accelerator_available() is False
+    assert plat_device.accelerator_available() is False
     assert default_device() == torch.device("cpu")
     assert default_device(local_rank=3) == torch.device("cpu")
     assert isinstance(get_platform(), CpuPlatform)
 
 
 def test_default_device_without_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plat, "accelerator_available", lambda: False)
+    monkeypatch.setattr(plat_device, "accelerator_available", lambda: False)
     assert default_device() == torch.device("cpu")
     assert isinstance(get_platform(None), CpuPlatform)
 
@@ -251,8 +249,8 @@ def test_process_rss() -> None:
 
 
 def test_trim_host_heap_and_nvtx_range_are_safe() -> None:
-    plat.trim_host_heap()
-    with plat.nvtx_range("dlo::test"):
+    plat_env.trim_host_heap()
+    with plat_timing.nvtx_range("dlo::test"):
         assert torch.ones(1).item() == 1.0
 
 
@@ -320,7 +318,7 @@ def test_cpu_ring_never_initializes_cuda_in_process(clean_env: pytest.MonkeyPatc
 def test_cpu_share_divides_the_cpus_among_the_ranks_of_a_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from dlo.platform import cpu_share
+    from dlo.platform.env import cpu_share
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):

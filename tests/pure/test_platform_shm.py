@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dlo import platform
+from dlo.platform import env as platform
 
 
 def test_shared_memory_dir_prefers_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

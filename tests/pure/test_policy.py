@@ -1,4 +1,4 @@
-"""The automatic policy's decision model (dlo.policy) and its config knobs. Pure: no process
+"""The automatic policy's decision model (dlo.plan.policy) and its config knobs. Pure: no process
 group, no device, no clock."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlo.config import LayerOptions, OffloadConfig
-from dlo.layout import ALIGN, MIB
-from dlo.policy import (
+from dlo.config.offload import LayerOptions, OffloadConfig
+from dlo.plan.layout import ALIGN, MIB
+from dlo.plan.policy import decide
+from dlo.plan.policy_model import (
     FREE_MEMORY_HEADROOM,
     GIB,
     SHARED_MEMORY_HEADROOM,
@@ -22,7 +23,6 @@ from dlo.policy import (
     PolicyInput,
     StackSpec,
     block_times,
-    decide,
     padded_nbytes,
     slots_needed,
 )
@@ -264,7 +264,7 @@ def test_a_node_holding_several_weight_groups_needs_a_copy_for_each() -> None:
 
 
 def test_copies_per_node_counts_the_groups_with_a_rank_on_the_fullest_node() -> None:
-    from dlo.measure import RankMeasurement, copies_per_node
+    from dlo.runtime.measure import RankMeasurement, copies_per_node
 
     def recs(*hosts: str) -> list[RankMeasurement]:
         return [RankMeasurement(r, host=h) for r, h in enumerate(hosts)]
@@ -278,7 +278,7 @@ def test_copies_per_node_counts_the_groups_with_a_rank_on_the_fullest_node() -> 
 
 
 def test_shared_memory_is_reported_and_combined_as_the_minimum() -> None:
-    from dlo.measure import RankMeasurement, combine
+    from dlo.runtime.measure import RankMeasurement, combine
 
     d = decide(_input(_stack(), ag=SMALL_AG, shm=3 * GIB))
     as_dict = json.loads(json.dumps(d.as_dict()))
@@ -588,7 +588,7 @@ def test_layer_options_resident_auto_type() -> None:
 
 
 def test_non_block_bytes_combine_to_the_largest() -> None:
-    from dlo.measure import RankMeasurement, combine_non_block
+    from dlo.runtime.measure import RankMeasurement, combine_non_block
 
     records = [
         RankMeasurement(0, non_block_nbytes=66624, non_block_to_place_nbytes=100),

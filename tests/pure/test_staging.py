@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from dlo.checkpoint import Checkpoint
-from dlo.host import chunk_copies, gap_ranges, pack_shard, range_copies, shard_copies
-from dlo.layout import ALIGN, describe_entries, plan_block_layout
-from dlo.staging import MappedBlock, fill_ranges
+from dlo.host.mapped import MappedBlock
+from dlo.host.packer import fill_ranges
+from dlo.host.shards import chunk_copies, gap_ranges, pack_shard, range_copies, shard_copies
+from dlo.io.checkpoint import Checkpoint
+from dlo.plan.layout import ALIGN, describe_entries, plan_block_layout
 
 
 def _tensors() -> list[tuple[str, str, torch.Tensor]]:
@@ -78,7 +79,7 @@ def test_chunks_from_file_ranges_equal_the_packed_block(chunk_nbytes: int, tmp_p
 
 
 def test_fill_ranges_splits_large_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlo.staging as staging
+    import dlo.host.packer as staging
 
     monkeypatch.setattr(staging, "READ_PIECE_NBYTES", 100)
     t = torch.arange(1000, dtype=torch.float32)

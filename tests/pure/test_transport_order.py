@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from dlo.layout import plan_block_layout
-from dlo.platform import CpuPlatform
-from dlo.transport import BlockTransport, TransferCounters
+from dlo.plan.layout import plan_block_layout
+from dlo.platform.device import CpuPlatform
+from dlo.runtime.transport import BlockTransport, TransferCounters
 
 
 class _CE:

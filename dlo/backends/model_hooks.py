@@ -1,0 +1,191 @@
+"""Pieces both backends install the same way: state-dict hooks that serve real tensors from
+host storage, the refusal of ``load_state_dict``, and the record of tensors whose bytes a
+backend released for good."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.errors import OffloadError
+from dlo.hooks.foreign import foreign_offloader
+from dlo.hooks.registry import HookRegistry
+from dlo.host.mapped import MappedBlock
+from dlo.host.shards import shard_view
+from dlo.plan.declarations import get_by_path
+from dlo.plan.layout import BlockLayout
+
+# id -> weak reference of tensors whose bytes an AllGather disable could not restore (each
+# rank held 1/G of them). Keyed by id because tensors compare elementwise, not by identity.
+_RELEASED: dict[int, weakref.ref[torch.Tensor]] = {}
+
+
+def mark_released(tensors: list[torch.Tensor]) -> None:
+    """Remember that these tensors lost their bytes (see [Note: what disable restores])."""
+    for t in tensors:
+        _RELEASED[id(t)] = weakref.ref(t, functools.partial(_forget, id(t)))
+
+
+def _forget(key: int, _ref: object) -> None:
+    _RELEASED.pop(key, None)
+
+
+def _is_released(t: torch.Tensor) -> bool:
+    ref = _RELEASED.get(id(t))
+    return ref is not None and ref() is t
+
+
+def check_not_released(named: list[tuple[str, torch.Tensor]], *, rank: int) -> None:
+    """Refuse a model whose tensors a previous AllGather enable released."""
+    gone = [name for name, t in named if _is_released(t)]
+    if gone:
+        raise OffloadError(
+            f"{len(gone)} tensors (first: {', '.join(gone[:4])}) lost their weights when an "
+            "earlier AllGather offload of this model was disabled (each rank held only its "
+            "1/G shard); reload the model before enabling again",
+            rank=rank,
+        )
+
+
+def move_tensor(t: torch.Tensor, device: torch.device) -> None:
+    """Move one tensor in place (same Python object); the undo of a device placement."""
+    t.data = t.data.to(device)
+
+
+def install_state_dict_hooks(
+    registry: HookRegistry,
+    module: nn.Module,
+    name: str,
+    layout: BlockLayout,
+    shard: torch.Tensor | MappedBlock,
+    tensors: Sequence[torch.Tensor],
+    *,
+    rank: int,
+    copy: bool = False,
+) -> None:
+    """Make ``module.state_dict()`` return real tensors (views of the host shard, or with
+    ``host_backing="mapped"`` views of the checkpoint's private mapping; with ``copy``
+    private copies, for a node-shared copy that an in-place edit would change under every
+    rank of the node) instead of placeholders, and refuse ``load_state_dict`` while offload
+    is enabled.
+
+    With a group size above 1 the host holds only 1/G of the module, so ``state_dict`` raises.
+    The returned views alias dlo's host memory; they stay valid after disable (the memory is
+    released when the last view dies) but are not updated by anything. ``tensors`` are the
+    module's Parameter and buffer objects in ``layout`` order: every name under which one of
+    them is reachable gets its view (tied weights have several), and a name the user has
+    since bound to another tensor keeps that tensor.
+    """
+    # weak, by identity: a replaced tensor may die and its id be reused
+    index = {id(t): (i, weakref.ref(t)) for i, t in enumerate(tensors)}
+
+    def state_dict_hook(mod: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        if layout.group_size > 1:
+            raise OffloadError(
+                "state_dict() of a module streamed with AllGather is not available: this rank "
+                f"holds 1/{layout.group_size} of it; save the weights from the checkpoint they "
+                "were loaded from",
+                rank=rank,
+                block=name,
+            )
+        named = itertools.chain(
+            mod.named_parameters(remove_duplicate=False), mod.named_buffers(remove_duplicate=False)
+        )
+        for local, t in named:
+            i, ref = index.get(id(t), (-1, None))
+            key = prefix + local
+            if ref is not None and ref() is t and key in state_dict:
+                t = (
+                    shard.tensor(i)
+                    if isinstance(shard, MappedBlock)
+                    else shard_view(shard, layout.tensors[i])
+                )
+                state_dict[key] = t.clone() if copy else t
+
+    registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
+    registry.register_load_state_dict_pre_hook(module, LOAD_REFUSAL, _refuse_load(name, rank))
+
+
+LOAD_REFUSAL = "dlo.load_state_dict"
+
+
+def _refuse_load(name: str, rank: int) -> Any:
+    def refuse_load(*args: Any, **kwargs: Any) -> None:
+        raise OffloadError(
+            "load_state_dict() into a module dlo is offloading: disable offload first, load, "
+            "then enable again",
+            rank=rank,
+            block=name,
+        )
+
+    return refuse_load
+
+
+def install_load_refusal_on_ancestors(
+    registry: HookRegistry, root: nn.Module, managed: Sequence[str], *, rank: int
+) -> None:
+    """Refuse ``load_state_dict`` on ``root`` and on every module containing one of the
+    ``managed`` paths too, so that a refused load changes nothing: torch runs a module's
+    load pre-hooks before it copies that module's own tensors and before its children, so
+    without this a load from the root would overwrite the tensors it reaches before the first
+    managed module. A module another mechanism manages (FSDP2's root under HSDP) is skipped:
+    its hooks are its own."""
+    for path in sorted(_enclosing_paths(managed) - set(managed)):
+        module = get_by_path(root, path)
+        if isinstance(module, nn.Module) and foreign_offloader(module) is None:
+            registry.register_load_state_dict_pre_hook(
+                module, LOAD_REFUSAL, _refuse_load(path or type(root).__name__, rank)
+            )
+
+
+def _enclosing_paths(managed: Sequence[str]) -> set[str]:
+    """The root (``""``) and every module path strictly above one of ``managed``."""
+    out = {""}
+    for path in managed:
+        parts = path.split(".")
+        out.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return out
+
+
+APPLY_REFUSAL = "dlo._apply"
+
+
+def _refuse_apply(path: str, rank: int) -> Any:
+    def refuse_apply() -> None:
+        raise OffloadError(
+            f"to() / half() / float() / cuda() / type() on {path!r}, which is or contains a "
+            "module dlo is offloading: it would convert dlo's placeholders, not the weights "
+            "dlo holds; disable dlo first (backend.disable()), convert, then enable again",
+            rank=rank,
+        )
+
+    return refuse_apply
+
+
+def install_apply_refusal(
+    registry: HookRegistry, root: nn.Module, managed: Sequence[str], *, rank: int
+) -> None:
+    """Refuse ``Module._apply`` (behind ``to``, ``half``, ``float``, ``cuda``, ``type``) on
+    every module that is, contains or lies inside one of the ``managed`` paths, before torch
+    converts anything: torch converts a module's children first, so the refusal must sit on
+    the module the user calls. dlo's own enable and disable rebind ``.data`` and never call
+    ``_apply``. A module another mechanism manages is skipped (its hooks are its own)."""
+    managed_set = set(managed)
+    seen: set[int] = set()
+    for path in sorted(_enclosing_paths(managed) | managed_set):
+        module = get_by_path(root, path)
+        if not isinstance(module, nn.Module):
+            continue
+        inner = module.named_modules() if path in managed_set else [("", module)]
+        for sub, m in inner:
+            if id(m) in seen or foreign_offloader(m) is not None:
+                continue
+            seen.add(id(m))
+            name = ".".join(p for p in (path, sub) if p) or type(root).__name__
+            registry.register_apply_refusal(m, APPLY_REFUSAL, _refuse_apply(name, rank))

@@ -1,0 +1,120 @@
+"""Timing one bench method: building the benchmark DiT and its inputs, timing forwards on every
+rank, peak device memory, profiling.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.models.build import build_pipeline
+from dlo.models.presets import get_preset
+from dlo.platform.device import Platform
+from dlo.runtime.measure import barrier, device_peak_nbytes, over_ranks, sample_seconds
+
+METHODS = (
+    "resident",
+    "dlo-ring",
+    "dlo-rank-local",
+    "dlo-node-shared",
+    "dlo-allgather",
+    "dlo-allgather-copy",
+    "dlo-allgather-copy-kernel",
+    "dlo-auto",
+    "dlo-auto-compute",
+    "dlo-swap",
+    "fsdp2-offload",
+    "diffusers-group",
+)
+"""Every method ``--methods`` accepts (each runs where the platform and world size allow)."""
+
+
+# ----------------------------------------------------------------------------- timing
+def time_forward(
+    fn: Callable[[], Any], platform: Platform, *, warmup: int, reps: int
+) -> dict[str, float]:
+    """Median/min device time of ``fn`` in ms (wall time on the CPU platform)."""
+    for _ in range(warmup):
+        fn()
+    barrier()
+    times = [t * 1e3 for t in sample_seconds(platform, fn, reps)]
+    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+
+
+def _max_over_ranks(value: float) -> float:
+    return max(over_ranks(value))
+
+
+# ----------------------------------------------------------------------------- methods
+def _inputs(preset: str, tokens: int, device: torch.device, dtype: torch.dtype) -> tuple[Any, ...]:
+    p = get_preset(preset)
+    g = torch.Generator().manual_seed(1234 + tokens)
+    latents = torch.randn(1, tokens, p.latent_channels, generator=g).to(device, dtype)
+    text = torch.randn(1, p.text_len, p.text_dim, generator=g).to(device, dtype)
+    t = torch.full((1,), 500.0, device=device)
+    return latents, t, text
+
+
+def _build_dit(preset: str, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
+    return build_pipeline(preset, dtype=dtype, device=device).transformer
+
+
+def _profile(fn: Callable[[], Any], platform: Platform, folder: str | None, name: str) -> None:
+    """One forward under the torch profiler: a gzipped chrome trace and a kernel table."""
+    import os
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if platform.has_streams:
+        activities.append(ProfilerActivity.CUDA)
+    platform.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        platform.synchronize()
+    if folder is None:
+        return
+    prof.export_chrome_trace(os.path.join(folder, f"{name}.json.gz"))
+    sort = "cuda_time_total" if platform.has_streams else "cpu_time_total"
+    with open(os.path.join(folder, f"{name}.txt"), "w") as fh:
+        fh.write(prof.key_averages().table(sort_by=sort, row_limit=30))
+
+
+def _fwd(model: nn.Module, inp: tuple[Any, ...]) -> Callable[[], Any]:
+    def fn() -> Any:
+        with torch.no_grad():
+            return model(*inp)
+
+    return fn
+
+
+def _peak(platform: Platform, stats: dict[str, Any] | None = None) -> int:
+    return int(_max_over_ranks(device_peak_nbytes(platform, stats)))
+
+
+def _clean(platform: Platform) -> None:
+    gc.collect()
+    platform.synchronize()
+    platform.empty_cache()
+    platform.reset_peak_memory_stats()
+
+
+MANUAL_DLO_METHODS = (
+    "dlo-ring",
+    "dlo-rank-local",
+    "dlo-node-shared",
+    "dlo-allgather",
+    "dlo-allgather-copy",
+    "dlo-allgather-copy-kernel",
+)
+"""The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
+
+
+AUTO_METHODS = ("dlo-auto", "dlo-auto-compute")

@@ -1,0 +1,339 @@
+"""``dlo bench``: every method on one model and one set of inputs, against the physical limits.
+
+Methods (those that can run on the platform and world size at hand):
+
+* ``resident`` -- the DiT fully on the device (the compute floor);
+* ``dlo-ring`` -- dlo's ring, rank-local (group of one);
+* ``dlo-node-shared`` -- whole blocks over each rank's own link from one host copy the
+  node's ranks share (N > 1; [Note: node-shared host copy]);
+* ``dlo-allgather`` -- dlo's AllGather transfer over all ranks (N > 1), NCCL's kernels;
+* ``dlo-allgather-copy`` -- the same with the copy-engine gather (N > 1, CUDA);
+* ``dlo-allgather-copy-kernel`` -- the copy-engine gather held to torch's barrier kernel
+  instead of stream memory operations (the A/B of [Note: barriers without kernels]);
+* ``dlo-auto`` -- every setting automatic (``transfer``, ``num_slots``, the gather engine);
+* ``dlo-auto-compute`` -- the same, told each row's compute per block (``block_compute_ms``:
+  the resident row's time / blocks; needs ``resident``): enabled once per token count;
+* ``fsdp2-offload`` -- FSDP2 ``fully_shard`` per block and at the root with
+  ``CPUOffloadPolicy(pin_memory=True)`` (N > 1), the peer with the same memory promise;
+* limits measured on the spot: pinned and pageable host-to-device bandwidth (this rank alone
+  and all ranks at once), AllGather bandwidth of one block, resident time per block.
+
+Times are device-side (CUDA events around each forward), medians over repeated forwards
+after warm-up; every rank runs the same shapes in lock step and the report keeps the slowest
+rank. Results go to JSON and a markdown table with each time also as a ratio to its limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.backends.factory import get_offload_backend
+from dlo.bench.methods import (
+    METHODS,
+    _build_dit,
+    _clean,
+    _fwd,
+    _inputs,
+    _max_over_ranks,
+    _peak,
+    _profile,
+    time_forward,
+)
+from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
+from dlo.bench.report import _ratios, markdown, plot, write_json
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.dist.groups import current_world
+from dlo.models import get_preset
+from dlo.platform.device import get_platform
+from dlo.platform.env import process_rss_bytes
+from dlo.runtime.measure import (
+    GB,
+    allgather_bandwidth,
+    h2d_limits,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad counts and output paths before anything is measured (``ValueError``
+    naming the flag and the value)."""
+    for flag, value, minimum in (
+        ("--reps", args.reps, 1),
+        ("--warmup", args.warmup, 0),
+        ("--nccl-max-ctas", args.nccl_max_ctas, 1),
+    ):
+        if value is not None and value < minimum:
+            raise ValueError(f"{flag}={value} must be >= {minimum}")
+    for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
+        if path is not None and not os.path.isdir(os.path.dirname(path) or "."):
+            raise ValueError(
+                f"{flag}={path!r}: its folder {os.path.dirname(path)!r} does not exist"
+            )
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every requested method; returns the report (rank 0's view, slowest rank)."""
+    world = current_world()
+    platform = get_platform(None)
+    dtype = getattr(torch, args.dtype)
+    preset = get_preset(args.preset)
+    tokens_list = int_list("--tokens", args.tokens)
+    slots = int_list("--num-slots", args.num_slots)
+    chunks = int_list("--chunk-mb", args.chunk_mb)
+    # every (slots, chunk) pair for each manual dlo method; dlo-auto picks its own slots
+    settings = [(s, c) for s in slots for c in chunks]
+    sweep = len(settings) > 1
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
+    if {"dlo-ring", "dlo-rank-local"} & set(methods):
+        methods += ["dlo-ring", "dlo-rank-local"]  # the group-of-one ring at any world size
+    block_nbytes = preset.block_nbytes(dtype)
+    report: dict[str, Any] = {
+        "preset": preset.name,
+        "dtype": args.dtype,
+        "world_size": world.size,
+        "device": torch.cuda.get_device_name(platform.device) if platform.has_streams else "cpu",
+        "torch": torch.__version__,
+        "num_blocks": preset.num_blocks,
+        "block_nbytes": block_nbytes,
+        "date": time.strftime("%Y-%m-%d"),
+        "chunk_mb": chunks,
+        "num_slots": slots,
+        "limits": {},
+        "results": [],
+    }
+    lim = report["limits"]
+    lim.update(h2d_limits(platform, block_nbytes))
+    lim["allgather_GBps"] = allgather_bandwidth(platform, block_nbytes) / GB
+    logger.info("limits: %s", lim)
+
+    def record(method: str, tokens: int, timing: dict[str, float], extra: dict[str, Any]) -> None:
+        row = {
+            "method": method,
+            "tokens": tokens,
+            "median_ms": _max_over_ranks(timing["median_ms"]),
+            "min_ms": _max_over_ranks(timing["min_ms"]),
+            **extra,
+        }
+        report["results"].append(row)
+        if world.rank == 0:
+            logger.warning("%-16s tokens=%-6d %.2f ms", method, tokens, row["median_ms"])
+            if args.json:  # a run cut short (a time limit, a failure) keeps the rows it has
+                write_json(args.json, {**report, "partial": True})
+
+    streamed_bytes = preset.num_blocks * block_nbytes
+    if "resident" in methods:
+        dit = _build_dit(preset.name, platform.device, dtype)
+        for tokens in tokens_list:
+            inp = _inputs(preset.name, tokens, platform.device, dtype)
+            fwd = _fwd(dit, inp)
+            platform.reset_peak_memory_stats()  # every row: its own forwards' peak
+            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
+            record("resident", tokens, t, {"peak_device_nbytes": _peak(platform)})
+            del fwd, inp
+        del dit  # nothing may keep the resident model alive into the next method's peak
+        _clean(platform)
+
+    cpu_dit: nn.Module | None = None
+    # whole blocks first: their disable restores the model; AllGather's disable consumes it
+    dlo_methods = (
+        ["dlo-ring"]
+        if world.size == 1
+        else [
+            "dlo-rank-local",
+            "dlo-node-shared",
+            "dlo-allgather",
+            "dlo-allgather-copy",
+            "dlo-allgather-copy-kernel",
+        ]
+    )
+    # (method, slots, chunk, token counts, block_compute_ms)
+    runs: list[tuple[str, int | str, int, list[int], float | None]] = [
+        (m, s, c, tokens_list, None) for m in dlo_methods if m in methods for s, c in settings
+    ]
+    if "dlo-auto" in methods:
+        runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None))
+    if "dlo-auto-compute" in methods:
+        per_block = {
+            r["tokens"]: r["median_ms"] / preset.num_blocks
+            for r in report["results"]
+            if r["method"] == "resident"
+        }
+        if not per_block:
+            logger.warning("dlo-auto-compute: needs the resident rows; method skipped")
+        runs += [
+            ("dlo-auto-compute", "auto", chunks[0], [t], per_block[t])
+            for t in tokens_list
+            if t in per_block
+        ]
+    for method, num_slots, chunk_mb, row_tokens, compute_ms in runs:
+        copy = method.startswith("dlo-allgather-copy")
+        if copy and not platform.has_streams:
+            logger.warning("%s: needs CUDA GPUs; method skipped", method)
+            continue
+        transfer = (
+            "allgather" if method.startswith("dlo-allgather") else
+            "node-shared" if method == "dlo-node-shared" else
+            "auto" if method.startswith("dlo-auto") else "rank-local"
+        )  # fmt: skip
+        cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
+        rss0 = process_rss_bytes()
+        cfg = OffloadConfig(
+            mode="layer",
+            transfer=transfer,
+            num_slots=num_slots,
+            chunk_mb=chunk_mb,
+            verify_block_sequence=not args.no_verify,
+            nccl_max_ctas=args.nccl_max_ctas,
+            # dlo-auto: the defaults' engine choice; the manual AllGather rows name theirs
+            gather_engine="copy" if copy else "auto" if transfer == "auto" else "nccl",
+            gather_sync="kernel" if method.endswith("-kernel") else "auto",
+            block_compute_ms=compute_ms,
+        )
+        backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
+        assert backend is not None
+        platform.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        backend.enable(cpu_dit)
+        enable_s = time.perf_counter() - t0
+        bw = lim["h2d_pinned_concurrent_GBps" if world.size > 1 else "h2d_pinned_alone_GBps"]
+        for tokens in row_tokens:
+            inp = _inputs(preset.name, tokens, platform.device, dtype)
+            st0 = backend.stats()
+            fwd = _fwd(cpu_dit, inp)
+            # every row: its own forwards' peak (not enable's transients, not a larger row's)
+            platform.reset_peak_memory_stats()
+            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
+            st = backend.stats()
+            if args.profile:  # every rank runs the forward; rank 0 writes the files
+                tag = f"{method}_s{num_slots}_c{chunk_mb}" if sweep else method
+                _profile(
+                    fwd, platform, args.profile if world.rank == 0 else None, f"{tag}_{tokens}"
+                )
+            # what crossed this rank's link per forward: its shards, or whole blocks (rank-
+            # local, node-shared: not the 1/L of host memory a node-shared rank is charged)
+            fwds = args.reps + args.warmup
+            link_nbytes = (st["h2d_nbytes"] - st0["h2d_nbytes"]) / fwds
+            limit_ms = link_nbytes / (bw * GB) * 1e3 if bw else 0.0
+            record(
+                method,
+                tokens,
+                t,
+                {
+                    "h2d_limit_ms": limit_ms,
+                    "exposed_wait_ms_per_fwd": (st["exposed_wait_ms"] - st0["exposed_wait_ms"])
+                    / fwds,
+                    "peak_device_nbytes": _peak(platform, st),
+                    "device_slot_nbytes": st["device_slot_nbytes"],
+                    "device_non_block_nbytes": st["device_non_block_nbytes"],
+                    "host_pinned_nbytes": st["host_pinned_nbytes"],
+                    "host_nbytes": st["host_nbytes"],
+                    "rss_delta_nbytes": process_rss_bytes() - rss0,
+                    "enable_s": enable_s,
+                    "transfer": st["transfer"],
+                    "num_slots": st["num_slots"],
+                    "chunk_mb": chunk_mb,
+                    "gather_sync": st.get("gather_sync"),
+                    "setting": f"{st['num_slots']} slots, {chunk_mb} MiB" if sweep else None,
+                },
+            )
+            if st.get("policy") is not None:
+                report.setdefault("policy", st["policy"])
+        backend.disable()
+        if st["transfer"] == "allgather" and st["group_size"] > 1:
+            cpu_dit = None  # its streamed tensors are gone (see [Note: what disable restores])
+        _clean(platform)
+
+    if "fsdp2-offload" in methods and world.size > 1 and platform.has_streams:
+        del cpu_dit
+        cpu_dit = None
+        _clean(platform)
+        dit = _build_dit(preset.name, "cpu", dtype)
+        _fsdp2(dit, world.size, platform)
+        for tokens in tokens_list:
+            inp = _inputs(preset.name, tokens, platform.device, dtype)
+            platform.reset_peak_memory_stats()
+            t = time_forward(_fwd(dit, inp), platform, warmup=args.warmup, reps=args.reps)
+            record("fsdp2-offload", tokens, t, {"peak_device_nbytes": _peak(platform)})
+        del dit
+        _clean(platform)
+
+    if "diffusers-group" in methods:
+        _bench_diffusers_group(preset.name, platform, dtype, tokens_list, args, record)
+
+    if "dlo-swap" in methods and world.size == 1:
+        report["swap"] = _bench_swap(
+            preset.name, platform, dtype, lim["h2d_pinned_alone_GBps"], reps=args.reps
+        )
+        _clean(platform)
+
+    _ratios(report, streamed_bytes)
+    return report
+
+
+def int_list(flag: str, text: Any) -> list[int]:
+    """``"2,3"`` -> ``[2, 3]``: positive ints, or a ValueError naming the flag and value."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated; each runs where the platform and world size allow",
+    )
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument(
+        "--num-slots", default="2", help="slots of the dlo methods; a comma list sweeps them"
+    )
+    p.add_argument(
+        "--chunk-mb", default="64", help="chunk MiB of the dlo methods; a comma list sweeps them"
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
+    p.add_argument(
+        "--nccl-max-ctas", type=int, default=None, help="cap the SMs NCCL may use for dlo's gathers"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="folder for one profiled forward per dlo method and token count",
+    )
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", default=None, help="write the markdown table here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+
+
+def main(args: argparse.Namespace) -> int:
+    report = run_bench(args)
+    if current_world().rank == 0:
+        text = markdown(report)
+        print(text)
+        if args.json:
+            write_json(args.json, report)
+        if args.markdown:
+            with open(args.markdown, "w") as fh:
+                fh.write(text + "\n")
+        if args.plot:
+            plot(report, args.plot)
+    return 0

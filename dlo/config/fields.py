@@ -1,0 +1,72 @@
+"""The closed vocabularies of config fields and the checks every field goes through (a bad
+value raises ``TypeError``/``ValueError`` naming the field and the value).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MODES = ("none", "module", "layer")
+
+
+COMPONENTS = ("dit", "encoder")
+
+
+TRANSFERS = ("rank-local", "allgather", "node-shared", "auto")
+
+
+GATHER_ENGINES = ("nccl", "copy", "auto")
+
+
+GATHER_SYNCS = ("auto", "stream", "kernel")
+
+
+HOST_BACKINGS = ("region", "mapped")
+
+
+PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")
+
+
+WEIGHT_AXES = ("auto", "shard", "data", "sequence", "local")
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    # bool is an int subclass: True where a count is expected is a bug, not a 1
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_int_or_auto(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, str):
+        if value != "auto":
+            raise TypeError(f"{name} must be an int or 'auto', got {value!r} (str)")
+        return
+    _check_int(name, value, minimum=minimum)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {value!r} ({type(value).__name__})")
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+
+def _check_positive_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        finite = False
+    if not finite or value <= 0:
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... (too large)"
+        raise ValueError(f"{name} must be a finite number > 0, got {shown}")

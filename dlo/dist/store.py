@@ -1,0 +1,204 @@
+"""Exchanges through the job's key-value store: every rank publishes one small record and reads
+every rank's, with a timeout that names the ranks that never came.
+
+Used by the startup agreement (:mod:`dlo.dist.agreement`), the automatic policy's
+measurements and the node-shared host copy. No tensor collective: nothing here can
+mismatch in size between ranks.
+
+[Note: one failed startup ends the worker]
+Each exchange is numbered per process and per topic, so ranks stay paired only while every
+rank takes part in every exchange. An exchange is decided exactly once in the store: every
+rank publishes its record, then adds 1 to the exchange's arrival counter; the rank whose add
+completes the count writes the outcome ``ok``; a rank that waited ``timeout_s`` adds a large
+closing value instead, and the first such add (with arrivals short) writes the outcome
+``closed``. A rank arriving after the close sees it in its own add's result, so no rank ever
+reads a record of a closed (or earlier) exchange as a current one. Any startup that failed
+after its first exchange (a timeout, a failed vote, a local failure between exchanges, a
+failure after the agreement) marks the process (:func:`startup_failed`) and the store
+(key ``dlo/startup-failed``): every later exchange of every backend object, in this process
+or in a peer, refuses at once with an error naming what failed, and a peer waiting in an
+exchange stops waiting. Ranks have no way to re-pair their numbering short of a new store,
+so the worker must be recreated.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import pickle
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+import torch.distributed as dist
+from dlo.errors import OffloadError
+
+
+_GENERATIONS: dict[str, itertools.count[int]] = {}
+
+
+_exchanges_started = 0
+
+
+_failed: str | None = None
+"""What made this process's multi-rank startup fail (see [Note: one failed startup ends
+the worker]); None while none did."""
+
+
+FAILED_KEY = "dlo/startup-failed"
+
+
+_CLOSED = 1 << 20
+"""Added to an exchange's arrival counter by a rank that gave up waiting (more than any
+rank count)."""
+
+
+_POLL_S = 0.02
+
+
+_POLL_MAX_S = 0.25
+"""A waiting rank polls the store at 20 ms, backing off to 250 ms: quick startups stay quick,
+a long wait (a peer loading a checkpoint) costs rank 0's store a few requests a second."""
+
+
+def exchanges_started() -> int:
+    """How many exchanges this process has entered (to tell whether a failed enable had
+    started a multi-rank startup)."""
+    return _exchanges_started
+
+
+def startup_failed(reason: str, *, rank: int) -> None:
+    """Mark this process, and the job's store, after a multi-rank startup failed partway
+    (see [Note: one failed startup ends the worker]). The first reason is kept."""
+    global _failed
+    if _failed is None:
+        _failed = f"rank {rank}: {reason}"
+    try:
+        store = _default_store()
+        if not _has_key(store, FAILED_KEY):
+            store.set(FAILED_KEY, _failed.encode())
+    except Exception:  # no store left: the process mark still refuses here
+        pass
+
+
+def describe_failure(e: BaseException) -> str:
+    """``e`` as a reason for :func:`startup_failed`: an :class:`OffloadError`'s own message
+    (without its rank prefix, which the mark adds), else ``"Type: message"``."""
+    if isinstance(e, OffloadError):
+        text = str(e)
+        return text.split("] ", 1)[1] if text.startswith("[dlo rank ") else text
+    return f"{type(e).__name__}: {e}"
+
+
+def _refusal(store: Any, *, rank: int, what: str) -> OffloadError | None:
+    global _failed
+    if _failed is None and _has_key(store, FAILED_KEY):  # a peer's: this process adopts it
+        _failed = bytes(store.get(FAILED_KEY)).decode(errors="replace")
+    reason = _failed
+    if reason is None:
+        return None
+    return OffloadError(
+        f"{what} refused: a previous multi-rank startup of dlo failed ({reason}); the "
+        "ranks' exchanges can no longer be paired: recreate the worker",
+        rank=rank,
+    )
+
+
+def share(
+    obj: Any, *, rank: int, world_size: int, timeout_s: float, topic: str, what: str
+) -> list[Any]:
+    """Publish one picklable ``obj`` through the default store and read every rank's, in
+    rank order. Every rank calls it the same number of times per ``topic``.
+
+    Raises:
+        OffloadError: some ranks did not publish within ``timeout_s`` (named, with ``what``).
+    """
+    if world_size == 1:
+        return [obj]
+    global _exchanges_started
+    _exchanges_started += 1
+    store = _default_store()
+    refused = _refusal(store, rank=rank, what=what)
+    if refused is not None:
+        raise refused
+    try:
+        return _share(
+            store,
+            obj,
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            topic=topic,
+            what=what,
+        )
+    except BaseException as e:
+        startup_failed(describe_failure(e), rank=rank)
+        raise
+
+
+def _share(
+    store: Any, obj: Any, *, rank: int, world_size: int, timeout_s: float, topic: str, what: str
+) -> list[Any]:
+    generation = next(_GENERATIONS.setdefault(topic, itertools.count()))
+    prefix = f"dlo/{topic}/{generation}"
+    keys = [f"{prefix}/{r}" for r in range(world_size)]
+    outcome = f"{prefix}/outcome"
+    store.set(keys[rank], pickle.dumps(obj))
+    arrived = store.add(f"{prefix}/count", 1)
+    if arrived >= _CLOSED:
+        raise OffloadError(
+            f"{what}: a peer had already given up this exchange (it waited "
+            f"{timeout_s:g}s for this rank); the ranks' startups are out of step",
+            rank=rank,
+        )
+    if arrived == world_size:
+        store.set(outcome, b"ok")
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_S
+    while not _has_key(store, outcome):
+        refused = _refusal(store, rank=rank, what=what)
+        if refused is not None:
+            if _close(store, prefix, world_size):
+                break  # decided "ok" before a peer's later failure marked the store
+            raise refused
+        if time.monotonic() >= deadline:
+            if not _close(store, prefix, world_size):
+                missing = [r for r, k in enumerate(keys) if not _has_key(store, k)]
+                raise OffloadError(
+                    f"{what} timed out after {timeout_s:g}s: rank(s) {missing} never "
+                    "reached enable (every rank of the job must call enable with the same "
+                    "model)",
+                    rank=rank,
+                )
+            break
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(pause * 1.5, _POLL_MAX_S)
+    if bytes(store.get(outcome)) != b"ok":
+        raise OffloadError(f"{what}: a peer gave up this exchange after {timeout_s:g}s", rank=rank)
+    return [pickle.loads(store.get(k)) for k in keys]
+
+
+def _close(store: Any, prefix: str, world_size: int) -> bool:
+    """Give up waiting on the exchange at ``prefix``; True when every rank had arrived
+    anyway (the outcome is, or is about to be, ``ok``)."""
+    total = store.add(f"{prefix}/count", _CLOSED)
+    complete = total % _CLOSED == world_size
+    if total < 2 * _CLOSED and not complete:  # the first close: it decides
+        store.set(f"{prefix}/outcome", b"closed")
+    if complete or total >= 2 * _CLOSED:  # decided by another rank: wait for its word
+        store.wait([f"{prefix}/outcome"], datetime.timedelta(seconds=30))
+    return complete and bytes(store.get(f"{prefix}/outcome")) == b"ok"
+
+
+def _default_store() -> Any:
+    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get is None:
+        raise OffloadError("this torch exposes no default store for dlo's startup agreement")
+    return get()
+
+
+def _has_key(store: Any, key: str) -> bool:
+    try:
+        return bool(store.check([key]))
+    except Exception:
+        return False

@@ -1,0 +1,193 @@
+"""Node-shared host copy: the ranks of a weight group on one node hold one copy of its blocks.
+
+[Note: node-shared host copy]
+With AllGather each rank holds 1/G of every block, but every forward also moves (G-1)/G of
+the bytes between GPUs; at 16384 tokens on power-limited H200s that peer traffic lowers the
+SM clock of the compute it overlaps (docs/benchmarks.md, fourth GPU session: the GEMMs and
+attention 4.5% slower). Rank-local moves no peer bytes, but each rank holds the whole model.
+``transfer="node-shared"`` keeps the rank-local transport (whole blocks over each rank's own
+host-to-device link, group size 1, no collective) with one host copy per node:
+
+1. after the startup agreement, which carries every rank's host name and a random token, the
+   *sharers* are the ranks of this rank's weight group (the AllGather group's axis, never
+   TP) with this rank's host name; the file is ``dlo-<token of the first sharer>`` in
+   :func:`~dlo.platform.env.shared_memory_dir` (``/dev/shm``);
+2. each sharer maps the file (created if missing and sized with ``posix_fallocate``, so a
+   full tmpfs fails here, not with SIGBUS at a write), writes its token into its slot of the
+   file's header page, page-locks its streamed blocks with
+   its own registration (each rank charged 1/L of a block against ``pin_budget_gb``), and
+   packs the blocks at positions ``k % L == its index``;
+3. one store exchange carries every rank's outcome and unpinned blocks: a failure anywhere is
+   the same error on every rank, each rolling back locally (unregister, unmap, unlink);
+   blocks left pageable anywhere are kept pageable everywhere (``pin_failure_policy``);
+4. every sharer checks that the header holds every sharer's token, and a second exchange
+   shares the verdicts: ranks with one host name that do not see one file (containers on
+   different machines with one host name, a ``DLO_SHM_DIR`` that differs per rank) would each
+   stream a copy others filled only in part, so the enable fails on every rank instead;
+5. the file is unlinked right away (every sharer has it mapped), so nothing stays in
+   ``/dev/shm`` once the last process unmaps it, even if one is killed; only then are the
+   original tensors released.
+
+Trust is the same as AllGather's: the sharers' weights must be equal (the agreement compares
+layouts by digest, not values). A block's in-place write into its streamed tensors is
+refused (the other sharers stream the same bytes; [Note: writes into streamed tensors]).
+Pages live on the NUMA node of the rank that packed them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlo import faults
+from dlo.dist.agreement import RankReport, pin_verdict
+from dlo.dist.store import share
+from dlo.errors import OffloadError
+from dlo.host.packer import pack_block
+from dlo.host.region import HostRegion
+from dlo.journal import Journal
+from dlo.plan.layout import BlockLayout
+from dlo.platform.device import Platform
+from dlo.platform.env import shared_memory_dir
+
+
+@dataclass
+class SharedBlock:
+    """One block of the shared copy, as the caller holds it."""
+
+    name: str
+    layout: BlockLayout
+    tensors: list[torch.Tensor]
+    streamed: bool
+    """Pinned (streamed every forward); a resident block crosses the link once."""
+
+
+def sharers(reports: Sequence[RankReport], group: Sequence[int], rank: int) -> list[int]:
+    """The ranks of ``group`` on this rank's node (by host name, from every rank's
+    ``reports``, indexed by rank), in group order."""
+    host = reports[rank].host
+    return [r for r in group if reports[r].host == host]
+
+
+def share_host(
+    blocks: Sequence[SharedBlock],
+    *,
+    tokens: Sequence[str],
+    members: Sequence[int],
+    rank: int,
+    world_size: int,
+    platform: Platform,
+    pin: bool,
+    budget_nbytes: int | None,
+    pin_failure_policy: str,
+    timeout_s: float,
+    journal: Journal,
+) -> tuple[HostRegion, tuple[str, ...]]:
+    """Build this node's shared copy of ``blocks`` (steps 2-5 of the note); ``tokens`` are
+    the ``members``' tokens (the sharers, in group order).
+
+    Returns:
+        The region (block ``i`` of ``blocks`` at index ``i``) and the blocks every rank keeps
+        pageable (still pinned here: the caller unpins them).
+
+    Raises:
+        OffloadError: a rank failed (named, the same message on every rank), or pinning
+            failed under ``pin_failure_policy="fail"``.
+    """
+    index, count = members.index(rank), len(members)
+    path = os.path.join(shared_memory_dir(), f"dlo-{tokens[0]}")
+    unlink = _unlinker(path)
+    region: HostRegion | None = None
+    unpinned: tuple[str, ...] = ()
+    error = ""
+    try:
+        journal.record("shared host file", unlink)  # a failure before step 4 removes it
+        region = HostRegion(
+            [b.layout.shard_nbytes for b in blocks],
+            path=path,
+            share_ranks=count,
+            header_nbytes=count * _MARK_NBYTES,
+        )
+        journal.record("shared host region", region.close)
+        _slot(region, index).copy_(_mark(tokens[index]))
+        if pin:
+            report = region.pin(
+                platform,
+                budget_nbytes=budget_nbytes,
+                blocks=[i for i, b in enumerate(blocks) if b.streamed],
+            )
+            unpinned = tuple(blocks[i].name for i in report.unpinned_blocks)
+        for i, b in enumerate(blocks):
+            if i % count == index:
+                faults.check("host_fill")
+                pack_block(region.view(i), b.layout, 0, b.tensors)
+    except Exception as e:
+        if world_size == 1:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    replies = share(
+        (error, unpinned),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic="host-share",
+        what="node-shared host copy",
+    )
+    failed = [(r, e) for r, (e, _) in enumerate(replies) if e]
+    if failed:
+        raise OffloadError(
+            f"the node-shared host copy failed on rank(s) {[r for r, _ in failed]}: "
+            + "; ".join(f"rank {r}: {e}" for r, e in failed),
+            rank=rank,
+        )
+    assert region is not None
+    one_file = all(torch.equal(_slot(region, i), _mark(t)) for i, t in enumerate(tokens))
+    seen = share(
+        one_file,
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic="host-share-marks",
+        what="node-shared host copy check",
+    )
+    if not all(seen):
+        raise OffloadError(
+            f"rank(s) {[r for r, ok in enumerate(seen) if not ok]} do not map one node-shared "
+            "file with the ranks of their host name (containers on different machines with "
+            "one host name, or DLO_SHM_DIR differing per rank): point DLO_SHM_DIR at one "
+            "shared-memory folder of the node, or use transfer='allgather'",
+            rank=rank,
+        )
+    unlink()  # every sharer has it mapped (step 5)
+    fallback, refused = pin_verdict(
+        [(r, names) for r, (_, names) in enumerate(replies)], pin_failure_policy
+    )
+    if refused:
+        raise OffloadError(refused, rank=rank)
+    return region, fallback
+
+
+_MARK_NBYTES = 64
+"""One sharer's slot in the header: its token, zero-padded."""
+
+
+def _slot(region: HostRegion, index: int) -> torch.Tensor:
+    """Sharer ``index``'s mark in the region's header."""
+    return region.header()[index * _MARK_NBYTES : (index + 1) * _MARK_NBYTES]
+
+
+def _mark(token: str) -> torch.Tensor:
+    raw = token.encode()[:_MARK_NBYTES].ljust(_MARK_NBYTES, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _unlinker(path: str) -> Callable[[], None]:
+    def unlink() -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    return unlink

@@ -1,0 +1,273 @@
+"""Host storage: one exact-size region per rank holding its shards of every block.
+
+[Note: exact pinned bytes]
+``Tensor.pin_memory()`` goes through the caching host allocator, which rounds every request
+up to a power of two: pinning a 340 MB block costs 512 MB. dlo instead maps one anonymous,
+page-aligned region sized to the sum of this rank's shards (each block's shard starting on
+a page boundary), and page-locks each block's exact byte range in place with the platform's
+``register_host`` (``cudaHostRegister``). dlo's own :data:`LEDGER` counts registered bytes,
+because ``torch.cuda.host_memory_stats()`` does not see registered memory.
+
+Pinning is per block so that a budget or a failed registration can leave some blocks
+pageable (``pin_failure_policy="whole_block_fallback"``): those blocks are still correct,
+only their host-to-device copies are slower.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from dlo import faults
+from dlo.plan.layout import round_up
+from dlo.platform.device import Platform
+from dlo.platform.env import page_size
+
+logger = logging.getLogger(__name__)
+
+
+class PinLedger:
+    """Process-wide count of host bytes dlo holds, and of those pinned (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.host_nbytes = 0
+        self.pinned_nbytes = 0
+
+    def add(self, *, host: int = 0, pinned: int = 0) -> None:
+        with self._lock:
+            self.host_nbytes += host
+            self.pinned_nbytes += pinned
+            assert self.host_nbytes >= 0 and self.pinned_nbytes >= 0, "ledger underflow"
+
+
+LEDGER = PinLedger()
+"""The ledger of this process; tests read it to prove nothing is left pinned."""
+
+
+@dataclass
+class PinReport:
+    """What happened when a region was pinned."""
+
+    requested_blocks: int = 0
+    pinned_blocks: list[int] = field(default_factory=list)
+    failed_blocks: list[int] = field(default_factory=list)
+    over_budget_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def unpinned_blocks(self) -> list[int]:
+        return sorted(self.failed_blocks + self.over_budget_blocks)
+
+
+class HostRegion:
+    """Page-aligned host memory holding one byte range per block.
+
+    Args:
+        nbytes: bytes of each block's shard on this rank (exact; 0 allowed).
+        path: map this file (created if missing, sized with ``posix_fallocate`` so a full
+            tmpfs fails here instead of at the first write) shared with the other processes
+            that map it, instead of anonymous private memory (see [Note: node-shared host
+            copy] in :mod:`dlo.host.node_share`).
+        share_ranks: ranks that share the region; each is charged ``1/share_ranks`` of a
+            block against the pin budget.
+        header_nbytes: bytes before the first block (its own pages, never pinned), for the
+            sharers' marks (:meth:`header`).
+    """
+
+    def __init__(
+        self,
+        nbytes: Sequence[int],
+        *,
+        path: str | None = None,
+        share_ranks: int = 1,
+        header_nbytes: int = 0,
+    ) -> None:
+        faults.check("host_allocation")
+        page = page_size()
+        self.block_nbytes = [int(n) for n in nbytes]
+        self.block_offsets: list[int] = []
+        self.share_ranks = share_ranks
+        self.header_nbytes = header_nbytes
+        total = round_up(header_nbytes, page)
+        for n in self.block_nbytes:
+            self.block_offsets.append(total)
+            total += round_up(n, page)
+        self.nbytes = total
+        self._mmap: mmap.mmap | None = (
+            None if not total else mmap.mmap(-1, total) if path is None else _map_file(path, total)
+        )
+        self._buffer: torch.Tensor | None = (
+            torch.frombuffer(self._mmap, dtype=torch.uint8)
+            if self._mmap is not None
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        self._platform: Platform | None = None
+        self._pinned: list[bool] = [False] * len(self.block_nbytes)
+        LEDGER.add(host=self.nbytes)
+
+    # ------------------------------------------------------------------ access
+    def view(self, index: int) -> torch.Tensor:
+        """The uint8 tensor over block ``index``'s shard (a view of the region)."""
+        assert self._buffer is not None, "host region already released"
+        start = self.block_offsets[index]
+        return self._buffer[start : start + self.block_nbytes[index]]
+
+    def header(self) -> torch.Tensor:
+        """The uint8 tensor over the header bytes."""
+        assert self._buffer is not None, "host region already released"
+        return self._buffer[: self.header_nbytes]
+
+    def is_pinned(self, index: int) -> bool:
+        return self._pinned[index]
+
+    @property
+    def pinned_nbytes(self) -> int:
+        return sum(n for n, p in zip(self.block_nbytes, self._pinned) if p)
+
+    @property
+    def closed(self) -> bool:
+        return self._buffer is None
+
+    # ------------------------------------------------------------------ pinning
+    def pin(
+        self,
+        platform: Platform,
+        *,
+        budget_nbytes: int | None = None,
+        num_workers: int = 4,
+        blocks: Sequence[int] | None = None,
+    ) -> PinReport:
+        """Page-lock every block's range (or those of ``blocks``) until the budget is used.
+
+        Which blocks fit the budget is decided first, in block order (each block whole);
+        those are registered by ``num_workers`` threads (registration is per block and
+        mostly kernel page walking, which runs in parallel). If a registration fails, the
+        budget it left unused goes to the blocks that did not fit, again in block order.
+        Blocks that do not fit the budget or whose registration fails stay pageable and are
+        listed in the report; the caller decides (alone or group-wide) what that means.
+        """
+        wanted = range(len(self.block_nbytes)) if blocks is None else sorted(blocks)
+        report = PinReport(requested_blocks=len(wanted))
+        if not platform.can_pin:
+            return report
+        self._platform = platform
+        used = self.charged_pinned_nbytes
+        chosen: list[int] = []
+        for i in wanted:
+            n = self._charge(i)
+            if n == 0 or self._pinned[i]:
+                continue
+            if budget_nbytes is not None and used + n > budget_nbytes:
+                report.over_budget_blocks.append(i)
+                continue
+            chosen.append(i)
+            used += n
+        used -= sum(self._charge(i) for i in self._register(chosen, report, num_workers))
+        retry, report.over_budget_blocks = report.over_budget_blocks, []
+        for i in retry:  # only after a failed registration freed some budget
+            n = self._charge(i)
+            if budget_nbytes is not None and used + n > budget_nbytes:
+                report.over_budget_blocks.append(i)
+                continue
+            if not self._register([i], report, 1):
+                used += n
+        report.pinned_blocks.sort()
+        report.failed_blocks.sort()
+        return report
+
+    def _charge(self, index: int) -> int:
+        """What pinning block ``index`` costs this rank's budget: its share of the bytes."""
+        return charged_nbytes(self.block_nbytes[index], self.share_ranks)
+
+    @property
+    def charged_pinned_nbytes(self) -> int:
+        """This rank's share of the pinned bytes (all of them unless the region is shared)."""
+        return sum(self._charge(i) for i, p in enumerate(self._pinned) if p)
+
+    def _register(self, blocks: list[int], report: PinReport, num_workers: int) -> list[int]:
+        """Register ``blocks``; returns those that failed."""
+        assert self._platform is not None
+        platform = self._platform
+
+        def one(i: int) -> bool:
+            faults.check("pin_allocation")
+            return platform.register_host(self.view(i))
+
+        if num_workers > 1 and len(blocks) > 1:
+            with ThreadPoolExecutor(max_workers=min(num_workers, len(blocks))) as pool:
+                futures = [pool.submit(one, i) for i in blocks]
+                outcomes: list[bool | BaseException] = []
+                for f in futures:  # wait for all, so nothing is registered behind our back
+                    try:
+                        outcomes.append(f.result())
+                    except BaseException as e:
+                        outcomes.append(e)
+        else:
+            outcomes = []
+            for i in blocks:
+                try:
+                    outcomes.append(one(i))
+                except BaseException as e:
+                    outcomes.append(e)
+                    break
+        failed: list[int] = []
+        error: BaseException | None = None
+        for i, ok in zip(blocks, outcomes):
+            if ok is True:
+                self._pinned[i] = True
+                LEDGER.add(pinned=self.block_nbytes[i])
+                report.pinned_blocks.append(i)
+            elif ok is False:
+                report.failed_blocks.append(i)
+                failed.append(i)
+            elif error is None:
+                error = ok
+        if error is not None:
+            raise error  # the registered blocks are recorded: close() unregisters them
+        return failed
+
+    def unpin(self, blocks: Sequence[int] | None = None) -> None:
+        """Unregister the pinned ``blocks`` (default: all); idempotent."""
+        for i, pinned in enumerate(self._pinned):
+            if pinned and (blocks is None or i in blocks):
+                assert self._platform is not None
+                self._platform.unregister_host(self.view(i))
+                self._pinned[i] = False
+                LEDGER.add(pinned=-self.block_nbytes[i])
+
+    def close(self) -> None:
+        """Unpin and release the region (idempotent); the memory is returned once the last
+        view of it is gone."""
+        if self._buffer is None:
+            return
+        self.unpin()
+        self._buffer = None
+        LEDGER.add(host=-self.nbytes)
+        # No explicit munmap: every view (a ring's shard, a state_dict entry handed to the
+        # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
+        # go back to the OS when the last view dies. Closing here would leave views dangling.
+        self._mmap = None
+
+
+def charged_nbytes(nbytes: int, share_ranks: int) -> int:
+    """The bytes one of ``share_ranks`` ranks sharing ``nbytes`` of host memory is charged
+    (rounded up, so the sharers' charges cover the bytes)."""
+    return -(-nbytes // share_ranks)
+
+
+def _map_file(path: str, nbytes: int) -> mmap.mmap:
+    """``nbytes`` of the file at ``path`` (created if missing), mapped shared."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        faults.check("host_share")
+        os.posix_fallocate(fd, 0, nbytes)  # idempotent: every sharer sizes it, none truncates
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,3 @@
+"""Checkpoints: the safetensors format (:mod:`~dlo.io.checkpoint`) and filling a ``meta``
+skeleton from one (:mod:`~dlo.io.materialize`).
+"""

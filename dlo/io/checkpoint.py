@@ -1,0 +1,426 @@
+"""safetensors checkpoints: headers, sharded indexes, read-only mappings, a streaming writer.
+
+[Note: safetensors format]
+A ``.safetensors`` file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``), then
+the data: every tensor contiguous and row-major at ``8 + n + begin``. A sharded checkpoint
+is several such files and a ``*.safetensors.index.json`` whose ``weight_map`` names the file
+of every tensor. dlo parses headers itself (no dependency at load time) and checks every
+entry before anything is read: a known dtype, ``end - begin == numel * itemsize``, data
+inside the file, no tensor in two files, and a ``weight_map`` that agrees with the headers.
+
+[Note: mapped checkpoint tensors]
+:meth:`Checkpoint.tensor` returns a CPU tensor aliasing a private (copy-on-write) mapping of
+the file: no byte is read until it is touched, pages come from the page cache (shared by
+every rank of a node), and a write by accident makes a private copy instead of changing the
+file or crashing. Touched pages count in the process RSS (a touch maps a whole page-cache
+folio, up to 2 MiB), so dlo itself never reads through the mapping: it reads the byte ranges
+it needs with ``pread`` (:meth:`Checkpoint.read_into`), which leaves the pages in the shared
+page cache and out of the process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+MAX_HEADER_NBYTES = 100 << 20
+"""Headers larger than this are refused (the limit the safetensors library uses)."""
+
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
+}
+
+
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+
+
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot serve the model (bad file, missing/extra/mismatched tensors).
+
+    Raised before anything is mutated; the message names the tensors and the files.
+    """
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint, as its header describes it."""
+
+    name: str
+    """Name in the model's state dict (after the source's prefix)."""
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    """Absolute byte offset of the tensor's data in ``file``."""
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
+    """Parse and check one ``.safetensors`` header (see [Note: safetensors format]).
+
+    Returns:
+        ``{name: TensorEntry}`` in header order; names are the file's own.
+    Raises:
+        CheckpointError: unreadable or inconsistent header, naming the file and the tensor.
+    """
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{p}: {size} bytes is too short for a safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_NBYTES or 8 + n > size:
+                raise CheckpointError(f"{p}: header length {n} does not fit the file ({size} B)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read: {e}") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{p}: header is not JSON: {e}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{p}: header is not a JSON object")
+    base = 8 + n
+    out: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            shape_t = tuple(int(s) for s in shape)
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{p}: tensor {name!r}: malformed header entry {info!r}") from e
+        if dtype_name not in DTYPES:
+            raise CheckpointError(
+                f"{p}: tensor {name!r}: dtype {dtype_name!r} is not one torch supports here"
+            )
+        dtype = DTYPES[dtype_name]
+        expected = math.prod(shape_t) * _itemsize(dtype)
+        if min(shape_t, default=0) < 0 or begin < 0 or end - begin != expected:
+            raise CheckpointError(
+                f"{p}: tensor {name!r}: data_offsets [{begin}, {end}] do not hold shape "
+                f"{list(shape_t)} of {dtype_name} ({expected} bytes)"
+            )
+        if base + end > size:
+            raise CheckpointError(f"{p}: tensor {name!r}: data past the end of the file")
+        out[name] = TensorEntry(name, p, dtype, shape_t, base + begin, expected)
+    return out
+
+
+def _find_files(path: Path) -> tuple[list[Path], Path | None]:
+    """The ``.safetensors`` files of a checkpoint path, and its index file if any."""
+    if path.is_file():
+        if path.name.endswith(".index.json"):
+            return [], path
+        return [path], None
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(
+            f"checkpoint {path} has {len(indexes)} index files "
+            f"({', '.join(i.name for i in indexes)}); pass the one to use"
+        )
+    if indexes:
+        return [], indexes[0]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"checkpoint {path} holds no .safetensors file")
+    return files, None
+
+
+def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index ({e})") from e
+    bad = sorted(k for k, v in weight_map.items() if not isinstance(v, str) or not v)
+    if bad:
+        raise CheckpointError(
+            f"{index}: weight_map must give a file name for every tensor; not for "
+            + ", ".join(f"{k!r} ({weight_map[k]!r})" for k in bad[:8])
+        )
+    names = sorted(set(weight_map.values()))
+    return [index.parent / n for n in names], weight_map
+
+
+class Checkpoint:
+    """Every tensor of one or more safetensors checkpoints, by state-dict name.
+
+    Args:
+        sources: a checkpoint path (a ``.safetensors`` file, a directory, or an
+            ``*.safetensors.index.json``), or a mapping ``{prefix: path}`` whose tensors are
+            named ``prefix + "." + name`` (a diffusers-style folder per component); the
+            prefix ``""`` adds nothing.
+
+    Raises:
+        CheckpointError: a bad file, a tensor in two files, or an index that disagrees with
+            the headers (see [Note: safetensors format]).
+
+    Example:
+        >>> ckpt = Checkpoint("out/model.safetensors.index.json")
+        >>> ckpt.entries["transformer.blocks.0.attn.qkv.weight"].shape
+        (15360, 5120)
+    """
+
+    def __init__(
+        self, sources: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]]
+    ) -> None:
+        if isinstance(sources, Mapping):
+            items = [(str(k), Path(v)) for k, v in sources.items()]
+        else:
+            items = [("", Path(sources))]
+        self.entries: dict[str, TensorEntry] = {}
+        self.files: list[Path] = []
+        for prefix, path in items:
+            for name, entry in self._read_source(path).items():
+                full = f"{prefix}.{name}" if prefix else name
+                other = self.entries.get(full)
+                if other is not None:
+                    raise CheckpointError(
+                        f"tensor {full!r} is stored twice: in {other.file} and in {entry.file}"
+                    )
+                self.entries[full] = TensorEntry(
+                    full, entry.file, entry.dtype, entry.shape, entry.start, entry.nbytes
+                )
+        self._maps: dict[Path, mmap.mmap] = {}
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self.read_nbytes = 0
+        """Bytes read with :meth:`read_into` so far."""
+        self._users = 0
+
+    def _read_source(self, path: Path) -> dict[str, TensorEntry]:
+        files, index = _find_files(path)
+        weight_map: dict[str, str] | None = None
+        if index is not None:
+            files, weight_map = _index_files(index)
+        out: dict[str, TensorEntry] = {}
+        for f in files:
+            self.files.append(f)
+            for name, entry in read_header(f).items():
+                if name in out:
+                    raise CheckpointError(
+                        f"tensor {name!r} is stored twice: in {out[name].file} and in {f}"
+                    )
+                out[name] = entry
+        if weight_map is not None:
+            assert index is not None
+            wrong = sorted(
+                n
+                for n, fname in weight_map.items()
+                if n not in out or out[n].file != index.parent / fname
+            )
+            unlisted = sorted(set(out) - set(weight_map))
+            if wrong or unlisted:
+                raise CheckpointError(
+                    f"{index}: weight_map disagrees with the file headers: "
+                    + "; ".join(
+                        part
+                        for part in (
+                            f"not found where listed: {', '.join(wrong[:8])}" if wrong else "",
+                            f"not listed: {', '.join(unlisted[:8])}" if unlisted else "",
+                        )
+                        if part
+                    )
+                )
+        return out
+
+    # ------------------------------------------------------------------ data
+    def _map(self, file: Path) -> mmap.mmap:
+        with self._lock:
+            m = self._maps.get(file)
+            if m is None:
+                with open(file, "rb") as f:
+                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                self._maps[file] = m
+            return m
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A CPU tensor aliasing ``name``'s bytes in the file (see [Note: mapped checkpoint
+        tensors]); contiguous, of the header's shape and dtype."""
+        e = self.entries[name]
+        m = self._map(e.file)
+        if e.nbytes == 0:
+            return torch.empty(e.shape, dtype=e.dtype)
+        flat = torch.frombuffer(m, dtype=torch.uint8, count=e.nbytes, offset=e.start)
+        if e.start % _itemsize(e.dtype):
+            flat = flat.clone()  # misaligned for its dtype: a private, aligned copy
+        return flat.view(e.dtype).view(e.shape)
+
+    def read_into(self, name: str, offset: int, out: memoryview) -> None:
+        """Read ``len(out)`` bytes of ``name`` from byte ``offset`` of its data into ``out``,
+        with ``pread``: nothing is mapped, so nothing counts in this process's RSS."""
+        e = self.entries[name]
+        assert offset >= 0 and offset + len(out) <= e.nbytes
+        with self._lock:
+            fd = self._fds.get(e.file)
+            if fd is None:
+                fd = self._fds[e.file] = os.open(e.file, os.O_RDONLY)
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], e.start + offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{e.file}: short read of tensor {name!r} (file changed?)")
+            done += n
+        with self._lock:
+            self.read_nbytes += done
+
+    def is_aligned(self, name: str) -> bool:
+        e = self.entries[name]
+        return e.start % _itemsize(e.dtype) == 0
+
+    def retain(self) -> None:
+        """Keep the files open across :meth:`close` until the matching :meth:`release` (a
+        backend that reads blocks from the file while the model runs)."""
+        with self._lock:
+            self._users += 1
+
+    def release(self) -> None:
+        """End one :meth:`retain`; the last one closes the files."""
+        with self._lock:
+            assert self._users > 0, "release without retain"
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self.close()
+
+    def close(self) -> None:
+        """Forget the mappings (each is unmapped once no tensor aliases it any more) and
+        close the files read with :meth:`read_into`; deferred while a user :meth:`retain` s
+        the checkpoint (a closed checkpoint reopens its files on the next read)."""
+        with self._lock:
+            if self._users:
+                return
+            self._maps.clear()
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+
+# ----------------------------------------------------------------------------- writing
+def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    # largest itemsize first: every data offset is aligned to its dtype (as safetensors does)
+    tensors = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for _name, t in tensors:
+            if t.numel():
+                data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(memoryview(data.numpy()))  # type: ignore[arg-type]
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    module: torch.nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    max_shard_nbytes: int = 4 << 30,
+    basename: str = "model",
+) -> Path:
+    """Write ``module``'s state dict as safetensors, one tensor at a time (no second copy).
+
+    Tied tensors are written once, under their first name; non-persistent buffers are not
+    written. With more than ``max_shard_nbytes`` of tensors the checkpoint is sharded
+    (``{basename}-00001-of-0000N.safetensors`` and ``{basename}.safetensors.index.json``).
+
+    Returns:
+        The path to pass to :class:`Checkpoint` (the file, or the index).
+
+    Example:
+        >>> save_checkpoint(build_pipeline("tiny"), "/tmp/tiny")
+        PosixPath('/tmp/tiny/model.safetensors')
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seen: set[int] = set()
+    items: list[tuple[str, torch.Tensor]] = []
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        items.append((name, t))
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    used = 0
+    for name, t in items:
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and used + nbytes > max_shard_nbytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, t))
+        used += nbytes
+    if len(shards) == 1:
+        path = out / f"{basename}.safetensors"
+        _write_file(path, shards[0])
+        return path
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        _write_file(out / fname, shard)
+        weight_map.update((n, fname) for n, _ in shard)
+    index = out / f"{basename}.safetensors.index.json"
+    total = sum(t.numel() * t.element_size() for _, t in items)
+    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    return index
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of a contiguous CPU uint8 tensor."""
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]

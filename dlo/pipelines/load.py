@@ -1,0 +1,143 @@
+"""``load_pipeline``: a pipeline built on ``meta``, filled from a checkpoint, offloaded.
+
+The composition of :mod:`dlo.io.materialize` (check, then map or copy) and a backend's ``enable``
+(see [Note: loading from a checkpoint]). Either the whole sequence succeeds, or the skeleton
+is back on ``meta`` and nothing is held (dlo's ledger reads zero): never a half-loaded model.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.backends.base import OffloadBackend
+from dlo.backends.factory import get_offload_backend
+from dlo.backends.layerwise import LayerwiseBackend
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.io.checkpoint import Checkpoint
+from dlo.io.materialize import materialize, plan_load
+from dlo.journal import Journal
+from dlo.plan.topology import resolve_offload_plan
+from dlo.platform.device import get_platform
+from dlo.platform.env import process_peak_rss_bytes
+
+logger = logging.getLogger(__name__)
+
+
+CheckpointLike = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | Checkpoint
+
+
+@torch.inference_mode(False)  # [Note: no inference tensors] in dlo.backends.base
+def load_pipeline(
+    factory: Callable[[], Any] | nn.Module,
+    checkpoint: CheckpointLike,
+    config: OffloadConfig | None = None,
+    parallel: ParallelConfig | None = None,
+    device: torch.device | str | None = None,
+    *,
+    copy: bool = False,
+    prepare: Callable[[Any], Any] | None = None,
+) -> tuple[Any, OffloadBackend | None]:
+    """Build a pipeline on ``meta``, fill it from safetensors, and enable offload on it.
+
+    With ``mode="layer"`` each rank reads from the (memory-mapped) checkpoint only the byte
+    ranges of its own slices of the streamed blocks plus the non-block weights, so no rank
+    ever holds a pageable copy of the model (see [Note: loading from a checkpoint]).
+
+    Args:
+        factory: a callable returning the pipeline (an ``nn.Module``); it is called under
+            ``torch.device("meta")``. Or a skeleton module already built on ``meta``.
+        checkpoint: a ``.safetensors`` file, a directory (with or without a
+            ``*.safetensors.index.json``), an index file, a ``{prefix: path}`` mapping, or a
+            :class:`~dlo.io.checkpoint.Checkpoint`.
+        config: the offload config; None or ``mode="none"`` returns the model on ``device``
+            without offload.
+        parallel: the job's parallel layout (as for :func:`get_offload_backend`).
+        device: the compute device (None: this rank's GPU, else the CPU).
+        copy: copy every tensor into its own host memory first (the ordinary path, for
+            comparison) instead of mapping the checkpoint.
+        prepare: called with the filled pipeline before offload is enabled, for what must
+            happen in between, such as ``lambda p: shard_non_block(p, config, parallel)``
+            for HSDP (:mod:`dlo.backends.hsdp`). A failure rolls the load back; what
+            ``prepare`` itself changed is its own to undo. ``prepare`` must not read the
+            streamed blocks' weights: they are served from the file when the backend packs
+            them, and a block tensor whose data is not aligned to its dtype in the file
+            holds uninitialized memory until then.
+    Returns:
+        ``(pipeline, backend)``; ``backend`` is None when offload is disabled (the model is
+        then on ``device``). With ``mode="layer"`` every non-block tensor is copied straight
+        to ``device``, including components the backend does not manage (a VAE); with
+        ``mode="module"`` they are on the CPU for the swap backend to move.
+    Raises:
+        dlo.io.checkpoint.CheckpointError: the checkpoint cannot serve the model (raised
+            before anything is changed).
+        dlo.OffloadError / ValueError / TypeError: as ``backend.enable``; the skeleton is
+            put back on ``meta``.
+
+    Example:
+        >>> pipe, backend = dlo.load_pipeline(
+        ...     lambda: build_pipeline("wan14b-like", device="meta"), "ckpt/",
+        ...     dlo.OffloadConfig(mode="layer", transfer="allgather"))
+    """
+    t0 = time.perf_counter()
+    if isinstance(factory, nn.Module):
+        skeleton = factory
+    elif callable(factory):
+        with torch.device("meta"):
+            skeleton = factory()
+    else:
+        raise TypeError(f"factory must be a callable or an nn.Module, got {type(factory).__name__}")
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    plan = plan_load(skeleton, ckpt)  # every check, before any change
+    backend = get_offload_backend(config, parallel, device)
+    target = get_platform(torch.device(device) if device is not None else None).device
+    blocks: set[str] = set()
+    if isinstance(backend, LayerwiseBackend):
+        layout = resolve_offload_plan(skeleton, backend.config, backend.parallel)
+        blocks = {p for s in layout.stacks for p in s.block_paths}
+    if copy:
+        blocks, target = set(), torch.device("cpu")  # the ordinary path
+    elif backend is not None and not isinstance(backend, LayerwiseBackend):
+        target = torch.device("cpu")  # model-level swap moves whole components itself
+    journal = Journal()
+    try:
+        report = materialize(
+            plan, journal, mapped=functools.partial(_in_blocks, blocks), device=target
+        )
+        t_mapped = time.perf_counter()
+        if prepare is not None:
+            prepare(skeleton)
+        if backend is not None:
+            backend.enable(skeleton)
+        else:
+            skeleton.to(target)
+    except BaseException:
+        journal.rollback()
+        raise
+    finally:
+        ckpt.close()
+    logger.info(
+        "dlo: loaded %s from %s in %.2fs (%d tensors mapped, %d copied; enable %.2fs; peak "
+        "RSS %.2f GiB)",
+        type(skeleton).__name__,
+        ckpt.files[0] if ckpt.files else checkpoint,
+        time.perf_counter() - t0,
+        report.num_mapped,
+        report.num_copied,
+        time.perf_counter() - t_mapped,
+        process_peak_rss_bytes() / (1 << 30),
+    )
+    return skeleton, backend
+
+
+def _in_blocks(blocks: set[str], name: str) -> bool:
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in blocks for i in range(1, len(parts)))

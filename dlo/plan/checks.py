@@ -1,0 +1,160 @@
+"""Checks on the modules a plan selected, before anything is mutated.
+
+Everything here reads module structure and tensor metadata only; it raises a clear error
+for every case of FAULTS.md section A that dlo refuses: meta tensors (listing every name),
+tensor-subclass parameters (DTensor and friends), inference tensors, parameters shared
+between two blocks or between a block and a non-block module (by object, or distinct tensors
+sharing one storage), and modules managed by another offloader.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from dlo.errors import OffloadError
+from dlo.hooks.foreign import find_foreign_offloaders
+from dlo.plan.layout import module_tensor_entries
+
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def check_blocks(
+    blocks: Sequence[tuple[str, nn.Module]],
+    components: Sequence[tuple[str, nn.Module]],
+    *,
+    rank: int = 0,
+) -> None:
+    """Refuse blocks dlo cannot stream; ``components`` are the modules that own them.
+
+    Raises:
+        OffloadError: naming every offending tensor or module.
+    """
+    foreign = [
+        (f"{name}.{sub}" if sub else name, mech)
+        for name, mod in blocks
+        for sub, mech in find_foreign_offloaders(mod)
+    ]
+    if foreign:
+        listed = ", ".join(f"{p} ({m})" for p, m in foreign)
+        raise OffloadError(
+            f"blocks already managed by another mechanism: {listed}; remove it first "
+            "(dlo owns streamed blocks alone)",
+            rank=rank,
+        )
+    meta: list[str] = []
+    subclass: list[str] = []
+    inference: list[str] = []
+    owner: dict[int, str] = {}
+    storage_owner: dict[tuple[torch.device, int], str] = {}
+    for bname, mod in blocks:
+        for tname, _kind, t in module_tensor_entries(mod):
+            full = f"{bname}.{tname}"
+            if t.is_meta:
+                meta.append(full)
+            plain = type(t) in _PLAIN and type(t.data) is torch.Tensor
+            if not plain:
+                subclass.append(f"{full} ({type(t).__name__})")
+            elif t.is_inference():
+                inference.append(full)
+            other = owner.get(id(t))
+            if other is not None:
+                raise OffloadError(
+                    f"tensor shared between blocks: {other} and {full}; dlo streams each "
+                    "block's tensors on their own (untie them or keep these blocks resident)",
+                    rank=rank,
+                )
+            owner[id(t)] = full
+            key = _storage_key(t) if plain else None
+            if key is not None:
+                other = storage_owner.setdefault(key, full)
+                if other != full:
+                    raise OffloadError(
+                        f"{other} and {full} are distinct tensors sharing one storage (views "
+                        "of one tensor, e.g. of a fused qkv): dlo keeps a copy of each tensor, "
+                        "so they would no longer alias after disable; make them separate "
+                        "tensors (.clone()) or keep this module out of the streamed blocks",
+                        rank=rank,
+                    )
+    if meta:
+        raise OffloadError(
+            f"{len(meta)} tensors are on the meta device (model not materialized): "
+            + ", ".join(meta),
+            rank=rank,
+        )
+    if subclass:
+        raise OffloadError(
+            "tensor-subclass parameters cannot be streamed (dlo moves plain dense tensors "
+            "as bytes): " + ", ".join(subclass),
+            rank=rank,
+        )
+    if inference:
+        raise OffloadError(
+            f"{len(inference)} tensors are inference tensors (created under "
+            "torch.inference_mode()), which dlo cannot rebind to its device slots: "
+            + ", ".join(inference)
+            + "; build or load the model outside inference_mode",
+            rank=rank,
+        )
+    # every module reachable from the components, by identity (an alias path to a block is
+    # still the block), that is not a block or inside one: none may hold a block's tensor
+    inside = {id(m) for _, b in blocks for m in b.modules()}
+    for cname, comp in components:
+        for mname, mod in comp.named_modules(remove_duplicate=False):
+            if id(mod) in inside:
+                continue
+            own = itertools.chain(mod._parameters.items(), mod._buffers.items())
+            for tname, t in own:
+                if t is None:
+                    continue
+                where = ".".join(p for p in (cname, mname, tname) if p)
+                other = owner.get(id(t))
+                if other is not None:
+                    raise OffloadError(
+                        f"tensor shared between block tensor {other} and non-block {where}; "
+                        "dlo cannot keep one copy in both places (untie them or keep the "
+                        "block resident)",
+                        rank=rank,
+                    )
+                key = _storage_key(t) if type(t) in _PLAIN else None
+                other = storage_owner.get(key) if key is not None else None
+                if other is not None:
+                    raise OffloadError(
+                        f"block tensor {other} and non-block {where} share one storage (one "
+                        "is a view of the other): dlo keeps a copy of the block tensor, so "
+                        "they would no longer alias; make them separate tensors (.clone()) or "
+                        "keep the block resident",
+                        rank=rank,
+                    )
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    """Storage identity of ``t``; None where there is nothing to alias (meta, 0 bytes)."""
+    if t.is_meta:
+        return None
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0 or storage.data_ptr() == 0:
+        return None
+    return (t.device, storage.data_ptr())
+
+
+def _all_named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from ((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None)
+
+
+def non_block_tensors(
+    component: nn.Module, block_tensor_ids: set[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """Parameters and buffers of ``component`` that belong to no selected block."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for name, t in _all_named_tensors(component):
+        if id(t) in block_tensor_ids or id(t) in seen:
+            continue
+        seen.add(id(t))
+        out.append((name, t))
+    return out

@@ -1,0 +1,239 @@
+"""Which modules of a pipeline are its components (DiTs, encoders, VAEs, resident modules).
+
+Discovery, in order of preference:
+
+1. The pipeline class declares :class:`SupportsComponentDiscovery` lists (``_dit_modules``,
+   ``_encoder_modules``, ``_vae_modules``, ``_resident_modules``; dotted paths; missing lists
+   are empty).
+2. The pipeline is a bare ``nn.Module`` that declares its own blocks, or whose class is in
+   the adapter registry (:mod:`dlo.plan.adapters`): one DiT at path ``""``.
+3. The pipeline class is in the adapter registry: its component attribute names, keeping
+   those that hold an ``nn.Module`` (optional components are ``None``), without a warning.
+4. A scan of well-known attribute names, which warns once per pipeline class.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from dlo.plan.adapters import model_adapter, pipeline_adapter
+from dlo.plan.declarations import (
+    BLOCKS_ATTR_DEPRECATED,
+    BLOCKS_ATTRS,
+    DECLARATION_ATTRS,
+    OffloadPlan,
+    _path_tuple,
+    get_by_path,
+)
+
+logger = logging.getLogger(__name__)
+
+
+DIT_SCAN_NAMES = (
+    "transformer",
+    "transformer_2",
+    "dit",
+    "sr_dit",
+    "language_model",
+    "transformer_blocks",
+    "model",
+)
+
+
+ENCODER_SCAN_NAMES = ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
+
+
+VAE_SCAN_NAMES = ("vae", "audio_vae")
+
+
+# pipeline classes already told about the fallback scan, and compat messages already logged
+_warned_scan_classes: set[type] = set()
+
+
+_logged_messages: set[str] = set()
+
+
+# ----------------------------------------------------------------------------- problems
+class _Problems:
+    """Explicit topology raises; compatibility topology records, logs once and skips."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.messages: list[str] = []
+
+    def report(self, message: str) -> None:
+        if self.strict:
+            raise ValueError(message)
+        self.note(message)
+
+    def note(self, message: str, *, log: bool = True) -> None:
+        self.messages.append(message)
+        if log and message not in _logged_messages:
+            _logged_messages.add(message)
+            logger.warning("%s", message)
+
+
+def _owner(pipeline: object) -> str:
+    return type(pipeline).__name__
+
+
+def _resolve_module(
+    pipeline: object, path: str, what: str, problems: _Problems
+) -> nn.Module | None:
+    try:
+        obj = get_by_path(pipeline, path)
+    except AttributeError as e:
+        problems.report(f"{what} {path!r} of {_owner(pipeline)} does not resolve: {e}")
+        return None
+    if not isinstance(obj, nn.Module):
+        problems.report(
+            f"{what} {path!r} of {_owner(pipeline)} is not an nn.Module (got {type(obj).__name__})"
+        )
+        return None
+    return obj
+
+
+# ----------------------------------------------------------------------------- discovery
+@dataclass
+class _Components:
+    dits: list[tuple[str, nn.Module]] = field(default_factory=list)
+    encoders: list[tuple[str, nn.Module]] = field(default_factory=list)
+    vaes: list[tuple[str, nn.Module]] = field(default_factory=list)
+    resident: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+
+def _class_declaration(cls: type, name: str) -> tuple[str, ...] | None:
+    value = getattr(cls, name, None)
+    if value is None:
+        return None
+    return _path_tuple(f"{cls.__name__}.{name}", value, allow_root=True)
+
+
+def resident_dit_paths_of(pipeline: object) -> tuple[str, ...] | None:
+    """The DiTs ``pipeline``'s :class:`OffloadPlan` allows resident blocks (None: all)."""
+    return _offload_plan_of(pipeline).resident_dit_paths
+
+
+def _offload_plan_of(pipeline: object) -> OffloadPlan:
+    plan = getattr(pipeline, "_offload_plan", None)
+    if plan is None:
+        return OffloadPlan()
+    if not isinstance(plan, OffloadPlan):
+        raise TypeError(
+            f"{_owner(pipeline)}._offload_plan must be a dlo.OffloadPlan, got {type(plan).__name__}"
+        )
+    return plan
+
+
+def _declares_blocks(module: object, plan: OffloadPlan) -> bool:
+    if not isinstance(module, nn.Module):
+        return False
+    cls = type(module)
+    return (
+        "" in plan.block_attrs
+        or getattr(cls, BLOCKS_ATTRS, None) is not None
+        or getattr(cls, BLOCKS_ATTR_DEPRECATED, None) is not None
+        or model_adapter(cls) is not None
+    )
+
+
+def _scan(pipeline: object, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if isinstance(getattr(pipeline, n, None), nn.Module)]
+
+
+def _discovery_paths(
+    pipeline: object, plan: OffloadPlan
+) -> tuple[list[str], list[str], list[str], list[str]] | None:
+    """Declared paths of DiTs, encoders, VAEs and resident modules; None: nothing declared."""
+    cls = type(pipeline)
+    declared = {name: _class_declaration(cls, name) for name in DECLARATION_ATTRS}
+    self_dit = [""] if _declares_blocks(pipeline, plan) else []
+    if any(v is not None for v in declared.values()):
+        dits, encoders, vaes, resident = (list(v or ()) for v in declared.values())
+        if declared["_dit_modules"] is None:
+            dits = self_dit
+        return dits, encoders, vaes, resident
+    if self_dit:
+        return self_dit, [], [], []
+    adapter = pipeline_adapter(cls)
+    if adapter is not None:
+        return (
+            _scan(pipeline, adapter.dits),
+            _scan(pipeline, adapter.encoders),
+            _scan(pipeline, adapter.vaes),
+            [],
+        )
+    return None
+
+
+def _scan_paths(
+    pipeline: object, problems: _Problems
+) -> tuple[list[str], list[str], list[str], list[str]]:
+    """Well-known attribute names holding modules; warns once per pipeline class."""
+    cls = type(pipeline)
+    if cls not in _warned_scan_classes:
+        _warned_scan_classes.add(cls)
+        logger.warning(
+            "%s declares no components; falling back to a scan of well-known attribute names. "
+            "Declare _dit_modules/_encoder_modules/_vae_modules (dlo.SupportsComponentDiscovery).",
+            cls.__name__,
+        )
+    # recorded on every call (equal plans), logged once per class (above)
+    problems.note(
+        f"{cls.__name__} declares no components; found them by scanning well-known names",
+        log=False,
+    )
+    return (
+        _scan(pipeline, DIT_SCAN_NAMES),
+        _scan(pipeline, ENCODER_SCAN_NAMES),
+        _scan(pipeline, VAE_SCAN_NAMES),
+        [],
+    )
+
+
+def _discover(pipeline: object, plan: OffloadPlan, problems: _Problems) -> _Components:
+    declared = _discovery_paths(pipeline, plan)
+    all_paths = _scan_paths(pipeline, problems) if declared is None else declared
+    dit_paths, encoder_paths, vae_paths, resident_paths = all_paths
+    found = _Components()
+    seen: dict[int, str] = {}
+    kinds = (
+        ("DiT", dit_paths, found.dits),
+        ("encoder", encoder_paths, found.encoders),
+        ("VAE", vae_paths, found.vaes),
+    )
+    for what, paths, out in kinds:
+        for path in paths:
+            module = _resolve_module(pipeline, path, what, problems)
+            if module is None:
+                continue
+            if id(module) in seen and declared is None:
+                logger.debug("scan: %s %r aliases %s; kept once", what, path, seen[id(module)])
+                continue
+            if id(module) in seen:
+                problems.report(
+                    f"{what} {path!r} of {_owner(pipeline)} is the same module as "
+                    f"{seen[id(module)]}; it is kept once"
+                )
+                continue
+            seen[id(module)] = f"{what} {path!r}"
+            out.append((path, module))
+    for path in resident_paths:
+        module = _resolve_module(pipeline, path, "resident module", problems)
+        if module is not None:
+            found.resident.append((path, module))
+    return found
+
+
+def _on_demand(
+    pipeline: object, plan: OffloadPlan, problems: _Problems
+) -> list[tuple[str, nn.Module]]:
+    out = []
+    for path in plan.on_demand_component_paths:
+        module = _resolve_module(pipeline, path, "on-demand component", problems)
+        if module is not None:
+            out.append((path, module))
+    return out

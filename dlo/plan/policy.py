@@ -1,0 +1,382 @@
+"""The automatic policy: transfer, slots and resident blocks from measured numbers. Pure.
+
+Everything here is a function of frozen dataclasses (block sizes, group sizes, measured
+bandwidths, a memory capacity, the requested settings): no process group, no device, no
+clock. The runtime measures (:mod:`dlo.runtime.measure`), agrees on one set of numbers for the whole
+job, and hands them to :func:`decide`; every rank computes the same decision because it
+feeds the same inputs to the same deterministic function.
+
+[Note: policy model]
+A block of ``nbytes`` payload bytes moves as ``n`` chunks of ``C`` bytes (the layout's
+chunking for its group size G; see [Note: chunks and shards]). With ``h`` the per-rank
+host-to-device bandwidth while every rank copies at once and ``a`` the AllGather bandwidth
+of the weight group (output bytes per second):
+
+* rank-local: one copy of the whole padded block; latency ``L = P = n * C / h``.
+* AllGather: a two-stage pipeline per chunk, copy ``c = (C / G) / h`` then gather
+  ``g = C / a``, where the gather of chunk k overlaps the copy of chunk k+1 ([Note: chunk
+  pipeline]). The busiest stage is occupied ``P = n * max(c, g)`` per block; the block's
+  latency is ``L = c + g + (n - 1) * max(c, g) = P + min(c, g)`` (the first copy or the last
+  gather is never overlapped).
+
+``transfer="auto"`` picks, per stack, the transfer with the smaller summed latency ``L`` over
+the stack's blocks; a tie goes to whole blocks (fewer moving parts, no lock step). A stack
+whose weight axis has one rank has nothing to gather with and is rank-local. Whole blocks
+for a stack whose axis has more ranks are node-shared ([Note: node-shared host copy]: the
+same copies as rank-local, one host copy per node) when every node's shared-memory folder
+has room for all such stacks with ``SHARED_MEMORY_HEADROOM`` to spare; else rank-local.
+Node-shared is chosen over a faster AllGather only when the user gives the compute time of
+a block (``block_compute_ms``) and it hides the copy of the stack's largest whole block: then
+both run at compute speed, and node-shared moves nothing between GPUs (peer traffic costs
+compute clock on power-limited GPUs: 4-5% at 16384 tokens on 2 x H200). Without it enable
+cannot know (the compute depends on the request). If the shared memory lacks room, such a
+stack falls back to AllGather.
+
+Slots. With S slots a slot is reused every S blocks, and one slot's cycle is the block's
+load latency plus its compute ``t_c`` (the copy of block i+S waits for block i's ``free``).
+So the ring runs at ``max(P, t_c, (L + t_c) / S)`` per block and needs
+``S = ceil((L + t_c) / max(P, t_c))`` slots to hide its cycle. The compute time is not known
+at enable (it depends on the request), and the cycle matters most when compute is about as
+long as the transfer, so ``num_slots="auto"`` takes ``t_c = P``: rank-local has ``L = P`` and
+needs 2; AllGather has ``P < L <= 2P`` and needs 3 (measured on 2 x H200 at 4096 tokens, a
+third slot took AllGather from 83.5 to 81.6 ms per forward). Slots come before resident
+blocks in the budget: the third slot is one block's bytes, and it helps every streamed block.
+
+Memory. Device weight bytes are the non-block weights, ``num_slots`` slots of the largest
+padded streamed block, and the padded bytes of every resident block. The capacity is
+``device_budget_gb`` when given, else ``(1 - FREE_MEMORY_HEADROOM)`` of the free device
+memory minus the non-block weights not yet on the device (the headroom is left for
+activations, the allocator and communication buffers). ``resident_layers="auto"`` keeps the
+largest number r of leading blocks of each eligible DiT whose total fits, scanning every r
+(the slot shrinks once the largest block is resident, so the cost is not monotonic in r).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dlo.plan.policy_model import (
+    FREE_MEMORY_HEADROOM,
+    GB,
+    GIB,
+    SHARED_MEMORY_HEADROOM,
+    PolicyDecision,
+    PolicyInput,
+    StackChoice,
+    StackSpec,
+    _check_input,
+    _size,
+    block_times,
+    padded_nbytes,
+    slots_needed,
+)
+
+
+def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
+    m, chunk = inp.measured, inp.chunk_nbytes
+    n = max(1, len(s.block_nbytes))
+    rl = sum(
+        block_times(b, group_size=1, chunk_nbytes=chunk, h2d_bps=m.h2d_bps, allgather_bps=1.0)[0]
+        for b in s.block_nbytes
+    )
+    ag: float | None = None
+    ag_bw = m.allgather_bps.get(s.group_axis)
+    if s.group_size > 1 and ag_bw is not None:
+        ag = sum(
+            block_times(
+                b,
+                group_size=s.group_size,
+                chunk_nbytes=chunk,
+                h2d_bps=m.h2d_bps,
+                allgather_bps=ag_bw,
+            )[0]
+            for b in s.block_nbytes
+        )
+    rl_ms, ag_ms = rl / n * 1e3, (ag / n * 1e3 if ag is not None else None)
+    if s.transfer != "rank-local" and s.group_size > 1 and ag is None:
+        # "auto" chooses by the gather's time, and an AllGather stack's slot count is sized
+        # by it: a guessed bandwidth would decide wrong
+        raise ValueError(f"stack {s.name!r}: no AllGather measurement for axis {s.group_axis!r}")
+    if s.transfer != "auto":
+        transfer, reason = s.transfer, "explicit"
+    elif s.group_size == 1:
+        transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
+    elif inp.host_backing == "mapped":
+        transfer, reason = "rank-local", "auto: host_backing='mapped' streams rank-local stacks"
+    elif ag is not None and ag < rl and _compute_hides_whole_blocks(s, inp):
+        t_c = inp.block_compute_s
+        assert t_c is not None
+        transfer, reason = (
+            "node-shared",
+            (
+                f"auto: compute ({t_c * 1e3:.3f} ms per block) hides every whole-block copy: no "
+                f"peer traffic ({ag_ms:.3f} < {rl_ms:.3f} ms per block)"
+            ),
+        )
+    elif ag is not None and ag < rl:
+        transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
+    else:  # whole blocks; node-shared if the shared memory holds them (see _fit_shared)
+        transfer, reason = "node-shared", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"
+    local = transfer in ("rank-local", "node-shared")  # whole blocks, no collective
+    return StackChoice(
+        name=s.name,
+        transfer=transfer,
+        group_axis="local" if local else s.group_axis,
+        group_size=1 if local else s.group_size,
+        num_resident=s.num_resident,
+        requested=s.transfer,
+        rank_local_ms=rl_ms,
+        allgather_ms=ag_ms,
+        reason=reason,
+    )
+
+
+def _compute_hides_whole_blocks(s: StackSpec, inp: PolicyInput) -> bool:
+    """The known compute time of a block is at least the copy of the stack's largest block
+    (so node-shared, moving whole blocks, runs at compute speed like AllGather)."""
+    t_c, m = inp.block_compute_s, inp.measured
+    if t_c is None or not s.block_nbytes or s.component != "dit":  # the DiT's compute
+        return False
+    largest = max(s.block_nbytes)
+    copy = block_times(
+        largest, group_size=1, chunk_nbytes=inp.chunk_nbytes, h2d_bps=m.h2d_bps, allgather_bps=1.0
+    )[0]
+    return copy <= t_c
+
+
+def _fit_shared(inp: PolicyInput, choices: list[StackChoice]) -> list[StackChoice]:
+    """Keep the automatic node-shared choices if the fullest node's copies of every
+    node-shared stack (explicit ones too: one file holds them all; one copy per weight group
+    on the node) fit the free shared memory less the headroom; else give the automatic ones
+    the transfer they would have had without it (AllGather where it is faster, else
+    rank-local), saying why."""
+    shared = [(s, c) for s, c in zip(inp.stacks, choices) if c.transfer == "node-shared"]
+    auto = [(s, c) for s, c in shared if c.requested == "auto"]
+    if not auto:
+        return choices
+    copies = inp.shared_copies_per_node
+    need = copies * sum(
+        padded_nbytes(b, 1, inp.chunk_nbytes) for s, _ in shared for b in s.block_nbytes
+    )
+    free = inp.measured.shared_memory_nbytes
+    if free is not None and need <= free * (1 - SHARED_MEMORY_HEADROOM):
+        return choices
+    what = "the node's copy needs" if copies == 1 else f"the node's {copies} copies need"
+    why = f"{what} {_size(need)}, shared memory has " + (
+        f"{_size(free)} free" if free is not None else "an unknown size"
+    )
+    spec = {id(c): s for s, c in auto}
+    return [_without_sharing(c, spec[id(c)], why) if id(c) in spec else c for c in choices]
+
+
+def _without_sharing(c: StackChoice, s: StackSpec, why: str) -> StackChoice:
+    rl = c.rank_local_ms
+    if c.allgather_ms is not None and rl is not None and c.allgather_ms < rl:
+        return dataclasses.replace(
+            c,
+            transfer="allgather",
+            group_axis=s.group_axis,
+            group_size=s.group_size,
+            reason=f"{c.reason}; allgather: {why}",
+        )
+    return dataclasses.replace(c, transfer="rank-local", reason=f"{c.reason}; rank-local: {why}")
+
+
+def _resident_split(stacks: tuple[StackSpec, ...], per_dit: int) -> list[int]:
+    """Resident count per stack for ``per_dit`` leading blocks of every eligible DiT."""
+    left: dict[str, int] = {}
+    out = []
+    for s in stacks:
+        if s.component != "dit" or not s.resident_eligible:
+            out.append(0)
+            continue
+        k = min(left.setdefault(s.dit_path, per_dit), len(s.block_nbytes))
+        left[s.dit_path] -= k
+        out.append(k)
+    return out
+
+
+def _weights(
+    stacks: tuple[StackSpec, ...],
+    choices: list[StackChoice],
+    resident: list[int],
+    num_slots: int,
+    chunk: int,
+) -> tuple[int, int]:
+    """``(slot_nbytes, slots + resident bytes)`` for one candidate."""
+    slot, resident_nbytes = 0, 0
+    for s, c, r in zip(stacks, choices, resident):
+        for i, b in enumerate(s.block_nbytes):
+            p = padded_nbytes(b, c.group_size, chunk)
+            if i < r:
+                resident_nbytes += p
+            else:
+                slot = max(slot, p)
+    return slot, num_slots * slot + resident_nbytes
+
+
+def decide(inp: PolicyInput) -> PolicyDecision:
+    """The automatic settings for ``inp`` (see [Note: policy model]). Deterministic.
+
+    Args:
+        inp: block sizes, groups, measured numbers, capacity and the requested settings.
+    Returns:
+        The :class:`PolicyDecision`: a concrete transfer per stack, the slot count, the
+        resident count, the modeled bytes, and the explanation lines.
+    Raises:
+        ValueError: malformed input, or a ``device_budget_gb`` that cannot hold the
+            non-block weights and one slot (naming ``device_budget_gb`` and its value).
+
+    Example:
+        >>> m = Measurements(h2d_bps=50e9, allgather_bps={"data": 500e9}, num_ranks=2)
+        >>> s = StackSpec(name="blocks", component="dit", dit_path="", block_nbytes=(1 << 28,),
+        ...               transfer="auto", group_axis="data", group_size=2)
+        >>> decide(PolicyInput(stacks=(s,), chunk_nbytes=1 << 26, measured=m)).stacks[0].transfer
+        'allgather'
+    """
+    _check_input(inp)
+    chunk, m = inp.chunk_nbytes, inp.measured
+    choices = _fit_shared(inp, [_choose_transfer(s, inp) for s in inp.stacks])
+
+    # slots: hide the longest per-slot cycle of any streamed block
+    cycle_slots = 2
+    for s, c in zip(inp.stacks, choices):
+        for b in s.block_nbytes:
+            lat, occ = block_times(
+                b,
+                group_size=c.group_size,
+                chunk_nbytes=chunk,
+                h2d_bps=m.h2d_bps,
+                allgather_bps=m.allgather_bps.get(c.group_axis, 0.0),  # unused at G = 1
+            )
+            # the assumption t_c = P, even with a known compute time: a known one can only
+            # lower the count, and the third AllGather slot measured faster at 4096 tokens
+            # where the model with the real t_c says two suffice
+            cycle_slots = max(cycle_slots, slots_needed(lat, occ, None))
+
+    budget = int(inp.device_budget_gb * GIB) if inp.device_budget_gb is not None else None
+    capacity: int | None = None
+    if budget is not None:
+        capacity = budget - inp.non_block_nbytes
+    elif m.free_device_nbytes is not None and (
+        inp.resident_layers == "auto" or inp.num_slots == "auto"
+    ):
+        usable = int(m.free_device_nbytes * (1 - FREE_MEMORY_HEADROOM))
+        capacity = usable - inp.non_block_to_place_nbytes
+
+    # candidate resident splits: every per-DiT count when "auto", else the explicit one
+    if inp.resident_layers == "auto":
+        dits: dict[str, int] = {}
+        for s in inp.stacks:
+            if s.component == "dit" and s.resident_eligible:
+                dits[s.dit_path] = dits.get(s.dit_path, 0) + len(s.block_nbytes)
+        r_max = min(dits.values(), default=0)
+        splits = {r: _resident_split(inp.stacks, r) for r in range(r_max + 1)}
+    else:
+        assert isinstance(inp.resident_layers, int)
+        r_max = inp.resident_layers
+        splits = {r_max: [s.num_resident for s in inp.stacks]}
+
+    def fitting(slots: int) -> list[int]:
+        return [
+            r
+            for r, split in splits.items()
+            if capacity is None or _weights(inp.stacks, choices, split, slots, chunk)[1] <= capacity
+        ]
+
+    slot_note = "explicit"
+    if inp.num_slots == "auto":
+        num_slots = cycle_slots
+        while num_slots > 1 and not fitting(num_slots):
+            num_slots -= 1
+        slot_note = f"auto: a slot's cycle (load latency + compute) needs {cycle_slots}" + (
+            f", {num_slots} fit" if num_slots < cycle_slots else ""
+        )
+    else:
+        assert isinstance(inp.num_slots, int)
+        num_slots = inp.num_slots
+    fits = fitting(num_slots)
+    if budget is not None and not fits:
+        need = min(
+            _weights(inp.stacks, choices, split, num_slots, chunk)[1] for split in splits.values()
+        )
+        raise ValueError(
+            f"device_budget_gb={inp.device_budget_gb!r} cannot hold the non-block weights "
+            f"({_size(inp.non_block_nbytes)}) and {num_slots} slot(s) "
+            f"({_size(need)}): {_size(need + inp.non_block_nbytes)} needed"
+        )
+    if inp.resident_layers == "auto":
+        # the cost is not monotonic in r (the slot shrinks once the largest block is
+        # resident, and disappears once every block is): take the largest r that fits
+        per_dit = max(fits) if fits and capacity is not None else 0
+        resident_note = (
+            f"auto: the most leading blocks of each DiT that fit ({per_dit} of {r_max})"
+            if capacity is not None
+            else "auto: capacity unknown, none kept"
+        )
+    else:
+        per_dit, resident_note = r_max, "explicit"
+    resident = splits[per_dit]
+    choices = [dataclasses.replace(c, num_resident=r) for c, r in zip(choices, resident)]
+    slot_nbytes, dlo_nbytes = _weights(inp.stacks, choices, resident, num_slots, chunk)
+    device_nbytes = dlo_nbytes + inp.non_block_nbytes
+    lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
+    if budget is not None:
+        bound = f" (device_budget_gb: {_size(budget)})"
+    elif capacity is not None:
+        bound = f" (free memory less headroom: {_size(capacity + inp.non_block_nbytes)})"
+    else:
+        bound = ""
+    lines.append(
+        f"  device weights: {_size(device_nbytes)} = non-block {_size(inp.non_block_nbytes)}"
+        f" + {num_slots} slot(s) x {_size(slot_nbytes)} + resident "
+        f"{_size(dlo_nbytes - num_slots * slot_nbytes)}{bound}"
+    )
+    return PolicyDecision(
+        stacks=tuple(choices),
+        num_slots=num_slots,
+        resident_layers=per_dit,
+        slot_nbytes=slot_nbytes,
+        device_weight_nbytes=device_nbytes,
+        capacity_nbytes=capacity,
+        measured=m,
+        lines=tuple(lines),
+    )
+
+
+def _explain(
+    inp: PolicyInput,
+    choices: list[StackChoice],
+    num_slots: int,
+    slot_note: str,
+    per_dit: int,
+    resident_note: str,
+    slot_nbytes: int,
+) -> list[str]:
+    m = inp.measured
+    ag = ", ".join(f"AllGather[{k}] {v / GB:.2f} GB/s" for k, v in sorted(m.allgather_bps.items()))
+    free = (
+        f", free device {_size(m.free_device_nbytes)}" if m.free_device_nbytes is not None else ""
+    ) + (
+        f", free shared memory {_size(m.shared_memory_nbytes)}"
+        if m.shared_memory_nbytes is not None
+        else ""
+    )
+    lines = [
+        f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",
+        f"  measured: host-to-device {m.h2d_bps / GB:.2f} GB/s per rank (all ranks copying)"
+        + (f", {ag}" if ag else "")
+        + free,
+    ]
+    for s, c in zip(inp.stacks, choices):
+        mean = sum(s.block_nbytes) / max(1, len(s.block_nbytes))
+        ag_ms = f"{c.allgather_ms:.3f} ms" if c.allgather_ms is not None else "-"
+        lines.append(
+            f"  stack {s.name}: {len(s.block_nbytes)} blocks x {mean / 1e6:.2f} MB, "
+            f"axis {s.group_axis!r} of {s.group_size}; modeled per block: rank-local "
+            f"{c.rank_local_ms:.3f} ms, allgather {ag_ms} -> {c.transfer} ({c.reason}); "
+            f"{c.num_resident} resident"
+        )
+    lines.append(f"  num_slots: {num_slots} x {_size(slot_nbytes)} ({slot_note})")
+    lines.append(f"  resident_layers: {per_dit} per DiT ({resident_note})")
+    return lines

@@ -1,0 +1,234 @@
+"""The automatic policy's inputs and outputs, and its cost model (see [Note: policy model] in
+:mod:`dlo.plan.policy`): modeled load time of a block per transfer, slots needed to hide a
+slot's cycle, padded bytes. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlo.config.fields import TRANSFERS
+from dlo.plan.layout import chunking
+
+GIB = 1 << 30
+
+
+GB = 1e9
+
+
+FREE_MEMORY_HEADROOM = 0.2
+"""Fraction of the free device memory ``resident_layers="auto"`` leaves for activations."""
+
+
+MAX_AUTO_SLOTS = 4
+
+
+SHARED_MEMORY_HEADROOM = 0.2
+"""Fraction of the free shared memory an automatic node-shared copy leaves to others."""
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """The numbers every rank of the job decides from (the group-wide minimum of each)."""
+
+    h2d_bps: float
+    """Host-to-device bytes per second of one rank while every rank copies at once."""
+    allgather_bps: Mapping[str, float] = field(default_factory=dict)
+    """Weight axis -> AllGather output bytes per second of that axis's group."""
+    free_device_nbytes: int | None = None
+    """Free device memory at enable, before dlo allocates (None: unknown)."""
+    shared_memory_nbytes: int | None = None
+    """Free bytes in the shared-memory folder of the fullest node (None: unknown)."""
+    num_ranks: int = 1
+    """How many ranks measured (the minimum is over all of them)."""
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """One block stack as the policy sees it."""
+
+    name: str
+    """The stack's container path."""
+    component: str
+    """``"dit"`` or ``"encoder"``."""
+    dit_path: str
+    """The component path; resident counts are per DiT over its stacks, in order."""
+    block_nbytes: tuple[int, ...]
+    """Payload bytes of each block, in execution order."""
+    transfer: str
+    """Requested: ``"rank-local"``, ``"allgather"`` or ``"auto"``."""
+    group_axis: str
+    """The weight axis AllGather would use."""
+    group_size: int
+    """Ranks on that axis (1: nobody to gather with)."""
+    num_resident: int = 0
+    """Resident leading blocks when ``resident_layers`` is explicit."""
+    resident_eligible: bool = True
+    """May keep resident blocks (a DiT allowed by ``OffloadPlan.resident_dit_paths``)."""
+
+
+@dataclass(frozen=True)
+class PolicyInput:
+    """Everything :func:`decide` needs."""
+
+    stacks: tuple[StackSpec, ...]
+    chunk_nbytes: int
+    measured: Measurements
+    num_slots: int | str = 2
+    """An int is kept; ``"auto"`` is decided (see [Note: policy model])."""
+    resident_layers: int | str = 0
+    """``"auto"`` is decided; an int is kept (the stacks' ``num_resident``)."""
+    device_budget_gb: float | None = None
+    """``OffloadConfig.device_budget_gb`` (GiB of device memory for weights)."""
+    non_block_nbytes: int = 0
+    """Non-block weights of the streamed components and resident modules (device bytes)."""
+    non_block_to_place_nbytes: int = 0
+    """Of which not on the device yet (they will take free memory at enable)."""
+    block_compute_s: float | None = None
+    """Known compute time of one DiT block (``OffloadConfig.block_compute_ms``): lets a DiT
+    stack take node-shared over a faster AllGather; the slot count keeps ``t_c = P``."""
+    shared_copies_per_node: int = 1
+    """Node-shared copies the fullest node would hold (one per weight group on it)."""
+    host_backing: str = "region"
+    """``OffloadConfig.host_backing``: ``"mapped"`` streams rank-local stacks only."""
+
+
+@dataclass(frozen=True)
+class StackChoice:
+    name: str
+    transfer: str
+    """Concrete: ``"rank-local"``, ``"allgather"`` or ``"node-shared"``."""
+    group_axis: str
+    group_size: int
+    num_resident: int
+    requested: str
+    rank_local_ms: float | None
+    """Modeled latency per block (mean over the stack), rank-local."""
+    allgather_ms: float | None
+    """Modeled latency per block, AllGather (None: no group or no measurement)."""
+    reason: str
+
+
+@dataclass(frozen=True)
+class PolicyDecision:
+    """What :func:`decide` chose, and why."""
+
+    stacks: tuple[StackChoice, ...]
+    num_slots: int
+    resident_layers: int
+    """Resident leading blocks per eligible DiT (the ``resident_layers`` it amounts to)."""
+    slot_nbytes: int
+    device_weight_nbytes: int
+    """Modeled device bytes of weights: non-block + slots + resident blocks."""
+    capacity_nbytes: int | None
+    measured: Measurements
+    lines: tuple[str, ...]
+
+    @property
+    def explanation(self) -> str:
+        return "\n".join(self.lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain values (for ``stats()["policy"]`` and JSON)."""
+        m = self.measured
+        return {
+            "stacks": {
+                s.name: {
+                    "transfer": s.transfer,
+                    "requested": s.requested,
+                    "group_axis": s.group_axis,
+                    "group_size": s.group_size,
+                    "num_resident": s.num_resident,
+                    "rank_local_ms_per_block": s.rank_local_ms,
+                    "allgather_ms_per_block": s.allgather_ms,
+                    "reason": s.reason,
+                }
+                for s in self.stacks
+            },
+            "num_slots": self.num_slots,
+            "resident_layers": self.resident_layers,
+            "slot_nbytes": self.slot_nbytes,
+            "device_weight_nbytes": self.device_weight_nbytes,
+            "capacity_nbytes": self.capacity_nbytes,
+            "measured": {
+                "h2d_GBps": m.h2d_bps / GB,
+                "allgather_GBps": {k: v / GB for k, v in sorted(m.allgather_bps.items())},
+                "free_device_nbytes": m.free_device_nbytes,
+                "shared_memory_nbytes": m.shared_memory_nbytes,
+                "num_ranks": m.num_ranks,
+            },
+            "explanation": self.explanation,
+        }
+
+
+def _size(nbytes: float) -> str:
+    if abs(nbytes) >= GIB:
+        return f"{nbytes / GIB:.2f} GiB"
+    return f"{nbytes / (1 << 20):.2f} MiB"
+
+
+# ----------------------------------------------------------------------------- the model
+def padded_nbytes(nbytes: int, group_size: int, chunk_nbytes: int) -> int:
+    chunk, n = chunking(nbytes, group_size=group_size, chunk_nbytes=chunk_nbytes)
+    return chunk * n
+
+
+def block_times(
+    nbytes: int, *, group_size: int, chunk_nbytes: int, h2d_bps: float, allgather_bps: float
+) -> tuple[float, float]:
+    """``(latency L, busiest-stage occupancy P)`` of one block's load, in seconds (see
+    [Note: policy model]); ``group_size == 1`` is rank-local and ignores ``allgather_bps``."""
+    chunk, n = chunking(nbytes, group_size=group_size, chunk_nbytes=chunk_nbytes)
+    if n == 0:
+        return 0.0, 0.0
+    if group_size == 1:
+        t = n * chunk / h2d_bps
+        return t, t
+    c = chunk / group_size / h2d_bps
+    g = chunk / allgather_bps
+    busiest = n * max(c, g)
+    return busiest + min(c, g), busiest
+
+
+def slots_needed(latency_s: float, occupancy_s: float, compute_s: float | None) -> int:
+    """Slots that hide one slot's cycle: ``ceil((L + t_c) / max(P, t_c))``, t_c = P when
+    unknown, clamped to ``2..MAX_AUTO_SLOTS``."""
+    t_c = occupancy_s if compute_s is None else compute_s
+    period = max(occupancy_s, t_c)
+    if period <= 0:
+        return 2
+    return max(2, min(MAX_AUTO_SLOTS, math.ceil((latency_s + t_c) / period - 1e-9)))
+
+
+def _check_input(inp: PolicyInput) -> None:
+    m = inp.measured
+    if not (math.isfinite(m.h2d_bps) and m.h2d_bps > 0):
+        raise ValueError(f"measured h2d_bps={m.h2d_bps!r} must be a finite number > 0")
+    for axis, bw in m.allgather_bps.items():
+        if not (math.isfinite(bw) and bw > 0):
+            raise ValueError(f"measured allgather_bps[{axis!r}]={bw!r} must be finite and > 0")
+    if inp.chunk_nbytes < 1:
+        raise ValueError(f"chunk_nbytes={inp.chunk_nbytes} must be >= 1")
+    if inp.num_slots != "auto" and (
+        isinstance(inp.num_slots, bool) or not isinstance(inp.num_slots, int) or inp.num_slots < 1
+    ):
+        raise ValueError(f"num_slots={inp.num_slots!r} must be an int >= 1 or 'auto'")
+    if inp.resident_layers != "auto" and (
+        isinstance(inp.resident_layers, bool)
+        or not isinstance(inp.resident_layers, int)
+        or inp.resident_layers < 0
+    ):
+        raise ValueError(f"resident_layers={inp.resident_layers!r} must be an int >= 0 or 'auto'")
+    gb = inp.device_budget_gb
+    if gb is not None and (
+        isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0
+    ):
+        raise ValueError(f"device_budget_gb={gb!r} must be a finite number > 0")
+    for s in inp.stacks:
+        if s.transfer not in TRANSFERS:
+            raise ValueError(f"stack {s.name!r}: transfer={s.transfer!r} is not a transfer")
+        if s.group_size < 1:
+            raise ValueError(f"stack {s.name!r}: group_size={s.group_size} must be >= 1")

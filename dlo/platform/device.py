@@ -1,0 +1,353 @@
+"""The one place that knows about the accelerator and the process environment.
+
+Everything that picks a device, creates a stream or an event, synchronizes, registers
+(pins) host memory or reads ``os.environ`` goes through here, so the rest of dlo is written
+once against :class:`Platform` and runs unchanged on CUDA and on a CPU-only torch.
+
+Two implementations exist:
+
+* :class:`CudaPlatform` -- real streams and timing events; host memory is page-locked with
+  ``cudaHostRegister`` on exact-size regions (the caching host allocator behind
+  ``Tensor.pin_memory()`` rounds every request up to a power of two, which would break dlo's
+  exact pinned-bytes contract).
+* :class:`CpuPlatform` -- the "device" is the CPU; streams and events are no-ops (every
+  operation is already ordered on the host) and pinning is never requested, because a
+  CPU-only torch raises on any pinning call.
+
+The generic ``torch.accelerator`` API is used to detect the accelerator where torch has it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+from typing import Any
+
+import torch
+
+from dlo.platform.env import host_available_bytes, torchrun_env
+
+logger = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- CPU stand-ins
+class NullStream:
+    """A stream on a device whose operations are already ordered on the host."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+class NullEvent:
+    """An event on such a device: always complete, zero elapsed time."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
+
+
+# ----------------------------------------------------------------------------- platforms
+class Platform:
+    """Device, streams, events, synchronization and host-memory pinning for one device."""
+
+    device: torch.device
+    can_pin: bool = False
+    has_streams: bool = False
+
+    # streams and events
+    def new_stream(self) -> Any:
+        raise NotImplementedError
+
+    def current_stream(self) -> Any:
+        raise NotImplementedError
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context manager making ``stream`` current for the enclosed enqueues."""
+        raise NotImplementedError
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        raise NotImplementedError
+
+    def stream_capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (never on CPU)."""
+        return False
+
+    # stream memory operations (the copy-engine gather's kernel-free barrier)
+    def stream_write_u32(self, stream: Any, address: int, value: int) -> None:
+        """Enqueue on ``stream``: after every earlier operation of the stream, write
+        ``value`` to the 32-bit device word at ``address`` (with a fence before it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no stream memory operations")
+
+    def stream_wait_u32(self, stream: Any, address: int, value: int) -> None:
+        """Enqueue on ``stream``: wait, without a kernel, until the 32-bit word at
+        ``address`` is >= ``value`` (cyclic comparison, so counters may wrap)."""
+        raise NotImplementedError(f"{type(self).__name__} has no stream memory operations")
+
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        """Make this platform's device current (for threads dlo starts: they begin on
+        device 0)."""
+        return contextlib.nullcontext()
+
+    def peers_accessible(self) -> bool:
+        """Whether this device can read every other visible device of its node directly
+        (peer access, for the copy-engine gather)."""
+        return False
+
+    # host memory
+    def register_host(self, tensor: torch.Tensor) -> bool:
+        """Page-lock a CPU tensor's memory in place; False when the platform refused."""
+        return False
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        return None
+
+    # memory statistics
+    def memory_allocated(self) -> int:
+        return 0
+
+    def max_memory_allocated(self) -> int:
+        return 0
+
+    def reset_peak_memory_stats(self) -> None:
+        return None
+
+    def num_allocs(self) -> int:
+        """Cumulative count of device allocator allocations (0 where not tracked)."""
+        return 0
+
+    def empty_cache(self) -> None:
+        return None
+
+    def free_memory(self) -> int | None:
+        """Free device memory in bytes now (None where unknown)."""
+        return None
+
+    @property
+    def dist_backend(self) -> str:
+        """The process-group backend that serves this device."""
+        raise NotImplementedError
+
+
+class CpuPlatform(Platform):
+    """CPU as the device: no streams, no events, no pinning."""
+
+    has_streams = False
+    can_pin = False
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def new_stream(self) -> NullStream:
+        return NullStream()
+
+    def current_stream(self) -> NullStream:
+        return NullStream()
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(stream)
+
+    def new_event(self, *, timing: bool = False) -> NullEvent:
+        return NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def free_memory(self) -> int | None:
+        return host_available_bytes()
+
+    @property
+    def dist_backend(self) -> str:
+        return "gloo"
+
+
+class CudaPlatform(Platform):
+    """One CUDA device with real streams, timing events and cudaHostRegister pinning."""
+
+    has_streams = True
+    can_pin = True
+
+    def __init__(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"device={device} is not a CUDA device")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, *, timing: bool = False) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def stream_capturing(self) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
+
+    def stream_write_u32(self, stream: Any, address: int, value: int) -> None:
+        _stream_mem_op("write", stream.cuda_stream, address, value)
+
+    def stream_wait_u32(self, stream: Any, address: int, value: int) -> None:
+        _stream_mem_op("wait", stream.cuda_stream, address, value)
+
+    def device_context(self) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.device(self.device)
+
+    def peers_accessible(self) -> bool:
+        me = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return all(
+            torch.cuda.can_device_access_peer(me, d)
+            for d in range(torch.cuda.device_count())
+            if d != me
+        )
+
+    def register_host(self, tensor: torch.Tensor) -> bool:
+        assert tensor.device.type == "cpu" and tensor.is_contiguous()
+        if tensor.numel() == 0:
+            return True
+        with torch.cuda.device(self.device):  # pinning threads start on device 0
+            err = torch.cuda.cudart().cudaHostRegister(
+                tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0
+            )
+        code = _cuda_error_code(err)
+        if code != 0:
+            logger.warning("cudaHostRegister of %d bytes failed (error %d)", tensor.nbytes, code)
+            _clear_cuda_error()
+            return False
+        return True
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() == 0:
+            return
+        with torch.cuda.device(self.device):  # as register_host: no context on device 0
+            err = torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+        code = _cuda_error_code(err)
+        if code != 0:
+            logger.warning("cudaHostUnregister failed (error %d)", code)
+            _clear_cuda_error()
+
+    def memory_allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def max_memory_allocated(self) -> int:
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def num_allocs(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("allocation.all.allocated", 0))
+
+    def empty_cache(self) -> None:
+        with torch.cuda.device(self.device):
+            torch.cuda.empty_cache()
+
+    def free_memory(self) -> int | None:
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(free)
+
+    @property
+    def dist_backend(self) -> str:
+        return "nccl"
+
+
+def _cuda_error_code(err: Any) -> int:
+    if isinstance(err, int):
+        return err
+    value = getattr(err, "value", None)
+    if isinstance(value, int):
+        return value
+    return int(err)
+
+
+_STREAM_MEM_OPS: dict[str, Any] = {}
+
+
+def _stream_mem_op(kind: str, stream: int, address: int, value: int) -> None:
+    """``cuStreamWriteValue32`` / ``cuStreamWaitValue32`` (flags 0: fenced write; wait
+    until ``(int32)(*address - value) >= 0``) from the driver, loaded once by ctypes."""
+    if not _STREAM_MEM_OPS:
+        lib = ctypes.CDLL("libcuda.so.1")
+        for name, base in (("write", "cuStreamWriteValue32"), ("wait", "cuStreamWaitValue32")):
+            fn = getattr(lib, f"{base}_v2", None) or getattr(lib, base)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _STREAM_MEM_OPS[name] = fn
+        _STREAM_MEM_OPS["error_name"] = lib.cuGetErrorName
+    code = _STREAM_MEM_OPS[kind](stream, address, value & 0xFFFFFFFF, 0)
+    if code != 0:
+        text = ctypes.c_char_p()
+        _STREAM_MEM_OPS["error_name"](code, ctypes.byref(text))
+        raise RuntimeError(
+            f"cuStream{'Write' if kind == 'write' else 'Wait'}Value32 failed: "
+            f"{(text.value or b'?').decode()} ({code})"
+        )
+
+
+def _clear_cuda_error() -> None:
+    # cudaHostRegister failures are sticky in cudaGetLastError; clear them so that an
+    # unrelated later kernel launch check does not report them.
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaGetLastError()
+
+
+# ----------------------------------------------------------------------------- selection
+def accelerator_available() -> bool:
+    """True when torch sees a usable accelerator of a kind dlo supports (CUDA today)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        if not acc.is_available():
+            return False
+        current = acc.current_accelerator()
+        return current is not None and current.type == "cuda"
+    return torch.cuda.is_available()
+
+
+def default_device(local_rank: int | None = None) -> torch.device:
+    """The device a process should compute on: its local GPU, else the CPU."""
+    if accelerator_available():
+        index = local_rank if local_rank is not None else torchrun_env().local_rank
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ValueError(f"LOCAL_RANK={index} but only {count} CUDA devices are visible")
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def get_platform(device: torch.device | str | None = None) -> Platform:
+    """Return the platform that serves ``device`` (default: :func:`default_device`)."""
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cpu":
+        return CpuPlatform()
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={dev} requested but this torch has no usable CUDA")
+        return CudaPlatform(dev)
+    raise ValueError(f"device={dev}: dlo supports 'cuda' and 'cpu' devices")

@@ -1,0 +1,525 @@
+"""The ring: streamed blocks taking turns in a few shared device slots.
+
+[Note: ring protocol]
+Each stack of streamed blocks is a ring (the block after the last is the first). All rings
+of a pipeline share one :class:`~dlo.runtime.slots.SlotPool` and one pair of streams. A block is
+IDLE (its tensors are empty placeholders; its bytes live only in host shards), LOADED (a
+slot holds it, or a load into that slot is enqueued) or RUNNING (its forward is executing
+with its tensors rebound to views of the slot).
+
+``enter(block)``, from the block's pre-forward hook:
+  1. if IDLE, take a slot (a free one, else evict the least recently loaded LOADED block)
+     and enqueue its load (a demand load: the producer that should have prefetched it was
+     skipped, or this is the first block after a different ring ran);
+  2. the compute stream waits on the slot's ``ready`` event (bracketed by two timing events
+     on the compute stream: the gap is the exposed wait, measured without a host sync);
+  3. the block's Parameters and buffers are rebound to views of the slot (``.data``
+     assignment: the same Python objects, new storage);
+  4. prefetch: the next ``num_slots - 1`` blocks of the same ring are loaded into free (or
+     evictable) slots, never evicting the running block or the window itself.
+
+``exit(block)``, from the post-forward hook (also called when forward raised):
+  rebind placeholders, record the slot's ``free`` event on the compute stream, release the
+  slot. The copy stream waits on ``free`` before overwriting the slot, so a slot is never
+  reused while kernels reading it are queued.
+
+[Note: writes into streamed tensors]
+A block may write one of its own tensors in place (a cache kept in a buffer, refreshed
+every other step). The write lands in the slot, which the next load of any block overwrites,
+so it would be lost and later steps would silently differ from the resident model. Each
+tensor's version counter (bumped by every in-place write, not by dlo's ``.data`` rebinding)
+is read at enter and at exit. A written tensor of a whole-block host shard (group size 1,
+host region) is copied back into the shard at exit, synchronously (only when a write
+happened), so every later load and the restore at disable see it, as a resident model
+would. With AllGather a rank holds only its slice of the block, and with
+``host_backing="mapped"`` the block's source is the read-only checkpoint: there the forward
+fails with an error naming the tensors, instead of losing the write silently.
+
+Every decision depends only on the sequence of hook calls, so ranks that run the same block
+sequence issue the same loads (and collectives) in the same order. No step waits on the
+host: hooks only enqueue work and make streams wait on events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from dlo import faults
+from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
+from dlo.hooks.dispatch import ModelHook
+from dlo.hooks.frames import call_ended, module_call_frame
+from dlo.host.shards import copy_back, shard_view, written_tensors
+from dlo.plan.layout import BlockLayout
+from dlo.platform.device import Platform
+from dlo.platform.timing import StreamTimer, nvtx_range, under_torch_compile
+from dlo.runtime.slots import Slot, SlotPool
+from dlo.runtime.staged import StagedTransport
+from dlo.runtime.transport import BlockTransport
+
+logger = logging.getLogger(__name__)
+
+
+IDLE, LOADED, RUNNING = "idle", "loaded", "running"
+
+
+@dataclass(eq=False)
+class StreamedBlock:
+    """One block of a ring and everything needed to bind it to any slot."""
+
+    name: str
+    module: nn.Module
+    layout: BlockLayout
+    shard: Any
+    """This rank's host shard of the block (uint8), or with ``host_backing="mapped"`` the
+    block's place in the checkpoint, a :class:`~dlo.host.mapped.MappedBlock` (see [Note: mapped
+    host backing]): whatever its transport's ``load`` takes."""
+    tensors: list[torch.Tensor]
+    """The block's Parameter and buffer objects, in layout order."""
+    transport: BlockTransport | StagedTransport
+    index: int = -1
+    """Position in the manifest (identifies the block in the lock-step check)."""
+    host_writable: bool = True
+    """``shard`` is this rank's own copy of the whole block, so in-place writes can go back
+    to it (not with AllGather, the mapped backing or a node-shared copy)."""
+    placeholders: list[torch.Tensor] = field(default_factory=list)
+    views: list[list[torch.Tensor]] = field(default_factory=list)
+    """``views[slot.index][i]``: tensor i as a view of that slot."""
+    ring: BlockRing | None = None
+    position: int = 0
+    state: str = IDLE
+    slot: Slot | None = None
+    wait: StreamTimer | None = None
+    """Exposed wait of this block: compute-stream time spent waiting on ``ready``."""
+    num_runs: int = 0
+    num_demand_loads: int = 0
+    versions: list[int] = field(default_factory=list)
+    """Each tensor's version counter when the block entered (see [Note: writes into
+    streamed tensors])."""
+
+
+@dataclass(eq=False)
+class BlockRing:
+    """The ordered streamed blocks of one stack."""
+
+    name: str
+    blocks: list[StreamedBlock]
+
+    def __post_init__(self) -> None:
+        for i, b in enumerate(self.blocks):
+            b.ring, b.position = self, i
+
+
+class _BlockHook(ModelHook):
+    def __init__(self, scheduler: RingScheduler, block: StreamedBlock) -> None:
+        self.scheduler = scheduler
+        self.block = block
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.scheduler.enter(self.block, args, kwargs)
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        lost = self.scheduler.exit(self.block)
+        if lost:
+            raise OffloadError(
+                f"the block wrote its streamed tensor(s) {', '.join(lost)} in place, and "
+                "this backend cannot keep the write (with AllGather each rank holds only a "
+                "slice of the block; host_backing='mapped' streams from the read-only "
+                "checkpoint; with node-shared the node's other ranks stream the same host "
+                "copy): keep such state out of the block's parameters and buffers, keep "
+                "the block resident (resident_layers), or use transfer='rank-local'",
+                rank=self.scheduler.rank,
+                block=self.block.name,
+            )
+        return output
+
+
+class RingScheduler:
+    """Runs the ring protocol for every ring of one backend (see [Note: ring protocol])."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        pool: SlotPool,
+        *,
+        rank: int,
+    ) -> None:
+        self.platform = platform
+        self.pool = pool
+        self.rank = rank
+        self.rings: list[BlockRing] = []
+        self._running: StreamedBlock | None = None
+        self._running_thread: int | None = None
+        self._running_frame: FrameType | None = None
+        """The module call that claimed ``_running`` (see [Note: calls that ended without
+        post-hooks] in dlo.hooks)."""
+        self.closing = False
+        """Set by :meth:`begin_disable`: later forwards are refused."""
+        self._claim = threading.Lock()
+        self._clock = 0
+        self.poisoned: str | None = None
+
+    # ------------------------------------------------------------------ setup
+    def add_ring(self, ring: BlockRing) -> None:
+        for b in ring.blocks:
+            b.views = [self._views(b, slot) for slot in self.pool.slots]
+            b.placeholders = [
+                torch.empty(0, dtype=t.dtype, device=self.platform.device) for t in b.tensors
+            ]
+            b.wait = StreamTimer(self.platform)
+        self.rings.append(ring)
+
+    def _views(self, block: StreamedBlock, slot: Slot) -> list[torch.Tensor]:
+        return [shard_view(slot.buffer, spec) for spec in block.layout.tensors]
+
+    def hook_for(self, block: StreamedBlock) -> ModelHook:
+        return _BlockHook(self, block)
+
+    def preload(self) -> None:
+        """Load the first block of each ring while free slots last (block 0 is on the
+        device before the first forward)."""
+        for ring in self.rings:
+            if not ring.blocks:
+                continue
+            first = ring.blocks[0]
+            slot = self._free_slot()
+            if slot is None:
+                break
+            if first.state == IDLE:
+                self._load(first, slot)
+
+    def unbind_all(self) -> None:
+        """Return every block to IDLE with placeholders (teardown; device synchronized)."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                if b.state == RUNNING:
+                    self._rebind(b, b.placeholders)
+                b.state, b.slot = IDLE, None
+        for s in self.pool.slots:
+            s.owner = None
+        self._release_claim()
+
+    def close(self) -> None:
+        """Teardown after :meth:`unbind_all`: drop every block's slot views and placeholders
+        and its back-reference to its ring. A ring and its blocks reference each other, so
+        without this the views would keep the slots' device memory until the garbage
+        collector ran, long after the pool released its buffers."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                b.views, b.placeholders, b.ring = [], [], None
+
+    # ------------------------------------------------------------------ hot path
+    def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        if self.poisoned is not None:
+            raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
+        me = threading.get_ident()
+        frame = module_call_frame()
+        with self._claim:  # check and claim in one step: two threads never both get past
+            if self.closing:
+                raise OffloadError(
+                    "forward started while offload is being disabled (another thread called "
+                    "disable()); call it again once disable() returned",
+                    rank=self.rank,
+                    block=block.name,
+                )
+            running, thread = self._running, self._running_thread
+            if running is not None and self._stale(running):
+                self._release_stale(running)
+                running = None
+            if running is None and self.poisoned is None:
+                self._running, self._running_thread = block, me
+                self._running_frame = frame
+        if self.poisoned is not None:  # a released stale claim poisoned a gathering ring
+            raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
+        if running is not None:
+            raise OffloadError(
+                f"forward of this block started while block {running.name!r} is still "
+                f"running ({'re-entrant call' if thread == me else 'another thread'}); dlo's "
+                "ring serves one forward at a time",
+                rank=self.rank,
+                block=block.name,
+            )
+        try:
+            self._refuse_unsupported(block, args, kwargs)
+        except BaseException:
+            self._release_claim()
+            raise
+        compute = self.platform.current_stream()
+        try:
+            if block.state == IDLE:
+                block.num_demand_loads += 1
+                slot = self._acquire(block, protect=())
+                assert slot is not None, "no slot to evict while nothing runs"
+                self._load(block, slot)
+            slot = block.slot
+            assert slot is not None
+            self._wait(block, slot, compute)
+            self._rebind(block, block.views[slot.index])
+            block.versions = [t._version for t in block.tensors]
+            block.state = RUNNING
+            block.num_runs += 1
+            self._prefetch(block)
+            faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
+        except BaseException as e:
+            # this hook's own post-forward will not run (its pre-forward did not complete):
+            # release the block here so the ring stays sound for the next forward
+            if block.state == RUNNING:
+                self.exit(block)
+            else:
+                self._release_claim()
+            if block.state == LOADED and block.slot is not None:
+                # its load failed (or was never waited for): the slot holds nothing usable
+                block.slot.owner, block.slot, block.state = None, None, IDLE
+            if not isinstance(e, Exception):
+                # KeyboardInterrupt (or another BaseException) inside dlo's own loading: a
+                # prefetch may be half enqueued, and a rank of a gathering group has left
+                # the group's collective sequence midway
+                self._drop_loaded()
+                if self._gathers():
+                    self.poisoned = (
+                        f"interrupted ({type(e).__name__}) while loading weights with a "
+                        "collective; the group is out of step: recreate the worker"
+                    )
+                raise
+            if isinstance(e, InjectedFault):
+                raise  # an injected "user error inside the block"
+            if block.transport.group_size > 1:
+                # the group may be misaligned now: no further weight collective is safe
+                self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
+            if isinstance(e, OffloadError):
+                raise
+            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def _drop_loaded(self) -> None:
+        """Forget every loaded (not running) block: its slot is free and it loads again."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                if b.state == LOADED and b.slot is not None:
+                    b.slot.owner, b.slot, b.state = None, None, IDLE
+
+    def _gathers(self) -> bool:
+        """Whether any block's load takes part in a collective (group size > 1)."""
+        return any(b.transport.group_size > 1 for ring in self.rings for b in ring.blocks)
+
+    def _stale(self, running: StreamedBlock) -> bool:
+        """The running block's call ended without its post-hook (see [Note: calls that ended
+        without post-hooks] in dlo.hooks), on this thread or on another (a worker thread
+        that died inside the forward)."""
+        if not call_ended(self._running_frame, self._running_thread):
+            return False
+        logger.warning(
+            "dlo: block %s ended without its post-forward hook (KeyboardInterrupt or another "
+            "BaseException inside it); released",
+            running.name,
+        )
+        return True
+
+    def _release_stale(self, running: StreamedBlock) -> None:
+        """Release a stale claim as after an exception (the caller holds the claim lock). A
+        ring that gathers is poisoned: ranks interrupted at different blocks no longer load
+        in lock step (their prefetched blocks differ)."""
+        lost = self._release(running)
+        if lost:
+            logger.warning(
+                "dlo: the interrupted block %s wrote %s in place; not kept", running.name, lost
+            )
+        if self._gathers():
+            self.poisoned = (
+                f"block {running.name!r} was interrupted inside its forward while the ranks "
+                "gather weights; the group is out of step: recreate the worker"
+            )
+
+    def begin_disable(self) -> None:
+        """Decide, under the claim lock, whether disable may proceed: refused while another
+        thread runs a block (its forward would lose its weights mid-block); otherwise every
+        later forward is refused until the hooks are gone. The calling thread's own running
+        block (disable from inside a forward) does not count."""
+        with self._claim:
+            running, thread = self._running, self._running_thread
+            if running is not None and thread != threading.get_ident() and self._stale(running):
+                self._release_stale(running)
+                running = None
+            if running is not None and thread != threading.get_ident():
+                raise OffloadError(
+                    "disable() called while another thread runs this block's forward; "
+                    "nothing was changed: let that forward return (join its thread), then "
+                    "disable",
+                    rank=self.rank,
+                    block=running.name,
+                )
+            self.closing = True
+
+    def _refuse_unsupported(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        """What the ring cannot serve, refused before anything is enqueued."""
+        if under_torch_compile():
+            # [Note: torch.compile] a compiled graph would read weights through tensors the
+            # ring rebinds between storages; measured wrong results, so refuse clearly
+            raise OffloadError(
+                "torch.compile around modules whose blocks dlo streams is not supported yet: "
+                "compile code inside the blocks' forward, or disable offload",
+                rank=self.rank,
+                block=block.name,
+            )
+        if self.platform.stream_capturing():
+            # [Note: CUDA graphs] a graph would replay one step's loads into fixed slots and
+            # its waits on events recorded by streams outside the capture; refuse before
+            # anything is enqueued, so the capture holds nothing of dlo's
+            raise OffloadError(
+                "CUDA graph capture around modules whose blocks dlo streams is not supported: "
+                "capture code inside the blocks' forward, or disable offload",
+                rank=self.rank,
+                block=block.name,
+            )
+        self._check_inputs(block, args, kwargs)
+
+    def exit(self, block: StreamedBlock) -> list[str]:
+        """Release the running ``block``; returns the names of tensors it wrote in place that
+        could not be kept (see [Note: writes into streamed tensors])."""
+        if self._running is not block or self._running_thread != threading.get_ident():
+            return []  # this call's enter refused or never ran
+        return self._release(block)
+
+    def _release(self, block: StreamedBlock) -> list[str]:
+        """:meth:`exit`'s work, for the claim's owner or for a stale claim."""
+        lost = self._keep_writes(block)
+        self._rebind(block, block.placeholders)
+        slot = block.slot
+        assert slot is not None
+        # [free] producer: compute stream, after the block's kernels; consumer: copy stream
+        slot.free.record(self.platform.current_stream())
+        self._clock += 1
+        slot.owner, slot.stamp = None, self._clock
+        block.slot, block.state = None, IDLE
+        self._release_claim()
+        return lost
+
+    def _keep_writes(self, block: StreamedBlock) -> list[str]:
+        """Copy the tensors ``block`` wrote in place back into its whole-block host shard;
+        returns the names of written tensors that have no such shard to go to."""
+        written = written_tensors(block.layout.tensors, block.tensors, block.versions)
+        if written and (
+            not block.host_writable
+            or block.layout.group_size > 1
+            or not isinstance(block.shard, torch.Tensor)
+        ):
+            return [spec.name for spec, _ in written]
+        copy_back(block.shard, written)
+        return []
+
+    def _release_claim(self) -> None:
+        self._running = self._running_thread = self._running_frame = None
+
+    # ------------------------------------------------------------------ internals
+    def _check_inputs(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        # read now, not at enable: requires_grad may have been switched on since, and an
+        # input may sit in a tuple or dict (only walked when autograd is on at all)
+        if torch.is_grad_enabled() and (
+            any(t.requires_grad for t in block.tensors)
+            or any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves((args, kwargs))
+            )
+        ):
+            raise OffloadError(
+                "forward with autograd enabled: dlo is an inference runtime (slots are reused, "
+                "so saved weights would be overwritten before backward); run under "
+                "torch.no_grad() or torch.inference_mode()",
+                rank=self.rank,
+                block=block.name,
+            )
+        want = self.platform.device
+        for t in tensors:
+            if t.device != want:
+                raise OffloadError(
+                    f"input on {t.device} but dlo streams this block to {want}",
+                    rank=self.rank,
+                    block=block.name,
+                )
+
+    def _rebind(self, block: StreamedBlock, tensors: list[torch.Tensor]) -> None:
+        for t, new in zip(block.tensors, tensors):
+            t.data = new
+
+    def _wait(self, block: StreamedBlock, slot: Slot, compute: Any) -> None:
+        assert block.wait is not None
+        block.wait.begin(compute)
+        with nvtx_range("dlo::wait"):
+            # a staged load records ready from its filler thread: wait (on the host, only
+            # when the filler is behind) until it has (see [Note: staged ready])
+            block.transport.wait_enqueued(slot.index, block.name)
+            # [ready] producer: transport writer stream; consumer: compute stream
+            compute.wait_event(slot.ready)
+        block.wait.end(compute)
+
+    def harvest_all(self) -> None:
+        """Collect every pending wait measurement (setup/stats path: may block)."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                assert b.wait is not None
+                b.wait.harvest(block_host=True)
+
+    def _free_slot(self) -> Slot | None:
+        free = [s for s in self.pool.slots if s.owner is None]
+        return min(free, key=lambda s: s.stamp) if free else None
+
+    def _acquire(self, block: StreamedBlock, protect: tuple[StreamedBlock, ...]) -> Slot | None:
+        slot = self._free_slot()
+        if slot is not None:
+            return slot
+        victims = [
+            s
+            for s in self.pool.slots
+            if s.owner is not None and s.owner.state == LOADED and s.owner not in protect
+        ]
+        if not victims:
+            return None
+        slot = min(victims, key=lambda s: s.stamp)
+        evicted: StreamedBlock = slot.owner
+        logger.debug("evict %s from slot %d for %s", evicted.name, slot.index, block.name)
+        # [free] producer: the evicted load's writer stream; consumer: the next load
+        slot.free.record(evicted.transport.writer_stream)
+        evicted.state, evicted.slot = IDLE, None
+        slot.owner = None
+        return slot
+
+    def _load(self, block: StreamedBlock, slot: Slot) -> None:
+        self._clock += 1
+        slot.owner, slot.stamp = block, self._clock
+        block.slot, block.state = slot, LOADED
+        block.transport.load(
+            block.layout,
+            block.shard,
+            slot.buffer,
+            free_event=slot.free,
+            ready_event=slot.ready,
+            index=block.index,
+            slot_index=slot.index,
+        )
+
+    def _prefetch(self, block: StreamedBlock) -> None:
+        ring = block.ring
+        assert ring is not None
+        n = len(ring.blocks)
+        window: list[StreamedBlock] = []
+        for j in range(1, len(self.pool.slots)):
+            nxt = ring.blocks[(block.position + j) % n]
+            if nxt is block:
+                break
+            window.append(nxt)
+        protect = (block, *window)
+        for nxt in window:
+            if nxt.state != IDLE:
+                continue
+            slot = self._acquire(nxt, protect)
+            if slot is None:
+                return
+            self._load(nxt, slot)

@@ -1,0 +1,159 @@
+"""Moving a block's bytes: host-to-device copies and the AllGather that rebuilds it.
+
+The only dlo module that calls collectives. Everything here only *enqueues* work on the
+streams it is given; nothing waits on the host.
+
+[Note: chunk pipeline]
+For a block with layout L loaded into device slot S by rank r of a group of G:
+
+    copy_stream:  wait(S.free); for k: copy host slice k -> S[L.slice_range(k, r)];
+                  record(chunk_event[k])
+    comm_stream:  for k: wait(chunk_event[k]); all_gather(S[L.chunk_range(k)],
+                  input=S[L.slice_range(k, r)]); then record(S.ready)
+
+Producer/consumer pairs: ``S.free`` is recorded by the compute stream after the last block
+that read S (consumer) and waited on by the copy stream before the first byte is written
+(producer); ``chunk_event[k]`` hands slice k from the copy stream to the comm stream;
+``S.ready`` hands the whole block from the comm stream to the compute stream. The gather of
+chunk k overlaps the copy of chunk k+1. The gather's input is rank r's own range of the
+slot, so the gather writes in place and the block needs no staging buffer. With G == 1 the
+shard is the whole padded block: one copy, no collective, ``S.ready`` on the copy stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlo.plan.layout import BlockLayout
+from dlo.platform.device import Platform
+from dlo.platform.timing import nvtx_range
+from dlo.runtime.ce_gather import CopyEngineGather
+from dlo.runtime.collectives import all_gather_into
+from dlo.runtime.sequence import SequenceCheck
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferCounters:
+    h2d_nbytes: int = 0
+    allgather_nbytes: int = 0
+    num_loads: int = 0
+
+
+class BlockTransport:
+    """Loads blocks of one group size into device slots (see [Note: chunk pipeline]).
+
+    Args:
+        platform: device, streams and events.
+        group: the weight-collective process group (None when ``group_size == 1``).
+        group_rank, group_size: this rank's place in ``group``.
+        copy_stream, comm_stream: the streams owned by the ring.
+        max_chunks: the largest ``num_chunks`` of the blocks this transport loads.
+        ce_gather: gather into slots with copy engines instead of NCCL kernels ([Note:
+            copy-engine gather]); destinations outside its symmetric buffer use ``group``.
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        group: Any,
+        group_rank: int,
+        group_size: int,
+        copy_stream: Any,
+        comm_stream: Any,
+        max_chunks: int,
+        counters: TransferCounters,
+        sequence_check: SequenceCheck | None = None,
+        ce_gather: CopyEngineGather | None = None,
+    ) -> None:
+        assert (group is None) == (group_size == 1)
+        self.ce_gather = ce_gather
+        self.platform = platform
+        self.group = group
+        self.group_rank = group_rank
+        self.group_size = group_size
+        self.copy_stream = copy_stream
+        self.comm_stream = comm_stream
+        self.counters = counters
+        self.sequence_check = sequence_check
+        self._chunk_events = [
+            platform.new_event() for _ in range(max_chunks if group_size > 1 else 0)
+        ]
+
+    @property
+    def writer_stream(self) -> Any:
+        """The stream that performs the last write of a load."""
+        return self.comm_stream if self.group_size > 1 else self.copy_stream
+
+    def wait_enqueued(self, slot_index: int, block: str) -> None:
+        """Nothing: every load is enqueued by the time :meth:`load` returns (a staged
+        transport's is not; see [Note: staged ready])."""
+        return None
+
+    def load(
+        self,
+        layout: BlockLayout,
+        shard: torch.Tensor,
+        slot: torch.Tensor,
+        *,
+        free_event: Any,
+        ready_event: Any,
+        index: int = -1,
+        slot_index: int = -1,
+    ) -> None:
+        """Enqueue the load of block ``index`` into ``slot`` (slot ``slot_index`` of the
+        pool; -1 for a buffer outside it) and record ``ready_event``."""
+        assert layout.group_size == self.group_size
+        if layout.num_chunks == 0:  # a block without tensors: nothing moves on any rank
+            ready_event.record(self.copy_stream)
+            return
+        pf = self.platform
+        if self.group_size == 1:
+            with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
+                self.copy_stream.wait_event(free_event)
+                slot[: layout.padded_nbytes].copy_(shard, non_blocking=True)
+                ready_event.record(self.copy_stream)
+            self.counters.h2d_nbytes += layout.shard_nbytes
+            self.counters.num_loads += 1
+            return
+        r = self.group_rank
+        ce = self.ce_gather if self.ce_gather is not None and self.ce_gather.covers(slot) else None
+        check = self.sequence_check
+        tags = check is not None and ce is not None and ce.has_tags
+        if check is not None and not tags:
+            check.issue(index, self.comm_stream, slot=slot_index)
+        if tags:
+            assert ce is not None and check is not None
+            entry = check.take()  # may raise a divergence: before anything is enqueued
+            ce.post_tag(self.comm_stream, index, slot_index)  # [Note: lock-step tags]
+        with pf.stream(self.copy_stream):
+            self.copy_stream.wait_event(free_event)
+        for k, (start, end, shard_off) in enumerate(layout.shard_ranges(r)):
+            mine = slot[start:end]
+            with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
+                mine.copy_(shard[shard_off : shard_off + layout.slice_nbytes], non_blocking=True)
+                self._chunk_events[k].record(self.copy_stream)
+            c0, c1 = layout.chunk_range(k)
+            with nvtx_range("dlo::allgather"), pf.stream(self.comm_stream):
+                self.comm_stream.wait_event(self._chunk_events[k])
+                if ce is not None:
+                    ce.wait_chunk(self.comm_stream, layout.name)
+                    if tags and k == 0:
+                        assert check is not None
+                        check.read(ce.tags, self.comm_stream, index, slot=slot_index, entry=entry)
+                    ce.pull_chunk(slot, layout, k)
+                else:
+                    all_gather_into(slot[c0:c1], mine, self.group)
+        with pf.stream(self.comm_stream):
+            if ce is not None:
+                ce.finish(self.comm_stream, layout.name)
+            ready_event.record(self.comm_stream)
+        self.counters.h2d_nbytes += layout.shard_nbytes
+        self.counters.allgather_nbytes += layout.padded_nbytes
+        self.counters.num_loads += 1
