@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from dlo.bench.runner import check_args
             from dlo.bench.runner import main as bench_main
-            from dlo.dist.groups import init, shutdown
+            from dlo.parallel.groups import init, shutdown
 
             check_args(args)  # before the process group and any measurement
             init()
@@ -215,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
     """``dlo run``: see the module docstring."""
     from dlo.backends.factory import get_offload_backend
     from dlo.backends.hsdp import shard_non_block
-    from dlo.dist.groups import init, shutdown
     from dlo.models import build_pipeline, get_preset, make_inputs
+    from dlo.parallel.groups import init, shutdown
     from dlo.pipelines.load import load_pipeline
     from dlo.platform.device import default_device, get_platform
     from dlo.platform.env import process_peak_rss_bytes, torchrun_env

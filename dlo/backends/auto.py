@@ -33,10 +33,10 @@ from typing import Any
 from dlo.config.fields import COMPONENTS
 from dlo.config.offload import LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.dist.groups import World, axis_groups, weight_group
-from dlo.dist.store import share
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import is_dtensor
+from dlo.parallel.groups import World, axis_groups, weight_group
+from dlo.parallel.store import share
 from dlo.plan.checks import non_block_tensors
 from dlo.plan.declarations import get_by_path
 from dlo.plan.discovery import resident_dit_paths_of

@@ -6,7 +6,7 @@ layerwise backend will execute. ``fully_shard`` is then applied to each DiT on t
 mesh ``("replicate", "shard")`` with every block parameter passed as ``ignored_params``, so
 FSDP2 shards exactly the non-block parameters (embeddings, norms, heads) and leaves the block
 parameters plain tensors for dlo to stream. dlo's AllGather then runs on the shard axis (its
-own communicator over the same ranks, see :mod:`dlo.dist.groups`); the replicate axis never
+own communicator over the same ranks, see :mod:`dlo.parallel.groups`); the replicate axis never
 joins a weight collective and serves independent requests.
 
 Order matters: ``fully_shard`` moves the buffers of every submodule to the device (keeping
@@ -28,7 +28,7 @@ from torch import nn
 
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.dist.groups import hsdp_mesh
+from dlo.parallel.groups import hsdp_mesh
 from dlo.plan.declarations import get_by_path
 from dlo.plan.topology import ResolvedOffloadPlan, resolve_offload_plan
 

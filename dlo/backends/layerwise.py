@@ -53,9 +53,6 @@ from dlo.backends.model_hooks import (
 )
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.dist.agreement import RankReport, decide, exchange, settings_of
-from dlo.dist.groups import World, axis_groups, current_world, group_of, weight_group
-from dlo.dist.store import describe_failure, exchanges_started, startup_failed
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks.foreign import is_dtensor
 from dlo.hooks.registry import HookRegistry
@@ -66,6 +63,9 @@ from dlo.host.region import HostRegion, charged_nbytes
 from dlo.host.shards import copy_back, shard_view, unpack_tensor, written_tensors
 from dlo.io.materialize import mapped_source
 from dlo.journal import Journal
+from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
+from dlo.parallel.groups import World, axis_groups, current_world, group_of, weight_group
+from dlo.parallel.store import describe_failure, exchanges_started, startup_failed
 from dlo.plan.checks import check_blocks, non_block_tensors
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import (

@@ -50,8 +50,8 @@ from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
 from dlo.bench.report import _ratios, markdown, plot, write_json
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.dist.groups import current_world
 from dlo.models import get_preset
+from dlo.parallel.groups import current_world
 from dlo.platform.device import get_platform
 from dlo.platform.env import process_rss_bytes
 from dlo.runtime.measure import (

@@ -1,6 +1,6 @@
 """The parallel layout of the job (:class:`ParallelConfig`): data, sequence, tensor and HSDP
 sizes. Pure; nothing here reads a live process group (see [Note: rank layout] in
-:mod:`dlo.dist.groups`).
+:mod:`dlo.parallel.groups`).
 """
 
 from __future__ import annotations

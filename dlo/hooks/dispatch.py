@@ -48,16 +48,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from dlo.errors import OffloadError
-
-if TYPE_CHECKING:
-    from dlo.hooks.registry import HookRegistry, _ApplyHandle
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +153,17 @@ class _NotCopyable:
 _Frame = tuple[int, int, tuple[ModelHook, ...]]
 
 
+class _Owner(Protocol):
+    """The registry an entry belongs to (:class:`~dlo.hooks.registry.HookRegistry`)."""
+
+    @property
+    def owner(self) -> str: ...
+
+
+class _Removable(Protocol):
+    def remove(self) -> None: ...
+
+
 class _Entry:
     """One named registration: a ModelHook, or a torch handle of a state-dict hook."""
 
@@ -163,11 +171,11 @@ class _Entry:
 
     def __init__(
         self,
-        owner: HookRegistry,
+        owner: _Owner,
         name: str,
         kind: str,
         hook: ModelHook | None = None,
-        handle: RemovableHandle | _ApplyHandle | None = None,
+        handle: _Removable | None = None,
     ) -> None:
         self.owner = owner
         self.name = name

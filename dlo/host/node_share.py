@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from dlo import faults
-from dlo.dist.agreement import RankReport, pin_verdict
-from dlo.dist.store import share
 from dlo.errors import OffloadError
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion
 from dlo.journal import Journal
+from dlo.parallel.agreement import RankReport, pin_verdict
+from dlo.parallel.store import share
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.env import shared_memory_dir

@@ -12,7 +12,7 @@ AllGather and barrier); the probes run on setup paths only, never on the hot pat
 Every rank measures its own link and its own group, so the raw numbers differ from rank to
 rank (and from run to run). Decisions taken from them change the layout (a stack's group
 size), so every rank must decide from the same numbers: :func:`agree` publishes each rank's
-:class:`RankMeasurement` through one store exchange (:func:`dlo.dist.store.share`) and every
+:class:`RankMeasurement` through one store exchange (:func:`dlo.parallel.store.share`) and every
 rank takes the minimum of each quantity over all ranks. The job then runs at the pace of its
 slowest link, which is what a lock-step group does anyway. The non-block weight bytes a rank
 holds (and still has to place on the device) are published too and combined by their
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.dist.groups import current_world
-from dlo.dist.store import share
 from dlo.errors import OffloadError
 from dlo.host.region import HostRegion
+from dlo.parallel.groups import current_world
+from dlo.parallel.store import share
 from dlo.plan.layout import ALIGN, MIB
 from dlo.plan.policy_model import Measurements
 from dlo.platform.device import Platform

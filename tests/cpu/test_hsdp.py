@@ -13,7 +13,7 @@ import torch.distributed as dist
 import dlo
 from dlo.backends.hsdp import shard_non_block
 from dlo.backends.layerwise import LayerwiseBackend
-from dlo.dist.groups import group_of
+from dlo.parallel.groups import group_of
 from dlo.platform.device import CpuPlatform
 from dlo.runtime import transport
 from tests.harness import assert_all_ok, run_ranks

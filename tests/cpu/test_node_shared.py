@@ -22,9 +22,9 @@ import dlo.host.node_share
 import dlo.host.region
 from dlo import faults
 from dlo.backends.layerwise import LayerwiseBackend, _check_shared_stacks
-from dlo.dist import store as agreement
-from dlo.dist.agreement import RankReport, pin_verdict
 from dlo.host.region import LEDGER
+from dlo.parallel import store as agreement
+from dlo.parallel.agreement import RankReport, pin_verdict
 from dlo.plan.topology import BlockStack, resolve_offload_plan
 from dlo.platform.device import CpuPlatform
 from tests.cpu.test_dlo import FakePinPlatform, _cfg, _par, _steps
@@ -256,7 +256,7 @@ def test_failure_on_one_rank_fails_every_rank_and_leaves_nothing(
 def test_failure_reaches_a_peer_polling_the_exchange_as_the_same_error(tmp_path: Path) -> None:
     # A race, made deterministic: rank 1 completes the host-share exchange, raises and marks
     # the store failed while rank 0 is between its read of the exchange's outcome and its
-    # read of the mark. dlo.dist.store._share at 9f7dccc then raised the refusal ("node-shared
+    # read of the mark. dlo.parallel.store._share at 9f7dccc then raised the refusal ("node-shared
     # host copy refused: a previous multi-rank startup of dlo failed (rank 1: ...)") on rank
     # 0 instead of the error, although the exchange had been decided "ok"; it must read the
     # exchange (FAILED at 9f7dccc until _share broke out of its wait when every rank had

@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 import dlo
-from dlo.dist.groups import axis_groups, build_groups, group_of
+from dlo.parallel.groups import axis_groups, build_groups, group_of
 from tests.harness import assert_all_ok, run_ranks
 
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from dlo.config.offload import OffloadConfig
-from dlo.dist.agreement import (
+from dlo.parallel.agreement import (
     AGREED_SETTINGS,
     RankReport,
     decide,

@@ -18,16 +18,11 @@ of a hang.
 
 from __future__ import annotations
 
-import datetime
-import itertools
-import pickle
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-import torch.distributed as dist
-from dlo.errors import OffloadError
-from dlo.dist.store import share
+
+from dlo.parallel.store import share
 
 
 @dataclass

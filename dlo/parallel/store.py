@@ -1,7 +1,7 @@
 """Exchanges through the job's key-value store: every rank publishes one small record and reads
 every rank's, with a timeout that names the ranks that never came.
 
-Used by the startup agreement (:mod:`dlo.dist.agreement`), the automatic policy's
+Used by the startup agreement (:mod:`dlo.parallel.agreement`), the automatic policy's
 measurements and the node-shared host copy. No tensor collective: nothing here can
 mismatch in size between ranks.
 
@@ -27,12 +27,11 @@ import datetime
 import itertools
 import pickle
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
-import torch.distributed as dist
-from dlo.errors import OffloadError
 
+import torch.distributed as dist
+
+from dlo.errors import OffloadError
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}
 

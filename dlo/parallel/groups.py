@@ -22,7 +22,9 @@ import datetime
 import logging
 from dataclasses import dataclass
 from typing import Any
+
 import torch.distributed as dist
+
 from dlo.config.parallel import ParallelConfig
 
 logger = logging.getLogger(__name__)
