@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from dlo.config.fields import COMPONENTS
@@ -37,13 +38,12 @@ from dlo.errors import OffloadError
 from dlo.hooks.foreign import is_dtensor
 from dlo.parallel.groups import World, axis_groups, weight_group
 from dlo.parallel.store import share
-from dlo.plan.checks import non_block_tensors
-from dlo.plan.declarations import get_by_path
+from dlo.plan.checks import non_block_state
 from dlo.plan.discovery import resident_dit_paths_of
-from dlo.plan.layout import MIB, describe_module, plan_block_layout
+from dlo.plan.layers import TensorDescription, payload_nbytes
 from dlo.plan.policy import decide
 from dlo.plan.policy_model import Measurements, PolicyDecision, PolicyInput, StackSpec
-from dlo.plan.topology import ResolvedOffloadPlan
+from dlo.plan.topology import ResolvedOffloadPlan, transfer_groups
 from dlo.platform.device import Platform
 from dlo.runtime import measure
 
@@ -131,8 +131,12 @@ def resolve_automatic(
     par: ParallelConfig,
     platform: Platform,
     world: World,
+    tensors: Mapping[str, TensorDescription],
+    block_tensor_ids: set[int],
 ) -> tuple[OffloadConfig, ResolvedOffloadPlan, dict[str, Any]]:
-    """Decide every automatic setting (see the module docstring).
+    """Decide every automatic setting (see the module docstring). ``tensors`` describes every
+    block of ``plan`` (block path -> tensor description, as the layer plan reads them) and
+    ``block_tensor_ids`` holds the ids of the blocks' tensors (the rest is non-block state).
 
     Returns:
         ``(config, plan, policy)``: the config with concrete ``num_slots`` and
@@ -145,7 +149,7 @@ def resolve_automatic(
     ready: tuple[bool, str] = (True, "")
     inp: PolicyInput | None = None
     try:
-        inp = _policy_input(pipeline, plan, cfg, platform)
+        inp = _policy_input(pipeline, plan, cfg, platform, tensors, block_tensor_ids)
     except Exception as e:
         if not world.distributed:
             raise
@@ -242,59 +246,45 @@ def resolve_automatic(
 
 
 def _policy_input(
-    pipeline: Any, plan: ResolvedOffloadPlan, cfg: OffloadConfig, platform: Platform
+    pipeline: Any,
+    plan: ResolvedOffloadPlan,
+    cfg: OffloadConfig,
+    platform: Platform,
+    tensors: Mapping[str, TensorDescription],
+    block_tensor_ids: set[int],
 ) -> PolicyInput:
-    chunk = cfg.chunk_mb * MIB
     eligible = resident_dit_paths_of(pipeline)
-    specs = []
-    block_ids: set[int] = set()
-    for s in plan.stacks:
-        sizes = []
-        for path in s.block_paths:
-            module = get_by_path(pipeline, path)
-            block_ids.update(id(t) for t in module.parameters())
-            block_ids.update(id(t) for t in module.buffers())
-            layout = plan_block_layout(
-                path, describe_module(module), group_size=1, chunk_nbytes=chunk
-            )
-            sizes.append(layout.nbytes)
-        specs.append(
-            StackSpec(
-                name=s.container_path,
-                component=s.component,
-                dit_path=s.component_path,
-                block_nbytes=tuple(sizes),
-                transfer=s.transfer,
-                group_axis=s.group_axis,
-                group_size=s.group_size,
-                num_resident=s.num_resident,
-                resident_eligible=eligible is None or s.component_path in eligible,
-            )
+    specs = tuple(
+        StackSpec(
+            name=s.container_path,
+            component=s.component,
+            dit_path=s.component_path,
+            block_nbytes=tuple(payload_nbytes(p, tensors[p]) for p in s.block_paths),
+            transfer=s.transfer,
+            group_axis=s.group_axis,
+            group_size=s.group_size,
+            num_resident=s.num_resident,
+            resident_eligible=eligible is None or s.component_path in eligible,
         )
+        for s in plan.stacks
+    )
     non_block, to_place = 0, 0
-    seen: set[int] = set()
-    paths = list(dict.fromkeys(s.component_path for s in plan.stacks))
-    for path in [*paths, *plan.resident_modules]:
-        for _name, t in non_block_tensors(get_by_path(pipeline, path), block_ids):
-            if id(t) in seen:
-                continue
-            seen.add(id(t))
-            local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-            nbytes = local.numel() * local.element_size()
-            non_block += nbytes
-            if local.device != platform.device:
-                to_place += nbytes
-    budget = cfg.device_budget_gb
+    for _name, t in non_block_state(pipeline, plan, block_tensor_ids):
+        local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+        nbytes = local.numel() * local.element_size()
+        non_block += nbytes
+        if local.device != platform.device:
+            to_place += nbytes
     resident = cfg.resident_layers_for("dit")
-    if budget is not None and resident == 0:
+    if cfg.device_budget_gb is not None and resident == 0:
         resident = "auto"  # a budget sizes the resident blocks (see OffloadConfig)
     return PolicyInput(
-        stacks=tuple(specs),
-        chunk_nbytes=chunk,
+        stacks=specs,
+        chunk_nbytes=cfg.chunk_nbytes,
         measured=Measurements(h2d_bps=1.0),  # replaced once measured
         num_slots=cfg.num_slots,
         resident_layers=resident,
-        device_budget_gb=budget,
+        device_budget_gb=cfg.device_budget_gb,
         non_block_nbytes=non_block,
         non_block_to_place_nbytes=to_place,
         block_compute_s=cfg.block_compute_ms / 1e3 if cfg.block_compute_ms else None,
@@ -324,18 +314,11 @@ def _concrete_plan(plan: ResolvedOffloadPlan, d: PolicyDecision) -> ResolvedOffl
     stacks = []
     for s, c in zip(plan.stacks, d.stacks):
         assert s.container_path == c.name
-        share = (s.share_axis, s.share_size)
-        if c.transfer == "node-shared" and s.transfer == "auto":  # shares along its axis
-            share = (s.group_axis, s.group_size)
+        # an automatic stack's group is its weight axis; an explicit one keeps its groups
+        groups = (
+            transfer_groups(c.transfer, s.group_axis, s.group_size) if s.transfer == "auto" else {}
+        )
         stacks.append(
-            dataclasses.replace(
-                s,
-                transfer=c.transfer,
-                group_axis=c.group_axis,
-                group_size=c.group_size,
-                share_axis=share[0],
-                share_size=share[1],
-                num_resident=c.num_resident,
-            )
+            dataclasses.replace(s, transfer=c.transfer, num_resident=c.num_resident, **groups)
         )
     return dataclasses.replace(plan, stacks=tuple(stacks))

@@ -9,10 +9,11 @@ encoder and every other DiT, then loads the DiT; before an encoder's forward, ev
 evicted and the encoder loaded. VAEs stay on the device and out of the exclusion set.
 
 Loading allocates one device buffer of the component's padded size on the compute stream,
-makes the copy stream wait for the compute stream (earlier kernels may still read memory the
-allocator is about to hand out again), copies the host bytes on the copy stream, records
-``ready`` there, makes the compute stream wait on it, and rebinds every tensor to a view of
-the buffer (same Parameter objects). Evicting rebinds placeholders and drops the buffer; no
+records the component's ``free`` event there (earlier kernels may still read memory the
+allocator is about to hand out again), loads the host bytes through the ring's transport
+(:class:`~dlo.runtime.transport.BlockTransport` with a group of one: the copy stream waits on
+``free``, copies, records ``ready``), makes the compute stream wait on ``ready``, and rebinds
+every tensor to a view of the buffer (same Parameter objects). Evicting rebinds placeholders and drops the buffer; no
 device-to-host copy is made because the host copy stays authoritative (inference never
 writes weights). The buffer was allocated on the compute stream and every use of it is
 ordered on that stream, so the caching allocator may reuse it as soon as it is dropped.
@@ -27,10 +28,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import torch
@@ -49,7 +48,6 @@ from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
 from dlo.hooks.dispatch import ModelHook
-from dlo.hooks.frames import call_ended, module_call_frame
 from dlo.hooks.registry import HookRegistry
 from dlo.host.region import HostRegion
 from dlo.host.shards import copy_back, pack_shard, shard_view, unpack_tensor, written_tensors
@@ -57,7 +55,6 @@ from dlo.journal import Journal
 from dlo.plan.checks import check_blocks
 from dlo.plan.declarations import SupportsModelOffload, get_by_path
 from dlo.plan.layout import (
-    MIB,
     BlockLayout,
     describe_entries,
     module_tensor_entries,
@@ -65,7 +62,9 @@ from dlo.plan.layout import (
 )
 from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
 from dlo.platform.device import Platform
-from dlo.platform.timing import StreamTimer, nvtx_range, under_torch_compile
+from dlo.platform.timing import StreamTimer
+from dlo.runtime.guard import Guard
+from dlo.runtime.transport import BlockTransport, TransferCounters
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +87,10 @@ class _Unit:
     num_loads: int = 0
     timer: StreamTimer | None = None
     """Compute-stream time spent waiting for this component's loads (all exposed)."""
+    free: Any = None
+    """[free] producer: compute stream, before a load; consumer: the copy stream."""
+    ready: Any = None
+    """[ready] producer: the copy stream, after a load; consumer: the compute stream."""
     versions: list[int] = field(default_factory=list)
     """Each tensor's version counter when the component was loaded (see [Note: writes into
     streamed tensors] in dlo.runtime.ring)."""
@@ -99,7 +102,7 @@ class _SwapHook(ModelHook):
         self.unit = unit
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.backend.enter(self.unit)
+        self.backend.enter(self.unit, args, kwargs)
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -124,14 +127,11 @@ class ModelSwapBackend(OffloadBackend):
         self._units: list[_Unit] = []
         self._region: HostRegion | None = None
         self._delegate: SupportsModelOffload | None = None
-        self._copy_stream: Any = None
-        self._h2d_nbytes = 0
+        self._transport: BlockTransport | None = None
+        self._counters = TransferCounters()
         self._vae_nbytes = 0
-        self._inflight: dict[int, list[tuple[int, FrameType | None]]] = {}
-        """id(unit) -> (thread, module call frame) of each forward of that unit in progress
-        (see [Note: calls that ended without post-hooks] in dlo.hooks.frames)."""
-        self._claim = threading.Lock()
-        self._closing = False
+        self._guard = Guard(self.platform, rank=0, what="component")
+        """One component group on the device at a time (see :mod:`dlo.runtime.guard`)."""
 
     def disable(self) -> None:
         """Remove everything enable installed; a no-op when not enabled.
@@ -141,22 +141,7 @@ class ModelSwapBackend(OffloadBackend):
                 changed).
         """
         if self.is_enabled():
-            me = threading.get_ident()
-            with self._claim:  # decided under the lock enter claims under
-                self._drop_stale()
-                busy = [
-                    u.path
-                    for u in self._units
-                    if any(thread != me for thread, _ in self._inflight.get(id(u), ()))
-                ]
-                if busy:
-                    raise OffloadError(
-                        f"disable() called while another thread runs the forward of {busy}; "
-                        "nothing was changed: let that forward return (join its thread), then "
-                        "disable",
-                        block=busy[0],
-                    )
-                self._closing = True
+            self._guard.begin_disable()
         super().disable()
         self._reset()
 
@@ -187,7 +172,7 @@ class ModelSwapBackend(OffloadBackend):
             [(f"{p}.{n}", t) for p, m in comps for n, _, t in module_tensor_entries(m)], rank=0
         )
         faults.check("manifest_build")
-        chunk = self.config.chunk_mb * MIB
+        chunk = self.config.chunk_nbytes
         for (path, kind), (_, module) in zip(units_paths, comps):
             entries = module_tensor_entries(module)
             layout = plan_block_layout(
@@ -208,7 +193,7 @@ class ModelSwapBackend(OffloadBackend):
             self._rebind(u, u.placeholders)
             journal.record(f"release {u.path}", functools.partial(self._restore, u))
         if self.config.pin_memory:
-            report = self._region.pin(self.platform, budget_nbytes=self._budget())
+            report = self._region.pin(self.platform, budget_nbytes=self.config.pin_budget_nbytes)
             if report.unpinned_blocks and self.config.pin_failure_policy == "fail":
                 names = [self._units[i].path for i in report.unpinned_blocks]
                 raise OffloadError(
@@ -216,9 +201,18 @@ class ModelSwapBackend(OffloadBackend):
                     "(pin_failure_policy='fail')"
                 )
         pf = self.platform
-        self._copy_stream = pf.new_stream()
+        self._transport = BlockTransport(
+            pf,
+            group=None,
+            group_rank=0,
+            group_size=1,
+            copy_stream=pf.new_stream(),
+            comm_stream=None,
+            max_chunks=0,
+            counters=self._counters,
+        )
         for u in self._units:
-            u.timer = StreamTimer(pf)
+            u.timer, u.free, u.ready = StreamTimer(pf), pf.new_event(), pf.new_event()
         faults.check("device_placement")
         unit_ids = {id(u.module) for u in self._units}
         for path in (*plan.vaes, *plan.resident_modules):
@@ -263,10 +257,6 @@ class ModelSwapBackend(OffloadBackend):
         self._delegate = pipeline
         journal.record("delegate", pipeline.disable_model_offload)
 
-    def _budget(self) -> int | None:
-        gb = self.config.pin_budget_gb
-        return int(gb * (1 << 30)) if gb is not None else None
-
     def _place(self, module: nn.Module, journal: Journal) -> None:
         device = self.platform.device
         for t in [p for p in module.parameters()] + [b for b in module.buffers()]:
@@ -283,83 +273,34 @@ class ModelSwapBackend(OffloadBackend):
             t.data = unpack_tensor(shard, spec, dev)
 
     # ------------------------------------------------------------------ hot path
-    def enter(self, unit: _Unit) -> None:
+    def enter(self, unit: _Unit, args: tuple = (), kwargs: dict | None = None) -> None:
         """Claim ``unit`` for one forward, then activate it. A component running now (in
         another thread, or the caller of this one) that the activation would evict is a
         clear error, not a forward computing with placeholders."""
-        me, frame = threading.get_ident(), module_call_frame()
-        with self._claim:
-            if self._closing:
-                raise OffloadError(
-                    "forward started while offload is being disabled (another thread called "
-                    "disable()); call it again once disable() returned",
-                    block=unit.path,
-                )
-            self._drop_stale()
-            busy = [
-                u.path
-                for u in self._units
-                if self._inflight.get(id(u)) and u is not unit and _excludes(unit, u)
-            ]
-            if not busy:
-                self._inflight.setdefault(id(unit), []).append((me, frame))
+        busy = self._guard.claim(
+            unit, unit.path, conflicts=lambda c: c.key is not unit and _excludes(unit, c.key)
+        )
         if busy:
+            names = list(dict.fromkeys(c.name for c in busy))
             raise OffloadError(
-                f"forward of {unit.path!r} started while {busy} is running (another thread or "
+                f"forward of {unit.path!r} started while {names} is running (another thread or "
                 "a nested call); mode='module' keeps one of them on the device at a time",
                 block=unit.path,
             )
         try:
+            self._guard.refuse_unsupported(
+                unit.path, unit.tensors, args, kwargs or {}, check_inputs=False
+            )
             self.activate(unit)
         except BaseException:
             self.exit(unit)
             raise
 
     def exit(self, unit: _Unit) -> None:
-        me = threading.get_ident()
-        with self._claim:
-            calls = self._inflight.get(id(unit), [])
-            for i in range(len(calls) - 1, -1, -1):
-                if calls[i][0] == me:
-                    del calls[i]
-                    break
-            if not calls:
-                self._inflight.pop(id(unit), None)
-
-    def _drop_stale(self) -> None:
-        """Forget forwards that ended without their post-hook (KeyboardInterrupt inside a
-        component, or a worker thread that died in one; see [Note: calls that ended without
-        post-hooks] in dlo.hooks). The caller holds the claim lock."""
-        for u in self._units:
-            calls = self._inflight.get(id(u))
-            if not calls:
-                continue
-            live = [(t, f) for t, f in calls if not call_ended(f, t)]
-            if len(live) != len(calls):
-                logger.warning(
-                    "dlo: forward of %s ended without its post-forward hook (KeyboardInterrupt "
-                    "or another BaseException inside it); released",
-                    u.path,
-                )
-                if live:
-                    self._inflight[id(u)] = live
-                else:
-                    del self._inflight[id(u)]
+        self._guard.release(unit)
 
     def activate(self, unit: _Unit) -> None:
         """Evict the other group, then make ``unit`` resident (see [Note: swap protocol])."""
-        if under_torch_compile():
-            raise OffloadError(
-                "torch.compile around components dlo swaps is not supported yet: compile code "
-                "inside the components' forward, or disable offload",
-                block=unit.path,
-            )
-        if self.platform.stream_capturing():  # see [Note: CUDA graphs] in dlo.runtime.ring
-            raise OffloadError(
-                "CUDA graph capture around components dlo swaps is not supported: capture code "
-                "inside the components' forward, or disable offload",
-                block=unit.path,
-            )
         for other in self._units:
             if other is unit or other.buffer is None or not _excludes(unit, other):
                 continue
@@ -368,7 +309,7 @@ class ModelSwapBackend(OffloadBackend):
             self._load(unit)
 
     def _load(self, u: _Unit) -> None:
-        assert self._region is not None
+        assert self._region is not None and self._transport is not None
         if u.layout.num_chunks == 0:
             u.buffer = torch.empty(0, dtype=torch.uint8, device=self.platform.device)
             return
@@ -377,16 +318,19 @@ class ModelSwapBackend(OffloadBackend):
         buf = torch.empty(u.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
         assert u.timer is not None
         u.timer.begin(compute)
-        with nvtx_range("dlo::h2d"), pf.stream(self._copy_stream):
-            # producer: compute stream (earlier readers of recycled memory); consumer: copy
-            self._copy_stream.wait_stream(compute)
-            buf.copy_(self._region.view(u.region_index), non_blocking=True)
-        # producer: copy stream (the bytes); consumer: compute stream (the forward)
-        compute.wait_stream(self._copy_stream)
+        u.free.record(compute)  # earlier readers of the memory the allocator hands out again
+        self._transport.load(
+            u.layout,
+            self._region.view(u.region_index),
+            buf,
+            free_event=u.free,
+            ready_event=u.ready,
+            index=u.region_index,
+        )
+        compute.wait_event(u.ready)
         u.timer.end(compute)
         u.buffer = buf
         u.num_loads += 1
-        self._h2d_nbytes += u.layout.shard_nbytes
         self._rebind(u, [shard_view(buf, spec) for spec in u.layout.tensors])
         u.versions = [t._version for t in u.tensors]
 
@@ -446,7 +390,7 @@ class ModelSwapBackend(OffloadBackend):
                 u.layout.padded_nbytes for u in self._units if u.buffer is not None
             ),
             "device_vae_nbytes": self._vae_nbytes,
-            "h2d_nbytes": self._h2d_nbytes,
+            "h2d_nbytes": self._counters.h2d_nbytes,
             "allgather_nbytes": 0,
             "exposed_wait_ms": sum(u.timer.total_ms for u in self._units if u.timer),
             "num_streamed_blocks": 0,

@@ -7,6 +7,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+MIB = 1 << 20
+GIB = 1 << 30
+
 MODES = ("none", "module", "layer")
 
 

@@ -33,7 +33,9 @@ from dlo.config.fields import (
     COMPONENTS,
     GATHER_ENGINES,
     GATHER_SYNCS,
+    GIB,
     HOST_BACKINGS,
+    MIB,
     MODES,
     PIN_FAILURE_POLICIES,
     TRANSFERS,
@@ -44,22 +46,8 @@ from dlo.config.fields import (
     _check_int_or_auto,
     _check_positive_number,
 )
+from dlo.config.legacy import LEGACY_FLAG_DEFAULTS, check_legacy_agrees, legacy_kwargs
 from dlo.config.parallel import ParallelConfig
-
-# legacy flag -> default value (see [Note: config precedence])
-LEGACY_FLAG_DEFAULTS: dict[str, Any] = {
-    "enable_cpu_offload": False,
-    "enable_layerwise_offload": False,
-    "enable_distributed_layerwise_offload": False,
-    "dlo_use_allgather": True,
-    "dlo_resident_layers": 0,
-    "dlo_num_slots": 2,
-    "dlo_chunk_mb": 64,
-    "pin_cpu_memory": True,
-}
-
-
-_LEGACY_DLO_TUNING = ("dlo_use_allgather", "dlo_resident_layers", "dlo_num_slots", "dlo_chunk_mb")
 
 
 # ----------------------------------------------------------------------------- layer options
@@ -294,6 +282,21 @@ class OffloadConfig:
     def enabled(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def chunk_nbytes(self) -> int:
+        """:attr:`chunk_mb` in bytes."""
+        return self.chunk_mb * MIB
+
+    @property
+    def pin_budget_nbytes(self) -> int | None:
+        """:attr:`pin_budget_gb` in bytes (None: no budget)."""
+        return _gib_nbytes(self.pin_budget_gb)
+
+    @property
+    def device_budget_nbytes(self) -> int | None:
+        """:attr:`device_budget_gb` in bytes (None: no budget)."""
+        return _gib_nbytes(self.device_budget_gb)
+
     def transfer_for(self, component: str) -> str:
         """Effective transfer of a component kind."""
         o = self.layer_options.get(component)
@@ -361,34 +364,7 @@ class OffloadConfig:
         Raises:
             ValueError / TypeError: unknown flag, wrong type, or DLO tuning without DLO.
         """
-        unknown = sorted(set(flags) - set(LEGACY_FLAG_DEFAULTS))
-        if unknown:
-            raise ValueError(
-                f"unknown legacy offload flags {unknown}; known: {sorted(LEGACY_FLAG_DEFAULTS)}"
-            )
-        f = {**LEGACY_FLAG_DEFAULTS, **flags}
-        _check_legacy_types(f)
-        if not f["enable_distributed_layerwise_offload"]:
-            for name in _LEGACY_DLO_TUNING:
-                if f[name] != LEGACY_FLAG_DEFAULTS[name]:
-                    raise ValueError(
-                        f"{name}={f[name]!r} requires enable_distributed_layerwise_offload=True"
-                    )
-        pin = f["pin_cpu_memory"]
-        if f["enable_distributed_layerwise_offload"]:
-            return cls(
-                mode="layer",
-                transfer="allgather" if f["dlo_use_allgather"] else "rank-local",
-                resident_layers=f["dlo_resident_layers"],
-                num_slots=f["dlo_num_slots"],
-                chunk_mb=f["dlo_chunk_mb"],
-                pin_memory=pin,
-            )
-        if f["enable_layerwise_offload"]:
-            return cls(mode="layer", transfer="rank-local", pin_memory=pin)
-        if f["enable_cpu_offload"]:
-            return cls(mode="module", pin_memory=pin)
-        return cls(mode="none", pin_memory=pin)
+        return cls(**legacy_kwargs(flags))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> OffloadConfig:
@@ -419,68 +395,9 @@ class OffloadConfig:
             compact["components"] = tuple(compact["components"])
         cfg = cls(**compact)
         if legacy:
-            _check_legacy_agrees(cfg, legacy)
+            check_legacy_agrees(cfg, legacy, cls.from_flags(**legacy))
         return cfg
 
 
-def _check_legacy_types(flags: Mapping[str, Any]) -> None:
-    minimums = {"dlo_resident_layers": 0, "dlo_num_slots": 1, "dlo_chunk_mb": 1}
-    for name, value in flags.items():
-        if name in minimums:
-            _check_int(name, value, minimum=minimums[name])
-        else:
-            _check_bool(name, value)
-
-
-def _seed_strategy(cfg: OffloadConfig) -> str:
-    """The historical strategy name a config amounts to (used to compare with legacy flags)."""
-    if cfg.mode != "layer":
-        return cfg.mode
-    kinds = cfg.components or COMPONENTS
-    if any(cfg.transfer_for(k) != "rank-local" for k in kinds) or cfg.resident_layers_for("dit"):
-        return "distributed_layerwise"
-    return "layerwise"
-
-
-def _check_legacy_agrees(cfg: OffloadConfig, legacy: Mapping[str, Any]) -> None:
-    _check_legacy_types(legacy)
-    for name in _LEGACY_DLO_TUNING:
-        if name in legacy and legacy[name] != LEGACY_FLAG_DEFAULTS[name]:
-            raise ValueError(
-                f"legacy tuning {name}={legacy[name]!r} conflicts with the compact config; "
-                "set the compact field instead"
-            )
-    if "pin_cpu_memory" in legacy and legacy["pin_cpu_memory"] != cfg.pin_memory:
-        raise ValueError(
-            f"legacy pin_cpu_memory={legacy['pin_cpu_memory']!r} conflicts with "
-            f"pin_memory={cfg.pin_memory!r}"
-        )
-    enabled = [
-        k
-        for k in (
-            "enable_distributed_layerwise_offload",
-            "enable_layerwise_offload",
-            "enable_cpu_offload",
-        )
-        if legacy.get(k)
-    ]
-    if not enabled:
-        return  # legacy keys at their defaults select nothing to conflict with
-    from_legacy = OffloadConfig.from_flags(**legacy)
-    legacy_strategy = _seed_strategy(from_legacy)
-    compact = (
-        f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
-        f"resident_layers={cfg.resident_layers_for('dit')!r})"
-    )
-    if legacy_strategy != _seed_strategy(cfg):
-        raise ValueError(
-            f"{compact} selects {_seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
-            f"{legacy_strategy!r}"
-        )
-    if cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit"):
-        # the same strategy with another transfer: name the transfers, not one strategy twice
-        raise ValueError(
-            f"{compact} has transfer={cfg.transfer_for('dit')!r} but legacy flag "
-            f"{enabled[0]}=True (with dlo_use_allgather={legacy.get('dlo_use_allgather', True)!r})"
-            f" selects transfer={from_legacy.transfer!r}"
-        )
+def _gib_nbytes(gib: float | None) -> int | None:
+    return int(gib * GIB) if gib is not None else None

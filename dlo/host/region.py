@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dlo import faults
+from dlo.plan.layers import charged_nbytes
 from dlo.plan.layout import round_up
 from dlo.platform.device import Platform
 from dlo.platform.env import page_size
@@ -254,12 +255,6 @@ class HostRegion:
         # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
         # go back to the OS when the last view dies. Closing here would leave views dangling.
         self._mmap = None
-
-
-def charged_nbytes(nbytes: int, share_ranks: int) -> int:
-    """The bytes one of ``share_ranks`` ranks sharing ``nbytes`` of host memory is charged
-    (rounded up, so the sharers' charges cover the bytes)."""
-    return -(-nbytes // share_ranks)
 
 
 def _map_file(path: str, nbytes: int) -> mmap.mmap:

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import find_foreign_offloaders
+from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import module_tensor_entries
+from dlo.plan.topology import ResolvedOffloadPlan
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -157,4 +160,19 @@ def non_block_tensors(
             continue
         seen.add(id(t))
         out.append((name, t))
+    return out
+
+
+def non_block_state(
+    pipeline: Any, plan: ResolvedOffloadPlan, block_tensor_ids: set[int]
+) -> list[tuple[str, torch.Tensor]]:
+    """The tensors the layerwise backend places on the device: those of every streamed
+    component and declared resident module that belong to no selected block, each once."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for path in (*plan.streamed_components, *plan.resident_modules):
+        for name, t in non_block_tensors(get_by_path(pipeline, path), block_tensor_ids):
+            if id(t) not in seen:
+                seen.add(id(t))
+                out.append((name, t))
     return out

@@ -37,9 +37,6 @@ ALIGN = 256
 """Byte alignment of every tensor inside a block and of every slice."""
 
 
-MIB = 1 << 20
-
-
 INT64_MAX = (1 << 63) - 1
 
 

@@ -10,11 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlo.config.fields import TRANSFERS
+from dlo.config.fields import GIB, TRANSFERS
 from dlo.plan.layout import chunking
-
-GIB = 1 << 30
-
 
 GB = 1e9
 

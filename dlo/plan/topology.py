@@ -143,6 +143,11 @@ class ResolvedOffloadPlan:
     """Problems skipped under the compatibility topology (already logged by the resolver)."""
 
     @property
+    def streamed_components(self) -> tuple[str, ...]:
+        """The components that own a stack, in stack order, each once."""
+        return tuple(dict.fromkeys(s.component_path for s in self.stacks))
+
+    @property
     def all_block_paths(self) -> tuple[str, ...]:
         return tuple(p for s in self.stacks for p in s.block_paths)
 
@@ -218,6 +223,24 @@ def _transfer(stack: _Stack, config: OffloadConfig, plan: OffloadPlan, problems:
     return transfer
 
 
+def transfer_groups(transfer: str, weight_axis: str, weight_size: int) -> dict[str, Any]:
+    """A stack's weight group and share group for ``transfer`` on the weight axis
+    ``(weight_axis, weight_size)``: AllGather (and a transfer still ``"auto"``) gathers on
+    the axis; node-shared copies whole blocks (group of one) and shares the host copy among
+    the axis's ranks on one node; rank-local uses neither."""
+    local = {"share_axis": "local", "share_size": 1}
+    if transfer == "node-shared":
+        return {
+            "group_axis": "local",
+            "group_size": 1,
+            "share_axis": weight_axis,
+            "share_size": weight_size,
+        }
+    if transfer == "rank-local":
+        return {"group_axis": "local", "group_size": 1, **local}
+    return {"group_axis": weight_axis, "group_size": weight_size, **local}
+
+
 def _finish(
     stacks: list[_Stack],
     config: OffloadConfig,
@@ -232,31 +255,24 @@ def _finish(
         axis, size = ("local", 1)
         if transfer != "rank-local":
             axis, size = config.weight_group(par, stack.component)
-        share_axis, share_size = ("local", 1)
-        if transfer == "node-shared":  # whole blocks; the group shares the host copy
-            (share_axis, share_size), (axis, size) = (axis, size), ("local", 1)
-        out.append(
-            BlockStack(
-                component=stack.component,
-                component_path=stack.component_path,
-                container_path=stack.container_path,
-                block_paths=tuple(p for p, _ in stack.blocks),
-                transfer=transfer,
-                num_resident=num_resident,
-                group_axis=axis,
-                group_size=size,
-                share_axis=share_axis,
-                share_size=share_size,
-            )
+        built = BlockStack(
+            component=stack.component,
+            component_path=stack.component_path,
+            container_path=stack.container_path,
+            block_paths=tuple(p for p, _ in stack.blocks),
+            transfer=transfer,
+            num_resident=num_resident,
+            **transfer_groups(transfer, axis, size),
         )
+        out.append(built)
         logger.debug(
             "stack %r: %d blocks (%d resident), transfer=%s, group=(%s, %d)",
             stack.container_path,
             len(stack.blocks),
             num_resident,
             transfer,
-            axis,
-            size,
+            built.group_axis,
+            built.group_size,
         )
     return tuple(out)
 

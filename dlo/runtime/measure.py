@@ -33,11 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dlo.config.fields import MIB
 from dlo.errors import OffloadError
 from dlo.host.region import HostRegion
 from dlo.parallel.groups import current_world
 from dlo.parallel.store import share
-from dlo.plan.layout import ALIGN, MIB
+from dlo.plan.layout import ALIGN
 from dlo.plan.policy_model import Measurements
 from dlo.platform.device import Platform
 from dlo.platform.env import host_name, shared_memory_free_nbytes

@@ -45,24 +45,21 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
-from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
-from dlo.hooks.frames import call_ended, module_call_frame
 from dlo.host.shards import copy_back, shard_view, written_tensors
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
-from dlo.platform.timing import StreamTimer, nvtx_range, under_torch_compile
+from dlo.platform.timing import StreamTimer, nvtx_range
+from dlo.runtime.guard import Guard
 from dlo.runtime.slots import Slot, SlotPool
-from dlo.runtime.staged import StagedTransport
-from dlo.runtime.transport import BlockTransport
+from dlo.runtime.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +80,7 @@ class StreamedBlock:
     host backing]): whatever its transport's ``load`` takes."""
     tensors: list[torch.Tensor]
     """The block's Parameter and buffer objects, in layout order."""
-    transport: BlockTransport | StagedTransport
+    transport: Transport
     index: int = -1
     """Position in the manifest (identifies the block in the lock-step check)."""
     host_writable: bool = True
@@ -156,14 +153,8 @@ class RingScheduler:
         self.pool = pool
         self.rank = rank
         self.rings: list[BlockRing] = []
-        self._running: StreamedBlock | None = None
-        self._running_thread: int | None = None
-        self._running_frame: FrameType | None = None
-        """The module call that claimed ``_running`` (see [Note: calls that ended without
-        post-hooks] in dlo.hooks)."""
-        self.closing = False
-        """Set by :meth:`begin_disable`: later forwards are refused."""
-        self._claim = threading.Lock()
+        self.guard = Guard(platform, rank=rank, what="block", on_stale=self._release_stale)
+        """One block runs at a time (see :mod:`dlo.runtime.guard`)."""
         self._clock = 0
         self.poisoned: str | None = None
 
@@ -205,7 +196,7 @@ class RingScheduler:
                 b.state, b.slot = IDLE, None
         for s in self.pool.slots:
             s.owner = None
-        self._release_claim()
+        self.guard.clear()
 
     def close(self) -> None:
         """Teardown after :meth:`unbind_all`: drop every block's slot views and placeholders
@@ -215,42 +206,31 @@ class RingScheduler:
         for ring in self.rings:
             for b in ring.blocks:
                 b.views, b.placeholders, b.ring = [], [], None
+        self.guard.on_stale = None  # a bound method of this scheduler
 
     # ------------------------------------------------------------------ hot path
     def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
         if self.poisoned is not None:
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
-        me = threading.get_ident()
-        frame = module_call_frame()
-        with self._claim:  # check and claim in one step: two threads never both get past
-            if self.closing:
-                raise OffloadError(
-                    "forward started while offload is being disabled (another thread called "
-                    "disable()); call it again once disable() returned",
-                    rank=self.rank,
-                    block=block.name,
-                )
-            running, thread = self._running, self._running_thread
-            if running is not None and self._stale(running):
-                self._release_stale(running)
-                running = None
-            if running is None and self.poisoned is None:
-                self._running, self._running_thread = block, me
-                self._running_frame = frame
+        busy = self.guard.claim(block, block.name, conflicts=lambda c: True)
         if self.poisoned is not None:  # a released stale claim poisoned a gathering ring
+            self.guard.release(block)
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
-        if running is not None:
+        if busy:
+            running = busy[0]
+            where = (
+                "re-entrant call" if running.thread == threading.get_ident() else "another thread"
+            )
             raise OffloadError(
                 f"forward of this block started while block {running.name!r} is still "
-                f"running ({'re-entrant call' if thread == me else 'another thread'}); dlo's "
-                "ring serves one forward at a time",
+                f"running ({where}); dlo's ring serves one forward at a time",
                 rank=self.rank,
                 block=block.name,
             )
         try:
-            self._refuse_unsupported(block, args, kwargs)
+            self.guard.refuse_unsupported(block.name, block.tensors, args, kwargs)
         except BaseException:
-            self._release_claim()
+            self.guard.release(block)
             raise
         compute = self.platform.current_stream()
         try:
@@ -274,7 +254,7 @@ class RingScheduler:
             if block.state == RUNNING:
                 self.exit(block)
             else:
-                self._release_claim()
+                self.guard.release(block)
             if block.state == LOADED and block.slot is not None:
                 # its load failed (or was never waited for): the slot holds nothing usable
                 block.slot.owner, block.slot, block.state = None, None, IDLE
@@ -309,24 +289,12 @@ class RingScheduler:
         """Whether any block's load takes part in a collective (group size > 1)."""
         return any(b.transport.group_size > 1 for ring in self.rings for b in ring.blocks)
 
-    def _stale(self, running: StreamedBlock) -> bool:
-        """The running block's call ended without its post-hook (see [Note: calls that ended
-        without post-hooks] in dlo.hooks), on this thread or on another (a worker thread
-        that died inside the forward)."""
-        if not call_ended(self._running_frame, self._running_thread):
-            return False
-        logger.warning(
-            "dlo: block %s ended without its post-forward hook (KeyboardInterrupt or another "
-            "BaseException inside it); released",
-            running.name,
-        )
-        return True
-
     def _release_stale(self, running: StreamedBlock) -> None:
-        """Release a stale claim as after an exception (the caller holds the claim lock). A
-        ring that gathers is poisoned: ranks interrupted at different blocks no longer load
-        in lock step (their prefetched blocks differ)."""
-        lost = self._release(running)
+        """Release the block of a stale claim (see :class:`~dlo.runtime.guard.Guard`) as
+        after an exception (the guard holds its lock). A ring that gathers is poisoned: ranks
+        interrupted at different blocks no longer load in lock step (their prefetched blocks
+        differ)."""
+        lost = self._unload(running)
         if lost:
             logger.warning(
                 "dlo: the interrupted block %s wrote %s in place; not kept", running.name, lost
@@ -338,57 +306,22 @@ class RingScheduler:
             )
 
     def begin_disable(self) -> None:
-        """Decide, under the claim lock, whether disable may proceed: refused while another
-        thread runs a block (its forward would lose its weights mid-block); otherwise every
-        later forward is refused until the hooks are gone. The calling thread's own running
-        block (disable from inside a forward) does not count."""
-        with self._claim:
-            running, thread = self._running, self._running_thread
-            if running is not None and thread != threading.get_ident() and self._stale(running):
-                self._release_stale(running)
-                running = None
-            if running is not None and thread != threading.get_ident():
-                raise OffloadError(
-                    "disable() called while another thread runs this block's forward; "
-                    "nothing was changed: let that forward return (join its thread), then "
-                    "disable",
-                    rank=self.rank,
-                    block=running.name,
-                )
-            self.closing = True
-
-    def _refuse_unsupported(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
-        """What the ring cannot serve, refused before anything is enqueued."""
-        if under_torch_compile():
-            # [Note: torch.compile] a compiled graph would read weights through tensors the
-            # ring rebinds between storages; measured wrong results, so refuse clearly
-            raise OffloadError(
-                "torch.compile around modules whose blocks dlo streams is not supported yet: "
-                "compile code inside the blocks' forward, or disable offload",
-                rank=self.rank,
-                block=block.name,
-            )
-        if self.platform.stream_capturing():
-            # [Note: CUDA graphs] a graph would replay one step's loads into fixed slots and
-            # its waits on events recorded by streams outside the capture; refuse before
-            # anything is enqueued, so the capture holds nothing of dlo's
-            raise OffloadError(
-                "CUDA graph capture around modules whose blocks dlo streams is not supported: "
-                "capture code inside the blocks' forward, or disable offload",
-                rank=self.rank,
-                block=block.name,
-            )
-        self._check_inputs(block, args, kwargs)
+        """Refused while another thread runs a block (see
+        :meth:`~dlo.runtime.guard.Guard.begin_disable`); then every later forward is."""
+        self.guard.begin_disable()
 
     def exit(self, block: StreamedBlock) -> list[str]:
         """Release the running ``block``; returns the names of tensors it wrote in place that
         could not be kept (see [Note: writes into streamed tensors])."""
-        if self._running is not block or self._running_thread != threading.get_ident():
+        if not self.guard.held_by_me(block):
             return []  # this call's enter refused or never ran
-        return self._release(block)
+        lost = self._unload(block)
+        self.guard.release(block)
+        return lost
 
-    def _release(self, block: StreamedBlock) -> list[str]:
-        """:meth:`exit`'s work, for the claim's owner or for a stale claim."""
+    def _unload(self, block: StreamedBlock) -> list[str]:
+        """:meth:`exit`'s work on the block and its slot, for the claim's owner or for a
+        stale claim."""
         lost = self._keep_writes(block)
         self._rebind(block, block.placeholders)
         slot = block.slot
@@ -398,7 +331,6 @@ class RingScheduler:
         self._clock += 1
         slot.owner, slot.stamp = None, self._clock
         block.slot, block.state = None, IDLE
-        self._release_claim()
         return lost
 
     def _keep_writes(self, block: StreamedBlock) -> list[str]:
@@ -414,37 +346,7 @@ class RingScheduler:
         copy_back(block.shard, written)
         return []
 
-    def _release_claim(self) -> None:
-        self._running = self._running_thread = self._running_frame = None
-
     # ------------------------------------------------------------------ internals
-    def _check_inputs(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
-        # read now, not at enable: requires_grad may have been switched on since, and an
-        # input may sit in a tuple or dict (only walked when autograd is on at all)
-        if torch.is_grad_enabled() and (
-            any(t.requires_grad for t in block.tensors)
-            or any(
-                isinstance(a, torch.Tensor) and a.requires_grad for a in tree_leaves((args, kwargs))
-            )
-        ):
-            raise OffloadError(
-                "forward with autograd enabled: dlo is an inference runtime (slots are reused, "
-                "so saved weights would be overwritten before backward); run under "
-                "torch.no_grad() or torch.inference_mode()",
-                rank=self.rank,
-                block=block.name,
-            )
-        want = self.platform.device
-        for t in tensors:
-            if t.device != want:
-                raise OffloadError(
-                    f"input on {t.device} but dlo streams this block to {want}",
-                    rank=self.rank,
-                    block=block.name,
-                )
-
     def _rebind(self, block: StreamedBlock, tensors: list[torch.Tensor]) -> None:
         for t, new in zip(block.tensors, tensors):
             t.data = new

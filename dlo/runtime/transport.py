@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +36,40 @@ from dlo.runtime.collectives import all_gather_into
 from dlo.runtime.sequence import SequenceCheck
 
 logger = logging.getLogger(__name__)
+
+
+class Transport(Protocol):
+    """What the ring (and the model swap) load a block through: this module's
+    :class:`BlockTransport` (host-to-device copies, AllGather) or the staged transport of the
+    mapped backing (:class:`~dlo.runtime.staged.StagedTransport`)."""
+
+    group_size: int
+    """Ranks that rebuild each block together (1: whole blocks, no collective)."""
+
+    @property
+    def writer_stream(self) -> Any:
+        """The stream that performs the last write of a load."""
+        ...
+
+    def load(
+        self,
+        layout: BlockLayout,
+        shard: Any,
+        slot: torch.Tensor,
+        *,
+        free_event: Any,
+        ready_event: Any,
+        index: int = -1,
+        slot_index: int = -1,
+    ) -> None:
+        """Enqueue the load of ``shard`` into ``slot`` after ``free_event``; record
+        ``ready_event`` once the block is whole."""
+        ...
+
+    def wait_enqueued(self, slot_index: int, block: str) -> None:
+        """Return once the load into slot ``slot_index`` has recorded its ``ready`` event
+        (see [Note: staged ready] in :mod:`dlo.runtime.staged`)."""
+        ...
 
 
 @dataclass

@@ -100,7 +100,7 @@ def _from_checkpoint_vs_loaded(rank: int, world: int, ckpt: str) -> dict[str, An
     plain_out = loaded.generate(ids, latents, 2)
     backend.disable()
 
-    import dlo.backends.layerwise as lw
+    import dlo.backends.layer_host as lw
 
     samples: list[tuple[int, int, int]] = []  # per packed block: shard, padded, mapped RSS
     pack = lw.pack_block

@@ -21,10 +21,11 @@ import dlo.backends.layerwise as layerwise
 import dlo.host.node_share
 import dlo.host.region
 from dlo import faults
-from dlo.backends.layerwise import LayerwiseBackend, _check_shared_stacks
+from dlo.backends.layerwise import LayerwiseBackend
 from dlo.host.region import LEDGER
 from dlo.parallel import store as agreement
 from dlo.parallel.agreement import RankReport, pin_verdict
+from dlo.plan.layers import check_stacks
 from dlo.plan.topology import BlockStack, resolve_offload_plan
 from dlo.platform.device import CpuPlatform
 from tests.cpu.test_dlo import FakePinPlatform, _cfg, _par, _steps
@@ -414,11 +415,11 @@ def test_stacks_sharing_along_different_axes_are_refused() -> None:
     # weight_axis is global, so resolution never yields two share axes; the check guards
     # the plan the backend executes
     plan = resolve_offload_plan(TwoStackDiT(2, num_blocks2=2), _cfg(transfer=NS), _par(2))
-    _check_shared_stacks(plan)
+    check_stacks(plan.stacks, host_backing="region")
     a, b = plan.stacks
     mixed = dataclasses.replace(plan, stacks=(a, dataclasses.replace(b, share_axis="sequence")))
     with pytest.raises(ValueError, match=r"different axes.*'blocks2': 'sequence'"):
-        _check_shared_stacks(mixed)
+        check_stacks(mixed.stacks, host_backing="region")
 
 
 # ----------------------------------------------------------------------------- pure

@@ -381,7 +381,8 @@ def _two_groups_on_one_node(rank: int, world: int, free: int) -> tuple[str, str]
 def test_two_weight_groups_on_one_node_need_two_copies(tmp_path: Path) -> None:
     """DP 2 x SP 2 on one node, weights shared along data: two groups ([0, 2], [1, 3]), so two
     copies; shared memory that holds one (with the headroom) but not two is rank-local."""
-    from dlo.plan.layout import MIB, describe_entries, module_tensor_entries, plan_block_layout
+    from dlo.config.fields import MIB
+    from dlo.plan.layout import describe_entries, module_tensor_entries, plan_block_layout
 
     one_copy = sum(
         plan_block_layout(

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlo.config.fields import MIB
 from dlo.config.offload import LayerOptions, OffloadConfig
-from dlo.plan.layout import ALIGN, MIB
+from dlo.plan.layout import ALIGN
 from dlo.plan.policy import decide
 from dlo.plan.policy_model import (
     FREE_MEMORY_HEADROOM,

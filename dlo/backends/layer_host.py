@@ -1,0 +1,261 @@
+"""The host side of the layerwise install: the selected blocks with the model's tensors, this
+rank's host region (or the mapped backing), the node-shared copy, and releasing and
+restoring the model's tensors. Every step is journaled (see [Note: one journal for enable
+and disable] in :mod:`dlo.journal`); the sizes come from the layer plan (see [Note: layer
+plan] in :mod:`dlo.plan.layers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dlo import faults
+from dlo.config.offload import OffloadConfig
+from dlo.host.mapped import MappedBlock
+from dlo.host.node_share import SharedBlock, share_host
+from dlo.host.packer import pack_block
+from dlo.host.region import HostRegion, PinReport
+from dlo.host.shards import copy_back, unpack_tensor, written_tensors
+from dlo.io.materialize import mapped_source
+from dlo.journal import Journal
+from dlo.plan.layers import BlockPlan, LayerPlan
+from dlo.plan.layout import BlockLayout
+from dlo.plan.topology import BlockStack
+from dlo.platform.device import Platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class LayerBlock:
+    """A selected block during install: its plan, its module and the model's tensors."""
+
+    plan: BlockPlan
+    module: nn.Module
+    entries: list[tuple[str, str, torch.Tensor]]
+    """``(name, kind, tensor)`` of the block's tensors, in layout order."""
+    index: int
+    """Position in the manifest."""
+    region: HostRegion | None = None
+    """The host region holding this block: this rank's, or the node-shared copy."""
+    host_index: int = -1
+    """The block's index in ``region``."""
+    original_devices: list[torch.device] = field(default_factory=list)
+    mapped: MappedBlock | None = None
+    """With ``host_backing="mapped"``: the block's host backing (no region bytes)."""
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    @property
+    def stack(self) -> BlockStack:
+        return self.plan.stack
+
+    @property
+    def resident(self) -> bool:
+        return self.plan.resident
+
+    @property
+    def layout(self) -> BlockLayout:
+        return self.plan.layout
+
+    @property
+    def node_shared(self) -> bool:
+        return self.plan.node_shared
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, _, t in self.entries]
+
+    @property
+    def host_writable(self) -> bool:
+        """Its host copy is this rank's own whole block, so in-place writes can go back
+        (not with AllGather, the mapped backing or a node-shared copy)."""
+        return self.layout.group_size == 1 and self.mapped is None and not self.node_shared
+
+    def host_view(self) -> torch.Tensor:
+        """The block's bytes in its host region."""
+        assert self.region is not None
+        return self.region.view(self.host_index)
+
+
+class LayerHost:
+    """This rank's host storage of the selected blocks (see the module docstring).
+
+    Args:
+        platform: the device (placeholders are made on it).
+        config: the concrete layer config (no ``"auto"`` left).
+        blocks: the selected blocks, in manifest order.
+    """
+
+    def __init__(self, platform: Platform, config: OffloadConfig, blocks: list[LayerBlock]) -> None:
+        self.platform = platform
+        self.config = config
+        self.blocks = blocks
+        self.region: HostRegion | None = None
+        self.shared: HostRegion | None = None
+        """The node-shared host copy (see [Note: node-shared host copy] in
+        :mod:`dlo.host.node_share`)."""
+        self.pageable: tuple[str, ...] = ()
+        """Blocks every rank keeps pageable (``pin_failure_policy="whole_block_fallback"``)."""
+
+    # ------------------------------------------------------------------ private region
+    def prepare(self, plan: LayerPlan, journal: Journal, group_rank: Callable[[str], int]) -> None:
+        """Fill this rank's region with its slices of every block that is not node-shared
+        (``group_rank(axis)``: this rank's place in the weight group of an axis). With
+        group size 1 the region then holds every byte of a block, so the originals are
+        released at once; with the mapped backing nothing is packed."""
+        if plan.mapped:
+            self._map_blocks()
+            # the files stay open while blocks are read from them, and until disable has
+            # rebuilt the blocks from them (load_pipeline's close is deferred until then)
+            for ckpt in {
+                id(c): c for b in self.blocks if b.mapped for c in b.mapped.checkpoints
+            }.values():
+                ckpt.retain()
+                journal.record("checkpoint files", ckpt.release)
+        region = HostRegion(plan.region_nbytes)
+        self.region = region
+        journal.record("host region", region.close)
+        for i, b in enumerate(self.blocks):
+            if b.node_shared:  # packed after the agreement, into the node's copy
+                continue
+            b.region, b.host_index = region, i
+            if b.mapped is not None:  # its bytes stay in the checkpoint: nothing to pack
+                self.release(b, journal)
+                continue
+            faults.check("host_fill")
+            # pack_shard, or straight from the file for checkpoint-mapped tensors
+            pack_block(region.view(i), b.layout, group_rank(b.stack.group_axis), b.tensors)
+            if b.layout.group_size == 1:
+                self.release(b, journal)
+
+    def _map_blocks(self) -> None:
+        """Give every block its :class:`MappedBlock` (see [Note: mapped host backing] in
+        :mod:`dlo.host.mapped`)."""
+        for b in self.blocks:
+            b.mapped = MappedBlock(
+                b.name, b.layout, [mapped_source(t) or t.data for t in b.tensors]
+            )
+        if not any(b.mapped is not None and b.mapped.mapped_nbytes for b in self.blocks):
+            for b in self.blocks:
+                b.mapped = None
+            raise ValueError(
+                "host_backing='mapped' serves blocks from the checkpoint they were loaded "
+                "from, but no tensor of the streamed blocks aliases a checkpoint: load the "
+                "model with dlo.load_pipeline (not copy=True), or use host_backing='region' "
+                "(a tensor holds the file's bytes only until a disable gives it private "
+                "memory, .to() new memory or an in-place write changes it)"
+            )
+
+    def pin(self, plan: LayerPlan) -> PinReport | None:
+        """Pin the streamed blocks of the private region within the plan's budget."""
+        if not self.config.pin_memory:
+            return None
+        assert self.region is not None
+        return self.region.pin(
+            self.platform, budget_nbytes=plan.private_pin_budget_nbytes, blocks=plan.streamed
+        )
+
+    def keep_pageable(
+        self, region: HostRegion | None, blocks: Sequence[LayerBlock], names: tuple[str, ...]
+    ) -> None:
+        """The group decided: every rank keeps ``names`` pageable, for equal timing
+        (``blocks``: the region's blocks, in its order)."""
+        self.pageable += names
+        if names and region is not None:
+            keep = set(names)
+            region.unpin([i for i, b in enumerate(blocks) if b.name in keep])
+            what = "node-shared blocks" if region is self.shared else "blocks"
+            logger.warning(
+                "dlo: %d %s stay pageable (pin_failure_policy='whole_block_fallback'): %s",
+                len(names),
+                what,
+                ", ".join(names[:8]),
+            )
+
+    # ------------------------------------------------------------------ node-shared copy
+    def share(
+        self,
+        plan: LayerPlan,
+        journal: Journal,
+        *,
+        members: list[int],
+        tokens: list[str],
+        rank: int,
+        world_size: int,
+    ) -> None:
+        """Pack the node-shared blocks into the node's copy (see [Note: node-shared host
+        copy] in :mod:`dlo.host.node_share`) with the ``members`` of this rank's share
+        group on its node (``tokens``: theirs, from the agreement)."""
+        shared = [b for b in self.blocks if b.node_shared]
+        if not shared:
+            return
+        assert self.region is not None
+        cfg = self.config
+        region, fallback = share_host(
+            [SharedBlock(b.name, b.layout, b.tensors, streamed=not b.resident) for b in shared],
+            tokens=tokens,
+            members=members,
+            rank=rank,
+            world_size=world_size,
+            platform=self.platform,
+            pin=cfg.pin_memory,
+            budget_nbytes=plan.shared_pin_budget_nbytes(self.region.charged_pinned_nbytes),
+            pin_failure_policy=cfg.pin_failure_policy,
+            timeout_s=cfg.collective_timeout_s,
+            journal=journal,
+        )
+        self.shared = region
+        self.keep_pageable(region, shared, fallback)
+        for i, b in enumerate(shared):
+            b.region, b.host_index = region, i
+            self.release(b, journal)
+
+    # ------------------------------------------------------------------ the model's tensors
+    def release(self, b: LayerBlock, journal: Journal) -> None:
+        """Release the model's originals of ``b`` (its host copy holds them), journaling the
+        rebuild from the host copy."""
+        self.release_originals(b)
+        journal.record(f"release {b.name}", functools.partial(self.restore, b))
+
+    def release_originals(self, b: LayerBlock) -> None:
+        b.original_devices = [t.device for t in b.tensors]
+        for t in b.tensors:
+            t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
+
+    def restore(self, b: LayerBlock) -> None:
+        """Rebuild the model's tensors of ``b`` from its whole-block host copy."""
+        if b.mapped is not None:
+            for i, (t, dev) in enumerate(zip(b.tensors, b.original_devices)):
+                t.data = b.mapped.rebuild(i).to(dev)
+            return
+        shard = b.host_view()
+        for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
+            t.data = unpack_tensor(shard, spec, dev)
+
+    def keep_resident_writes(self, b: LayerBlock, versions: list[int]) -> None:
+        """Before a resident block (group size 1) is restored from its host copy, copy the
+        tensors its forwards wrote in place into that copy (see [Note: writes into streamed
+        tensors] in :mod:`dlo.runtime.ring`); the mapped backing's source is the read-only
+        checkpoint."""
+        written = written_tensors(b.layout.tensors, b.tensors, versions)
+        if not written:
+            return
+        if not b.host_writable or b.region is None:
+            logger.warning(
+                "dlo: resident block %s wrote %s in place; its source is %s: the writes are "
+                "not kept after disable",
+                b.name,
+                [spec.name for spec, _ in written],
+                "the node-shared host copy" if b.node_shared else "the checkpoint",
+            )
+            return
+        copy_back(b.host_view(), written)

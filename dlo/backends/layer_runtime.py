@@ -1,0 +1,307 @@
+"""The device side of the layerwise install, after the startup agreement: device slots, one
+transport per weight axis, non-block state and resident blocks on the device, the rings and
+their hooks. Every step is journaled; the sizes come from the layer plan (see [Note: layer
+plan] in :mod:`dlo.plan.layers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dlo import faults
+from dlo.backends.layer_host import LayerBlock, LayerHost
+from dlo.backends.model_hooks import (
+    install_apply_refusal,
+    install_load_refusal_on_ancestors,
+    install_state_dict_hooks,
+    mark_released,
+    move_tensor,
+)
+from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.errors import InjectedFault
+from dlo.hooks.foreign import is_dtensor
+from dlo.hooks.registry import HookRegistry
+from dlo.host.shards import shard_view
+from dlo.journal import Journal
+from dlo.parallel.groups import weight_group
+from dlo.plan.checks import non_block_state
+from dlo.plan.layers import LayerPlan
+from dlo.plan.topology import ResolvedOffloadPlan
+from dlo.platform.device import Platform
+from dlo.runtime.ce_gather import CopyEngineGather
+from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
+from dlo.runtime.sequence import SequenceCheck
+from dlo.runtime.slots import SlotPool
+from dlo.runtime.staged import StagedTransport
+from dlo.runtime.transport import BlockTransport, TransferCounters, Transport
+
+logger = logging.getLogger(__name__)
+
+HOOK_NAME = "dlo.ring"
+
+
+def allocate_slots(
+    platform: Platform, plan: LayerPlan, gather_engine: str, journal: Journal
+) -> SlotPool:
+    """The ring's slots; in symmetric memory when the copy-engine gather may be used
+    (``"copy"``; ``"auto"`` on CUDA, falling back to ordinary slots if that allocation
+    fails)."""
+
+    def allocate(symmetric: bool) -> SlotPool:
+        return SlotPool.allocate(platform, plan.num_slots, plan.slot_nbytes, symmetric=symmetric)
+
+    pool: SlotPool | None = None
+    if plan.gathers and gather_engine == "auto" and platform.has_streams:
+        if not platform.peers_accessible():
+            logger.info("no peer access between this node's GPUs: gather_engine='auto' uses NCCL")
+            pool = allocate(False)
+        else:
+            try:
+                pool = allocate(True)
+            except InjectedFault:
+                raise
+            except (RuntimeError, ImportError, OSError) as e:  # an allocation, not a config
+                logger.info("no symmetric-memory slots (%s): gather_engine='auto' uses NCCL", e)
+    if pool is None:
+        pool = allocate(plan.gathers and gather_engine == "copy")
+
+    def release() -> None:
+        platform.synchronize()
+        pool.release()
+
+    journal.record("device slots", release)
+    return pool
+
+
+@dataclass
+class Transports:
+    """The transport of each weight axis, and what the ring's stats report of them."""
+
+    by_axis: dict[str, Transport] = field(default_factory=dict)
+    staging: StagedTransport | None = None
+    group_rank: int = 0
+    group_size: int = 1
+    """Stats' group: the first gathering stack's, else one rank."""
+    gather_sync: str | None = None
+    """The copy-engine gather's barrier (``"stream"`` or ``"kernel"``), None with NCCL."""
+
+
+def build_transports(
+    platform: Platform,
+    plan: LayerPlan,
+    blocks: list[LayerBlock],
+    *,
+    config: OffloadConfig,
+    parallel: ParallelConfig,
+    pool: SlotPool,
+    copy_gather: bool,
+    counters: TransferCounters,
+    rank: int,
+    journal: Journal,
+) -> Transports:
+    """One transport per weight axis of the plan, on one pair of streams."""
+    cfg = config
+    copy_stream, comm_stream = platform.new_stream(), platform.new_stream()
+    out = Transports()
+    stacks = list(dict.fromkeys(b.stack for b in blocks))
+    if plan.mapped:  # every stack is rank-local (check_stacks)
+        staging = StagedTransport(
+            platform,
+            copy_stream=copy_stream,
+            chunk_nbytes=max(b.layout.chunk_nbytes for b in blocks),
+            counters=counters,
+            pin=cfg.pin_memory,
+            pin_budget_nbytes=plan.pin_budget_nbytes,
+            require_pinned=cfg.pin_failure_policy == "fail",
+            rank=rank,
+        )
+        out.staging = staging
+        journal.record("staging", staging.close)
+        out.by_axis = {s.group_axis: staging for s in stacks}
+    for stack in stacks:
+        if stack.group_axis in out.by_axis:
+            continue
+        group, ranks = (None, [rank])
+        if stack.group_size > 1:
+            group, ranks = weight_group(
+                parallel,
+                stack.group_axis,
+                rank=rank,
+                timeout_s=cfg.collective_timeout_s,
+                max_ctas=cfg.nccl_max_ctas,
+            )
+        group_rank = ranks.index(rank)
+        check = None
+        if group is not None and cfg.verify_block_sequence:
+            check = SequenceCheck(platform, group, group_rank, len(ranks), [b.name for b in blocks])
+        ce = None
+        # one axis per symmetric allocation: its barrier counters and tags are indexed by
+        # group rank, so a second AllGather axis (every rank calls this in the same order)
+        # keeps NCCL
+        if group is not None and copy_gather and out.gather_sync is None:
+            assert pool.base is not None
+            ce = CopyEngineGather(
+                platform,
+                pool.base,
+                group,
+                group_rank=group_rank,
+                group_size=len(ranks),
+                timeout_s=cfg.collective_timeout_s,
+                sync=cfg.gather_sync,
+            )
+            journal.record("copy-engine gather", ce.close)
+            out.gather_sync = ce.sync
+        out.by_axis[stack.group_axis] = BlockTransport(
+            platform,
+            group=group,
+            group_rank=group_rank,
+            group_size=len(ranks),
+            copy_stream=copy_stream,
+            comm_stream=comm_stream,
+            max_chunks=plan.max_chunks(stack.group_axis),
+            counters=counters,
+            sequence_check=check,
+            ce_gather=ce,
+        )
+        if len(ranks) > 1 and out.group_size == 1:
+            out.group_rank, out.group_size = group_rank, len(ranks)
+    return out
+
+
+def place_non_block_state(
+    platform: Platform,
+    pipeline: Any,
+    plan: ResolvedOffloadPlan,
+    blocks: list[LayerBlock],
+    journal: Journal,
+) -> int:
+    """Move the non-block state of the streamed components and the declared resident
+    modules to the device (journaled); returns the bytes moved."""
+    device = platform.device
+    faults.check("device_placement")
+    moved = 0
+    for _name, t in non_block_state(pipeline, plan, {id(t) for b in blocks for t in b.tensors}):
+        if t.device == device or is_dtensor(t):
+            continue  # DTensors belong to FSDP2 (see [Note: one owner per parameter])
+        origin = t.device
+        t.data = t.data.to(device)
+        moved += t.numel() * t.element_size()
+        journal.record("place", functools.partial(move_tensor, t, origin))
+    return moved
+
+
+def load_resident(
+    platform: Platform,
+    host: LayerHost,
+    transports: Transports,
+    journal: Journal,
+    release_originals: Callable[[LayerBlock], None],
+) -> int:
+    """Load every resident block once into its own device buffer; returns their bytes."""
+    loaded = 0
+    for b in host.blocks:
+        if not b.resident:
+            continue
+        buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=platform.device)
+        transports.by_axis[b.stack.group_axis].load(
+            b.layout,
+            b.mapped or b.host_view(),
+            buffer,
+            free_event=platform.new_event(),
+            ready_event=platform.new_event(),
+            index=b.index,
+        )
+        for spec, t in zip(b.layout.tensors, b.tensors):
+            t.data = shard_view(buffer, spec)
+        loaded += b.layout.padded_nbytes
+        if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
+            journal.record(f"resident {b.name}", functools.partial(release_originals, b))
+        else:  # ... from the host region: in-place writes go back there first
+            versions = [t._version for t in b.tensors]
+            journal.record(
+                f"keep writes {b.name}",
+                functools.partial(host.keep_resident_writes, b, versions),
+            )
+    if transports.staging is not None:
+        transports.staging.drain()
+    platform.synchronize()
+    return loaded
+
+
+def install_rings(
+    platform: Platform,
+    pipeline: Any,
+    blocks: list[LayerBlock],
+    transports: Transports,
+    pool: SlotPool,
+    *,
+    owner: str,
+    rank: int,
+    journal: Journal,
+) -> RingScheduler:
+    """One ring per stack of streamed blocks, sharing ``pool``; hooks, state-dict views and
+    refusals on the model; block 0 of each ring preloaded."""
+    scheduler = RingScheduler(platform, pool, rank=rank)
+
+    def unbind() -> None:
+        platform.synchronize()
+        scheduler.unbind_all()
+        scheduler.close()
+        mark_released([t for b in blocks if b.layout.group_size > 1 for t in b.tensors])
+
+    journal.record("rings", unbind)
+    by_stack: dict[int, list[StreamedBlock]] = {}
+    for b in blocks:
+        if b.resident:
+            continue
+        sb = StreamedBlock(
+            name=b.name,
+            module=b.module,
+            layout=b.layout,
+            shard=b.mapped or b.host_view(),
+            tensors=b.tensors,
+            transport=transports.by_axis[b.stack.group_axis],
+            index=b.index,
+            host_writable=b.host_writable,
+        )
+        by_stack.setdefault(id(b.stack), []).append(sb)
+    for stack in dict.fromkeys(b.stack for b in blocks):
+        sbs = by_stack.get(id(stack), [])
+        if sbs:
+            scheduler.add_ring(BlockRing(stack.container_path, sbs))
+
+    registry = HookRegistry(owner=owner)
+    journal.record("hooks", registry.remove_all)
+    faults.check("hook_install")
+    shared_names = {b.name for b in blocks if b.node_shared}
+    for ring in scheduler.rings:
+        for sb in ring.blocks:
+            registry.register(sb.module, HOOK_NAME, scheduler.hook_for(sb))
+            install_state_dict_hooks(
+                registry,
+                sb.module,
+                sb.name,
+                sb.layout,
+                sb.shard,
+                sb.tensors,
+                rank=rank,
+                copy=sb.name in shared_names,
+            )
+    install_load_refusal_on_ancestors(
+        registry, pipeline, [sb.name for ring in scheduler.rings for sb in ring.blocks], rank=rank
+    )
+    install_apply_refusal(registry, pipeline, [b.name for b in blocks], rank=rank)
+    for ring in scheduler.rings:
+        for sb in ring.blocks:
+            for t, ph in zip(sb.tensors, sb.placeholders):
+                t.data = ph
+    scheduler.preload()
+    platform.synchronize()
+    return scheduler

@@ -1,0 +1,101 @@
+"""What an enabled layerwise backend holds, and its ``stats()``: plain values of what it holds
+and what it moved (DESIGN.md section 2 names the keys every backend reports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlo.backends.layer_host import LayerBlock, LayerHost
+from dlo.backends.layer_runtime import Transports
+from dlo.plan.layers import charged_nbytes
+from dlo.platform.device import Platform
+from dlo.runtime.ring import RingScheduler
+from dlo.runtime.slots import SlotPool
+from dlo.runtime.transport import TransferCounters
+
+
+@dataclass
+class LayerState:
+    """Everything one enable of the layerwise backend built (a fresh one per enable)."""
+
+    host: LayerHost | None = None
+    pool: SlotPool | None = None
+    scheduler: RingScheduler | None = None
+    transports: Transports | None = None
+    counters: TransferCounters = field(default_factory=TransferCounters)
+    resident_nbytes: int = 0
+    """Device bytes of the resident blocks."""
+    placed_nbytes: int = 0
+    """Device bytes of the non-block state dlo moved there."""
+    enable_time_s: float = 0.0
+    enable_peak_rss: int = 0
+    policy: dict[str, Any] | None = None
+    """The automatic policy's record (``stats()["policy"]``), None without one."""
+
+    @property
+    def blocks(self) -> list[LayerBlock]:
+        return self.host.blocks if self.host else []
+
+    def stats(self, platform: Platform, *, enabled: bool, host_backing: str) -> dict[str, Any]:
+        """The statistics (see the module docstring); synchronizes the device."""
+        sched, host, pool = self.scheduler, self.host, self.pool
+        region, shared = (host.region, host.shared) if host else (None, None)
+        transports, counters = self.transports, self.counters
+        staging = transports.staging if transports else None
+        blocks = self.blocks
+        if sched is not None:
+            platform.synchronize()
+            sched.harvest_all()
+        streamed = [b for r in sched.rings for b in r.blocks] if sched else []
+        transfers = {b.stack.transfer for b in blocks}
+        return {
+            "enabled": enabled,
+            "transfer": next(
+                (t for t in ("allgather", "node-shared") if t in transfers), "rank-local"
+            ),
+            "group_size": transports.group_size if transports else 1,
+            "group_rank": transports.group_rank if transports else 0,
+            "host_backing": host_backing,
+            # what this rank holds, a node-shared block's bytes charged 1/L to each sharer
+            "host_nbytes": sum(
+                b.mapped.private_nbytes
+                if b.mapped
+                else charged_nbytes(
+                    b.layout.shard_nbytes, shared.share_ranks if shared and b.node_shared else 1
+                )
+                for b in blocks
+            ),
+            "host_mapped_nbytes": sum(b.mapped.mapped_nbytes for b in blocks if b.mapped),
+            "host_region_nbytes": region.nbytes if region else 0,
+            "host_shared_nbytes": shared.nbytes if shared else 0,
+            "host_share_ranks": shared.share_ranks if shared else 1,
+            "host_pinned_nbytes": (region.pinned_nbytes if region else 0)
+            + (shared.charged_pinned_nbytes if shared else 0)
+            + (staging.pinned_nbytes if staging else 0),
+            "num_staging_buffers": staging.num_buffers if staging else 0,
+            "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
+            "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
+            "device_slot_nbytes": pool.nbytes if pool else 0,
+            "device_symmetric_nbytes": pool.symmetric_nbytes if pool else 0,
+            "device_resident_block_nbytes": self.resident_nbytes,
+            "device_non_block_nbytes": self.placed_nbytes,
+            "h2d_nbytes": counters.h2d_nbytes,
+            "allgather_nbytes": counters.allgather_nbytes,
+            "num_loads": counters.num_loads,
+            "exposed_wait_ms": sum(b.wait.total_ms for b in streamed if b.wait),
+            "block_wait_ms": {b.name: b.wait.total_ms for b in streamed if b.wait},
+            "dropped_wait_samples": sum(b.wait.dropped for b in streamed if b.wait),
+            "num_demand_loads": sum(b.num_demand_loads for b in streamed),
+            "num_streamed_blocks": len(streamed),
+            "num_resident_blocks": sum(b.resident for b in blocks),
+            "num_slots": len(pool.slots) if pool else 0,
+            "gather_engine": "copy"
+            if transports and transports.gather_sync is not None
+            else "nccl",
+            "gather_sync": transports.gather_sync if transports else None,
+            "pageable_blocks": list(host.pageable) if host else [],
+            "enable_time_s": self.enable_time_s,
+            "enable_peak_rss_nbytes": self.enable_peak_rss,
+            "policy": self.policy,
+        }

@@ -1,0 +1,215 @@
+"""The layer plan: what the layerwise backend executes, computed once from block shapes. Pure.
+
+[Note: layer plan]
+:func:`plan_layers` takes the resolved stacks (a concrete transfer, weight group and resident
+count each; see :mod:`dlo.plan.topology`), each block's tensor description (names, kinds,
+shapes, strides, dtypes: :func:`~dlo.plan.layout.describe_entries`) and the byte settings of
+the config, lays out every block for its stack's group size ([Note: block layout], [Note:
+chunks and shards]) and derives everything the install sizes from the layouts:
+
+* the manifest and its digest (compared by every rank at the startup agreement);
+* the slot size: the largest padded block that streams (resident blocks get their own
+  buffer, so they do not size the slots);
+* the bytes of this rank's private host region per block: the block's shard, or nothing for
+  a node-shared block (it lives in the node's copy) and for the mapped backing (its bytes
+  stay in the checkpoint file);
+* the pin budgets: the config's ``pin_budget_gb`` is charged first for the node-shared
+  streamed blocks (each rank pays 1/L of the node's copy, L its sharers on the node), and the
+  rest is this rank's private region's; after the private region pinned, what it did not use
+  is the node-shared copy's (:meth:`LayerPlan.shared_pin_budget_nbytes`);
+* the most chunks of a block per weight axis (each transport's chunk events).
+
+The automatic policy reads the same descriptions (:func:`payload_nbytes`), so both size a
+block by one rule. Nothing under :mod:`dlo.runtime` or :mod:`dlo.backends` computes a
+layout, a slot size or a budget: they execute this plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dlo.plan.layout import ALIGN, BlockLayout, Manifest, build_manifest, plan_block_layout
+from dlo.plan.topology import BlockStack
+
+TensorDescription = Sequence[tuple[str, str, Sequence[int], Sequence[int], torch.dtype]]
+"""``(name, kind, shape, stride, dtype)`` of every tensor of a block, in layout order."""
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """One block of the layer plan."""
+
+    name: str
+    """The block's dotted path from the pipeline."""
+    stack: BlockStack
+    resident: bool
+    """Kept on the device (a leading block of its stack); else streamed."""
+    layout: BlockLayout
+    """Laid out for its stack's group size."""
+
+    @property
+    def node_shared(self) -> bool:
+        return self.stack.transfer == "node-shared"
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Every block's layout and the sizes derived from them (see [Note: layer plan])."""
+
+    blocks: tuple[BlockPlan, ...]
+    """Every selected block, stacks in plan order, blocks in execution order."""
+    manifest: Manifest
+    num_slots: int
+    slot_nbytes: int
+    """Bytes of one device slot: the largest padded streamed block (0: nothing streams)."""
+    pin_budget_nbytes: int | None
+    """The config's budget for pinned host bytes of this rank (None: no budget)."""
+    shared_charged_nbytes: int
+    """Bytes of the node-shared streamed blocks charged to this rank (1/L of the node's copy)."""
+    mapped: bool
+    """``host_backing="mapped"``: blocks stream from the checkpoint file."""
+
+    @property
+    def streamed(self) -> list[int]:
+        """Positions of the streamed blocks (resident ones cross the link once: pinning them
+        would only take budget from the blocks streamed every forward)."""
+        return [i for i, b in enumerate(self.blocks) if not b.resident]
+
+    @property
+    def region_nbytes(self) -> list[int]:
+        """Bytes of each block in this rank's private host region."""
+        return [0 if self.mapped or b.node_shared else b.layout.shard_nbytes for b in self.blocks]
+
+    @property
+    def private_pin_budget_nbytes(self) -> int | None:
+        """What the private region may pin: the budget less the node-shared charge."""
+        if self.pin_budget_nbytes is None:
+            return None
+        return self.pin_budget_nbytes - self.shared_charged_nbytes
+
+    def shared_pin_budget_nbytes(self, private_pinned_nbytes: int) -> int | None:
+        """What the node-shared copy may pin once the private region pinned
+        ``private_pinned_nbytes`` (charged bytes)."""
+        if self.pin_budget_nbytes is None:
+            return None
+        return self.pin_budget_nbytes - private_pinned_nbytes
+
+    @property
+    def gathers(self) -> bool:
+        """Some stack rebuilds its blocks with a collective (group size > 1)."""
+        return any(b.stack.group_size > 1 for b in self.blocks)
+
+    @property
+    def shares(self) -> bool:
+        """Some stack shares a node's host copy with other ranks."""
+        return any(b.stack.share_size > 1 for b in self.blocks)
+
+    def max_chunks(self, axis: str) -> int:
+        """The most chunks of any block of the stacks on weight axis ``axis``."""
+        return max(
+            (b.layout.num_chunks for b in self.blocks if b.stack.group_axis == axis), default=0
+        )
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Device bytes of the resident blocks (each in its own padded buffer)."""
+        return sum(b.layout.padded_nbytes for b in self.blocks if b.resident)
+
+
+def charged_nbytes(nbytes: int, share_ranks: int) -> int:
+    """What one of ``share_ranks`` ranks sharing ``nbytes`` of host memory is charged for it:
+    ``ceil(nbytes / share_ranks)``, so the charges of a node's ranks cover the whole copy."""
+    return -(-nbytes // share_ranks)
+
+
+def payload_nbytes(name: str, tensors: TensorDescription) -> int:
+    """A block's payload bytes (the end of its last tensor): the same for every group size
+    and chunking."""
+    return plan_block_layout(name, tensors, group_size=1, chunk_nbytes=ALIGN).nbytes
+
+
+def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
+    """What no layer plan can serve, refused by name.
+
+    Raises:
+        ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack;
+            node-shared stacks on different weight axes (one host copy per node and axis).
+    """
+    if host_backing == "mapped":
+        for s in stacks:
+            if s.group_size > 1 or s.transfer == "node-shared":
+                raise ValueError(
+                    f"host_backing='mapped' applies to rank-local stacks only, but stack "
+                    f"{s.container_path!r} uses transfer {s.transfer!r} (group size "
+                    f"{s.group_size}): AllGather stacks keep per-rank shards, node-shared ones "
+                    "a node's copy in shared memory (use host_backing='region')"
+                )
+    axes = {s.container_path: s.share_axis for s in stacks if s.transfer == "node-shared"}
+    if len(set(axes.values())) > 1:
+        raise ValueError(
+            f"node-shared stacks share one host copy per node along one weight axis, but they "
+            f"resolve to different axes: {axes} (set one weight_axis)"
+        )
+
+
+def plan_layers(
+    stacks: Sequence[BlockStack],
+    tensors: Mapping[str, TensorDescription],
+    *,
+    chunk_nbytes: int,
+    num_slots: int,
+    pin_budget_nbytes: int | None = None,
+    host_backing: str = "region",
+    node_sharers: int = 1,
+) -> LayerPlan:
+    """The layer plan of ``stacks`` (see [Note: layer plan]).
+
+    Args:
+        stacks: the resolved stacks, each with a concrete transfer (no ``"auto"``).
+        tensors: block path -> the block's tensor description, for every block of ``stacks``.
+        chunk_nbytes: the config's chunk size in bytes.
+        num_slots: device slots of the ring.
+        pin_budget_nbytes: the config's pin budget in bytes (None: no budget).
+        host_backing: ``"region"`` or ``"mapped"``.
+        node_sharers: L, this rank's sharers of the node-shared copy (itself included).
+    Returns:
+        The :class:`LayerPlan`.
+    Raises:
+        ValueError: a stack the plan cannot serve (:func:`check_stacks`), an ``"auto"``
+            transfer left, or a layout error (an overlapping tensor, a size past int64).
+
+    Example:
+        >>> s = BlockStack(component="dit", component_path="", container_path="blocks",
+        ...                block_paths=("blocks.0",), transfer="rank-local", num_resident=0,
+        ...                group_axis="local", group_size=1)
+        >>> t = {"blocks.0": [("w", "param", (4, 4), (4, 1), torch.float32)]}
+        >>> plan_layers([s], t, chunk_nbytes=1 << 20, num_slots=2).slot_nbytes
+        256
+    """
+    check_stacks(stacks, host_backing=host_backing)
+    blocks: list[BlockPlan] = []
+    for stack in stacks:
+        if stack.transfer == "auto":
+            raise ValueError(f"stack {stack.container_path!r}: transfer='auto' is not decided")
+        for i, path in enumerate(stack.block_paths):
+            layout = plan_block_layout(
+                path, tensors[path], group_size=stack.group_size, chunk_nbytes=chunk_nbytes
+            )
+            blocks.append(BlockPlan(path, stack, i < stack.num_resident, layout))
+    streamed = [b for b in blocks if not b.resident]
+    return LayerPlan(
+        blocks=tuple(blocks),
+        manifest=build_manifest([b.layout for b in blocks]),
+        num_slots=num_slots,
+        slot_nbytes=max((b.layout.padded_nbytes for b in streamed), default=0),
+        pin_budget_nbytes=pin_budget_nbytes,
+        shared_charged_nbytes=sum(
+            charged_nbytes(b.layout.shard_nbytes, node_sharers if b.stack.share_size > 1 else 1)
+            for b in streamed
+            if b.node_shared
+        ),
+        mapped=host_backing == "mapped",
+    )
