@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import json
 import re
@@ -332,7 +333,7 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "group_rank": "always 0",
         "delegated": "`True` when enable was delegated to a `SupportsModelOffload` model (the "
         "byte counts are then 0)",
-        "host_nbytes": "host bytes of the copies of every DiT and encoder",
+        "host_nbytes": "host bytes of the copies of every DiT and encoder (padded to whole chunks)",
         "host_region_nbytes": "size of the host region holding them (page-aligned)",
         "host_pinned_nbytes": "bytes of the region that are pinned",
         "device_slot_nbytes": "always 0 (no slots)",
@@ -427,11 +428,11 @@ def section_builders() -> dict[str, Callable[[], str]]:
     """Section name -> a function returning its markdown (without the markers)."""
     out: dict[str, Callable[[], str]] = {}
     for name, cls in CONFIG_CLASSES.items():
-        out[name] = lambda cls=cls: fields_table(cls)
+        out[name] = functools.partial(fields_table, cls)
     for command in subcommands():
-        out[f"cli-{command}"] = lambda command=command: flags_table(command)
+        out[f"cli-{command}"] = functools.partial(flags_table, command)
     for mode in STATS_MEANINGS:
-        out[f"stats-{mode}"] = lambda mode=mode: stats_table(mode)
+        out[f"stats-{mode}"] = functools.partial(stats_table, mode)
     return out
 
 

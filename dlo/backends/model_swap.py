@@ -54,11 +54,11 @@ from dlo.host.shards import copy_back, pack_shard, shard_view, unpack_tensor, wr
 from dlo.journal import Journal
 from dlo.plan.checks import check_blocks
 from dlo.plan.declarations import SupportsModelOffload, get_by_path
+from dlo.plan.layers import plan_units
 from dlo.plan.layout import (
     BlockLayout,
     describe_entries,
     module_tensor_entries,
-    plan_block_layout,
 )
 from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
 from dlo.platform.device import Platform
@@ -172,14 +172,14 @@ class ModelSwapBackend(OffloadBackend):
             [(f"{p}.{n}", t) for p, m in comps for n, _, t in module_tensor_entries(m)], rank=0
         )
         faults.check("manifest_build")
-        chunk = self.config.chunk_nbytes
+        entries = {p: module_tensor_entries(m) for p, m in comps}
+        layouts = plan_units(
+            {p: describe_entries(e) for p, e in entries.items()},
+            chunk_nbytes=self.config.chunk_nbytes,
+        )
         for (path, kind), (_, module) in zip(units_paths, comps):
-            entries = module_tensor_entries(module)
-            layout = plan_block_layout(
-                path, describe_entries(entries), group_size=1, chunk_nbytes=chunk
-            )
-            tensors = [t for _, _, t in entries]
-            self._units.append(_Unit(path, kind, module, layout, tensors))
+            tensors = [t for _, _, t in entries[path]]
+            self._units.append(_Unit(path, kind, module, layouts[path], tensors))
         self._region = HostRegion([u.layout.shard_nbytes for u in self._units])
         journal.record("host region", self._region.close)
         for i, u in enumerate(self._units):

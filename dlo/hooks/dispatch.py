@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -303,3 +305,47 @@ def _unwind(
                 type(module).__qualname__,
                 exc_info=True,
             )
+
+
+class _Callback(_NotCopyable):
+    """A callable dlo registers on a module (see :class:`_NotCopyable`)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+class _ApplyHandle:
+    """Installs a refusal of ``module._apply`` as an instance attribute; ``remove`` puts back
+    what was there (normally nothing, so the class method shows through again)."""
+
+    def __init__(self, module: nn.Module, guard: _Callback) -> None:
+        self._module = weakref.ref(module)
+        self._guard = guard
+        self._previous = vars(module).get("_apply")
+        vars(module)["_apply"] = guard
+
+    def remove(self) -> None:
+        module = self._module()
+        if module is None or vars(module).get("_apply") is not self._guard:
+            return
+        if self._previous is None:
+            del vars(module)["_apply"]
+        else:
+            vars(module)["_apply"] = self._previous
+
+
+def _remove_dispatchers(state: _ModuleState) -> None:
+    if state.pre_handle is not None:
+        state.pre_handle.remove()
+        state.pre_handle = None
+    if state.post_handle is not None:
+        state.post_handle.remove()
+        state.post_handle = None
+
+
+def _names_of_hook(state: _ModuleState, hook: ModelHook) -> str:
+    names = [f"{e.owner.owner}:{e.name}" for e in state.entries if e.hook is hook]
+    return ", ".join(names) or "?"

@@ -131,6 +131,19 @@ def payload_nbytes(name: str, tensors: TensorDescription) -> int:
     return plan_block_layout(name, tensors, group_size=1, chunk_nbytes=ALIGN).nbytes
 
 
+def plan_units(
+    tensors: Mapping[str, TensorDescription], *, chunk_nbytes: int
+) -> dict[str, BlockLayout]:
+    """Layouts of the components the model-level swap moves whole (component path -> its
+    tensor description): each is laid out like a block of a group of one, so its host copy
+    is one exact-size region entry and it loads in one copy (see [Note: swap protocol] in
+    :mod:`dlo.backends.model_swap`)."""
+    return {
+        path: plan_block_layout(path, t, group_size=1, chunk_nbytes=chunk_nbytes)
+        for path, t in tensors.items()
+    }
+
+
 def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
     """What no layer plan can serve, refused by name.
 

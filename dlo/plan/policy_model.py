@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlo.config.fields import GIB, TRANSFERS
+from dlo.config.fields import (
+    GIB,
+    TRANSFERS,
+    _check_int,
+    _check_int_or_auto,
+    _check_positive_number,
+)
 from dlo.plan.layout import chunking
 
 GB = 1e9
@@ -207,23 +213,12 @@ def _check_input(inp: PolicyInput) -> None:
     for axis, bw in m.allgather_bps.items():
         if not (math.isfinite(bw) and bw > 0):
             raise ValueError(f"measured allgather_bps[{axis!r}]={bw!r} must be finite and > 0")
-    if inp.chunk_nbytes < 1:
-        raise ValueError(f"chunk_nbytes={inp.chunk_nbytes} must be >= 1")
-    if inp.num_slots != "auto" and (
-        isinstance(inp.num_slots, bool) or not isinstance(inp.num_slots, int) or inp.num_slots < 1
-    ):
-        raise ValueError(f"num_slots={inp.num_slots!r} must be an int >= 1 or 'auto'")
-    if inp.resident_layers != "auto" and (
-        isinstance(inp.resident_layers, bool)
-        or not isinstance(inp.resident_layers, int)
-        or inp.resident_layers < 0
-    ):
-        raise ValueError(f"resident_layers={inp.resident_layers!r} must be an int >= 0 or 'auto'")
-    gb = inp.device_budget_gb
-    if gb is not None and (
-        isinstance(gb, bool) or not isinstance(gb, (int, float)) or not math.isfinite(gb) or gb <= 0
-    ):
-        raise ValueError(f"device_budget_gb={gb!r} must be a finite number > 0")
+    _check_int("chunk_nbytes", inp.chunk_nbytes, minimum=1)
+    # the config's own rules for the knobs it hands over (one home: dlo.config.fields)
+    _check_int_or_auto("num_slots", inp.num_slots, minimum=1)
+    _check_int_or_auto("resident_layers", inp.resident_layers, minimum=0)
+    if inp.device_budget_gb is not None:
+        _check_positive_number("device_budget_gb", inp.device_budget_gb)
     for s in inp.stacks:
         if s.transfer not in TRANSFERS:
             raise ValueError(f"stack {s.name!r}: transfer={s.transfer!r} is not a transfer")

@@ -80,7 +80,7 @@ class BlockStack:
     block_paths: tuple[str, ...]
     """Dotted path of each block from the pipeline, in execution order."""
     transfer: str
-    """Effective transfer: ``"rank-local"``, ``"allgather"`` or ``"auto"``."""
+    """Effective transfer: ``"rank-local"``, ``"allgather"``, ``"node-shared"`` or ``"auto"``."""
     num_resident: int
     """How many leading blocks stay on the device (``0..len(block_paths)``)."""
     group_axis: str

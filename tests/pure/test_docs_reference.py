@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 import dlo
+from dlo.host.region import LEDGER
 from tests import reference_tables as rt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -122,7 +123,9 @@ def test_legacy_flags_table_matches_from_flags() -> None:
     # every flag from_flags knows: its refusal of an unknown flag lists them
     with pytest.raises(ValueError, match=r"known: (\[.*\])") as info:
         dlo.OffloadConfig.from_flags(not_a_flag=True)
-    known = ast.literal_eval(info.match(r"known: (\[.*\])").group(1))
+    listed = re.search(r"known: (\[.*\])", str(info.value))
+    assert listed is not None
+    known = ast.literal_eval(listed.group(1))
     assert sorted(rows) == sorted(known), "docs/reference.md's legacy flags table is not every flag"
     for flag, default in rows.items():
         # a flag at its default selects nothing
@@ -291,8 +294,18 @@ _EXAMPLES = _runnable_examples()
 @pytest.mark.parametrize(
     "doc, line, code", _EXAMPLES, ids=[f"{doc}:{line}" for doc, line, _ in _EXAMPLES]
 )
-def test_runnable_example(doc: str, line: int, code: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runnable_example(
+    doc: str, line: int, code: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     # one process, no process group: the examples are single-rank
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
-    exec(compile(code, f"{doc}:{line}", "exec"), {"__name__": f"example_{line}"})
+    monkeypatch.chdir(tmp_path)  # what an example writes (a checkpoint) lands here
+    namespace: dict[str, Any] = {"__name__": f"example_{line}"}
+    exec(compile(code, f"{doc}:{line}", "exec"), namespace)
+    # an example may leave offload enabled, as a user's script would; later tests must not
+    # see its host memory
+    for value in namespace.values():
+        if isinstance(value, dlo.OffloadBackend) and value.is_enabled():
+            value.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0), f"{doc}:{line} left host memory"
