@@ -17,17 +17,21 @@ from torch import nn
 
 from dlo import faults
 from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
 from dlo.host.mapped import MappedBlock
-from dlo.host.node_share import SharedBlock, share_host
+from dlo.host.node_share import SharedBlock, share_host, sharers
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport
 from dlo.host.shards import copy_back, unpack_tensor, written_tensors
 from dlo.io.materialize import mapped_source
 from dlo.journal import Journal
+from dlo.parallel.agreement import RankReport
+from dlo.parallel.groups import World, group_of
 from dlo.plan.layers import BlockPlan, LayerPlan
 from dlo.plan.layout import BlockLayout
 from dlo.plan.topology import BlockStack
 from dlo.platform.device import Platform
+from dlo.platform.env import torchrun_env
 
 logger = logging.getLogger(__name__)
 
@@ -186,26 +190,35 @@ class LayerHost:
         self,
         plan: LayerPlan,
         journal: Journal,
+        reports: Sequence[RankReport],
+        parallel: ParallelConfig,
+        world: World,
         *,
-        members: list[int],
-        tokens: list[str],
-        rank: int,
-        world_size: int,
+        exchanges: bool,
     ) -> None:
         """Pack the node-shared blocks into the node's copy (see [Note: node-shared host
-        copy] in :mod:`dlo.host.node_share`) with the ``members`` of this rank's share
-        group on its node (``tokens``: theirs, from the agreement)."""
+        copy] in :mod:`dlo.host.node_share`), shared with the ranks of this rank's share
+        group on its node. The agreement compared every stack's transfer, so either every
+        exchanging rank has such blocks and meets the others here, or none has."""
         shared = [b for b in self.blocks if b.node_shared]
         if not shared:
             return
         assert self.region is not None
         cfg = self.config
+        # no exchange: a share group of one (the weight axis has one rank), or one process
+        axis = shared[0].stack.share_axis
+        members = (
+            sharers(reports, group_of(parallel, axis, world.rank), world.rank)
+            if exchanges
+            else [world.rank]
+        )
+        token_of = {r.rank: r.token for r in reports}
         region, fallback = share_host(
             [SharedBlock(b.name, b.layout, b.tensors, streamed=not b.resident) for b in shared],
-            tokens=tokens,
+            tokens=[token_of[r] for r in members],
             members=members,
-            rank=rank,
-            world_size=world_size,
+            rank=world.rank,
+            world_size=world.size if exchanges else 1,
             platform=self.platform,
             pin=cfg.pin_memory,
             budget_nbytes=plan.shared_pin_budget_nbytes(self.region.charged_pinned_nbytes),
@@ -259,3 +272,15 @@ class LayerHost:
             )
             return
         copy_back(b.host_view(), written)
+
+
+def expected_sharers(parallel: ParallelConfig, world: World, axis: str, size: int) -> int:
+    """L before the agreement names the hosts: the ranks of this rank's share group (the
+    weight axis ``axis`` of ``size`` ranks) on its node, as torchrun places them
+    (``LOCAL_WORLD_SIZE`` consecutive ranks per node)."""
+    if not world.distributed or size == 1:
+        return 1
+    per_node = max(1, torchrun_env().local_world_size)
+    node = world.rank // per_node
+    group = group_of(parallel, axis, world.rank)
+    return max(1, sum(r // per_node == node for r in group))

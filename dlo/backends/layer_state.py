@@ -8,6 +8,7 @@ from typing import Any
 
 from dlo.backends.layer_host import LayerBlock, LayerHost
 from dlo.backends.layer_runtime import Transports
+from dlo.config.fields import MIB
 from dlo.plan.layers import charged_nbytes
 from dlo.platform.device import Platform
 from dlo.runtime.ring import RingScheduler
@@ -36,6 +37,23 @@ class LayerState:
     @property
     def blocks(self) -> list[LayerBlock]:
         return self.host.blocks if self.host else []
+
+    def describe(self) -> str:
+        """One line saying what the enable built (logged at INFO)."""
+        host, pool, blocks = self.host, self.pool, self.blocks
+        region, shared = (host.region, host.shared) if host else (None, None)
+        return (
+            f"dlo layer offload enabled: {sum(not b.resident for b in blocks)} streamed + "
+            f"{sum(b.resident for b in blocks)} resident blocks, "
+            f"{len(pool.slots) if pool else 0} slots x "
+            f"{(pool.slot_nbytes if pool else 0) / MIB:.1f} MiB, host "
+            f"{region.nbytes / MIB if region else 0:.1f} MiB (pinned "
+            f"{region.pinned_nbytes / MIB if region else 0:.1f} MiB), node-shared "
+            f"{shared.nbytes / MIB if shared else 0:.1f} MiB over "
+            f"{shared.share_ranks if shared else 1} ranks, mapped from the checkpoint "
+            f"{sum(b.mapped.mapped_nbytes for b in blocks if b.mapped) / MIB:.1f} MiB, "
+            f"{self.enable_time_s:.2f}s"
+        )
 
     def stats(self, platform: Platform, *, enabled: bool, host_backing: str) -> dict[str, Any]:
         """The statistics (see the module docstring); synchronizes the device."""

@@ -45,7 +45,7 @@ from typing import Any
 from dlo import faults
 from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
 from dlo.backends.base import OffloadBackend, claim_components
-from dlo.backends.layer_host import LayerBlock, LayerHost
+from dlo.backends.layer_host import LayerBlock, LayerHost, expected_sharers
 from dlo.backends.layer_runtime import (
     allocate_slots,
     build_transports,
@@ -55,11 +55,9 @@ from dlo.backends.layer_runtime import (
 )
 from dlo.backends.layer_state import LayerState
 from dlo.backends.model_hooks import check_not_released
-from dlo.config.fields import MIB
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
-from dlo.host.node_share import sharers
 from dlo.host.region import HostRegion
 from dlo.journal import Journal
 from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
@@ -71,7 +69,7 @@ from dlo.plan.layers import LayerPlan, TensorDescription, plan_layers
 from dlo.plan.layout import describe_entries, module_tensor_entries
 from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
 from dlo.platform.device import Platform
-from dlo.platform.env import host_name, process_peak_rss_bytes, torchrun_env
+from dlo.platform.env import host_name, process_peak_rss_bytes
 from dlo.runtime.ring import RingScheduler
 
 logger = logging.getLogger(__name__)
@@ -272,7 +270,7 @@ class LayerwiseBackend(OffloadBackend):
 
         # 5: after agreement; failures here poison a multi-rank backend
         try:
-            self._share_host_copy(layer, reports, journal, exchanges)
+            host.share(layer, journal, reports, self.parallel, self.world, exchanges=exchanges)
             self._build_runtime(pipeline, plan, layer, journal, verdict.copy_gather)
             faults.check("commit")  # 6: commit
         except BaseException as e:
@@ -281,7 +279,7 @@ class LayerwiseBackend(OffloadBackend):
             raise
         state.enable_time_s = time.perf_counter() - t0
         state.enable_peak_rss = process_peak_rss_bytes()
-        self._log_enabled(layer)
+        logger.info("%s", state.describe())
 
     # ------------------------------------------------------------------ steps
     def _plan_layers(
@@ -299,46 +297,11 @@ class LayerwiseBackend(OffloadBackend):
             num_slots=cfg.num_slots,
             pin_budget_nbytes=cfg.pin_budget_nbytes,
             host_backing=cfg.host_backing,
-            node_sharers=self._expected_sharers(share.share_axis, share.share_size) if share else 1,
-        )
-
-    def _expected_sharers(self, axis: str, size: int) -> int:
-        """L before the agreement names the hosts: the share group's ranks on this rank's
-        node as torchrun places them (``LOCAL_WORLD_SIZE`` consecutive ranks per node)."""
-        world = self.world
-        if not world.distributed or size == 1:
-            return 1
-        per_node = max(1, torchrun_env().local_world_size)
-        node = world.rank // per_node
-        group = group_of(self.parallel, axis, world.rank)
-        return max(1, sum(r // per_node == node for r in group))
-
-    def _share_host_copy(
-        self, layer: LayerPlan, reports: list[RankReport], journal: Journal, exchanges: bool
-    ) -> None:
-        """The node's copy of the node-shared blocks. The agreement compared every stack's
-        transfer (``settings_of``), so either every exchanging rank has such blocks and
-        meets the others here, or none has."""
-        host, world = self._state.host, self.world
-        assert host is not None
-        shared = [b for b in host.blocks if b.node_shared]
-        if not shared:
-            return
-        # no exchange: a share group of one (the weight axis has one rank), or one process
-        axis = shared[0].stack.share_axis
-        members = (
-            sharers(reports, group_of(self.parallel, axis, world.rank), world.rank)
-            if exchanges
-            else [world.rank]
-        )
-        token_of = {r.rank: r.token for r in reports}
-        host.share(
-            layer,
-            journal,
-            members=members,
-            tokens=[token_of[r] for r in members],
-            rank=world.rank,
-            world_size=world.size if exchanges else 1,
+            node_sharers=(
+                expected_sharers(self.parallel, self.world, share.share_axis, share.share_size)
+                if share
+                else 1
+            ),
         )
 
     def _build_runtime(
@@ -378,27 +341,6 @@ class LayerwiseBackend(OffloadBackend):
             owner=f"dlo.layer#{id(self):x}",
             rank=rank,
             journal=journal,
-        )
-
-    def _log_enabled(self, layer: LayerPlan) -> None:
-        state = self._state
-        host, pool = state.host, state.pool
-        region, shared = (host.region, host.shared) if host else (None, None)
-        blocks = state.blocks
-        logger.info(
-            "dlo layer offload enabled: %d streamed + %d resident blocks, %d slots x %.1f MiB, "
-            "host %.1f MiB (pinned %.1f MiB), node-shared %.1f MiB over %d ranks, mapped from "
-            "the checkpoint %.1f MiB, %.2fs",
-            sum(not b.resident for b in blocks),
-            sum(b.resident for b in blocks),
-            layer.num_slots,
-            (pool.slot_nbytes if pool else 0) / MIB,
-            region.nbytes / MIB if region else 0,
-            region.pinned_nbytes / MIB if region else 0,
-            shared.nbytes / MIB if shared else 0,
-            shared.share_ranks if shared else 1,
-            sum(b.mapped.mapped_nbytes for b in blocks if b.mapped) / MIB,
-            state.enable_time_s,
         )
 
     # ------------------------------------------------------------------ telemetry

@@ -17,16 +17,24 @@ from dlo.models.presets import get_preset
 from dlo.platform.device import Platform
 from dlo.runtime.measure import barrier, device_peak_nbytes, over_ranks, sample_seconds
 
-METHODS = (
-    "resident",
+MANUAL_DLO_METHODS = (
     "dlo-ring",
     "dlo-rank-local",
     "dlo-node-shared",
     "dlo-allgather",
     "dlo-allgather-copy",
     "dlo-allgather-copy-kernel",
-    "dlo-auto",
-    "dlo-auto-compute",
+)
+"""The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
+
+
+AUTO_METHODS = ("dlo-auto", "dlo-auto-compute")
+
+
+METHODS = (
+    "resident",
+    *MANUAL_DLO_METHODS,
+    *AUTO_METHODS,
     "dlo-swap",
     "fsdp2-offload",
     "diffusers-group",
@@ -104,17 +112,3 @@ def _clean(platform: Platform) -> None:
     platform.synchronize()
     platform.empty_cache()
     platform.reset_peak_memory_stats()
-
-
-MANUAL_DLO_METHODS = (
-    "dlo-ring",
-    "dlo-rank-local",
-    "dlo-node-shared",
-    "dlo-allgather",
-    "dlo-allgather-copy",
-    "dlo-allgather-copy-kernel",
-)
-"""The dlo methods with hand-picked settings (``dlo-auto`` is compared against them)."""
-
-
-AUTO_METHODS = ("dlo-auto", "dlo-auto-compute")
