@@ -210,6 +210,20 @@ class RingScheduler:
 
     # ------------------------------------------------------------------ hot path
     def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        self._claim(block, args, kwargs)
+        try:
+            self._activate(block)
+            faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
+        except BaseException as e:
+            # this hook's own post-forward will not run (its pre-forward did not complete):
+            # release the block here so the ring stays sound for the next forward
+            self._abandon(block, e)
+            if isinstance(e, (OffloadError, InjectedFault)) or not isinstance(e, Exception):
+                raise  # InjectedFault: an injected "user error inside the block"
+            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def _claim(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        """Claim the ring for ``block``'s forward through the guard, or refuse it."""
         if self.poisoned is not None:
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
         busy = self.guard.claim(block, block.name, conflicts=lambda c: True)
@@ -232,51 +246,46 @@ class RingScheduler:
         except BaseException:
             self.guard.release(block)
             raise
-        compute = self.platform.current_stream()
-        try:
-            if block.state == IDLE:
-                block.num_demand_loads += 1
-                slot = self._acquire(block, protect=())
-                assert slot is not None, "no slot to evict while nothing runs"
-                self._load(block, slot)
-            slot = block.slot
-            assert slot is not None
-            self._wait(block, slot, compute)
-            self._rebind(block, block.views[slot.index])
-            block.versions = [t._version for t in block.tensors]
-            block.state = RUNNING
-            block.num_runs += 1
-            self._prefetch(block)
-            faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
-        except BaseException as e:
-            # this hook's own post-forward will not run (its pre-forward did not complete):
-            # release the block here so the ring stays sound for the next forward
-            if block.state == RUNNING:
-                self.exit(block)
-            else:
-                self.guard.release(block)
-            if block.state == LOADED and block.slot is not None:
-                # its load failed (or was never waited for): the slot holds nothing usable
-                block.slot.owner, block.slot, block.state = None, None, IDLE
-            if not isinstance(e, Exception):
-                # KeyboardInterrupt (or another BaseException) inside dlo's own loading: a
-                # prefetch may be half enqueued, and a rank of a gathering group has left
-                # the group's collective sequence midway
-                self._drop_loaded()
-                if self._gathers():
-                    self.poisoned = (
-                        f"interrupted ({type(e).__name__}) while loading weights with a "
-                        "collective; the group is out of step: recreate the worker"
-                    )
-                raise
-            if isinstance(e, InjectedFault):
-                raise  # an injected "user error inside the block"
-            if block.transport.group_size > 1:
-                # the group may be misaligned now: no further weight collective is safe
-                self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
-            if isinstance(e, OffloadError):
-                raise
-            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
+
+    def _activate(self, block: StreamedBlock) -> None:
+        """Steps 1-4 of [Note: ring protocol]: load on demand, wait, rebind, prefetch."""
+        if block.state == IDLE:
+            block.num_demand_loads += 1
+            slot = self._acquire(block, protect=())
+            assert slot is not None, "no slot to evict while nothing runs"
+            self._load(block, slot)
+        slot = block.slot
+        assert slot is not None
+        self._wait(block, slot, self.platform.current_stream())
+        self._rebind(block, block.views[slot.index])
+        block.versions = [t._version for t in block.tensors]
+        block.state = RUNNING
+        block.num_runs += 1
+        self._prefetch(block)
+
+    def _abandon(self, block: StreamedBlock, e: BaseException) -> None:
+        """Release ``block`` after ``e`` ended its enter; poison the ring where the group may
+        be out of step."""
+        if block.state == RUNNING:
+            self.exit(block)
+        else:
+            self.guard.release(block)
+        if block.state == LOADED and block.slot is not None:
+            # its load failed (or was never waited for): the slot holds nothing usable
+            block.slot.owner, block.slot, block.state = None, None, IDLE
+        if not isinstance(e, Exception):
+            # KeyboardInterrupt (or another BaseException) inside dlo's own loading: a
+            # prefetch may be half enqueued, and a rank of a gathering group has left the
+            # group's collective sequence midway
+            self._drop_loaded()
+            if self._gathers():
+                self.poisoned = (
+                    f"interrupted ({type(e).__name__}) while loading weights with a "
+                    "collective; the group is out of step: recreate the worker"
+                )
+        elif not isinstance(e, InjectedFault) and block.transport.group_size > 1:
+            # the group may be misaligned now: no further weight collective is safe
+            self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
 
     def _drop_loaded(self) -> None:
         """Forget every loaded (not running) block: its slot is free and it loads again."""
