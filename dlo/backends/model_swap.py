@@ -288,10 +288,12 @@ class ModelSwapBackend(OffloadBackend):
                 block=unit.path,
             )
         try:
-            self._guard.refuse_unsupported(
-                unit.path, unit.tensors, args, kwargs or {}, check_inputs=False
-            )
-            self.activate(unit)
+            self._guard.refuse_unsupported(unit.path, unit.tensors, args, kwargs or {})
+            # [Note: no inference tensors] in dlo.backends.base: the forward may run under
+            # the caller's inference_mode, and weights allocated there would be inference
+            # tensors (another kernel path than the resident model's, and no autograd later)
+            with torch.inference_mode(False):
+                self.activate(unit)
         except BaseException:
             self.exit(unit)
             raise

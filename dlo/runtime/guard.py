@@ -167,8 +167,6 @@ class Guard:
         weights: list[torch.Tensor],
         args: tuple,
         kwargs: dict,
-        *,
-        check_inputs: bool = True,
     ) -> None:
         """What a managed module's forward cannot do, refused before anything is enqueued
         (see the module docstring); ``weights`` are the module's managed tensors."""
@@ -195,8 +193,7 @@ class Guard:
                 rank=self.rank,
                 block=name,
             )
-        if check_inputs:
-            self._check_inputs(name, weights, args, kwargs)
+        self._check_inputs(name, weights, args, kwargs)
 
     def _check_inputs(
         self, name: str, weights: list[torch.Tensor], args: tuple, kwargs: dict

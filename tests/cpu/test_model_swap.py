@@ -270,3 +270,70 @@ def test_a_component_arriving_while_one_it_would_evict_runs_is_refused() -> None
     with torch.no_grad():  # nothing stuck: every component runs again
         assert torch.equal(pipe(x), ref(x))
     backend.disable()
+
+
+class _TransposedBlock(nn.Module):
+    """A block whose matmul reads its input transposed (the shape of the issue's repro)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x.transpose(0, 1)).transpose(0, 1)
+
+
+class _TransposedDiT(nn.Module):
+    _layerwise_offload_blocks_attrs: ClassVar[list[str]] = ["blocks"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.blocks = nn.ModuleList([_TransposedBlock() for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_swap_is_bitwise_under_either_grad_mode_and_weights_are_never_inference_tensors(
+    grad_mode: str,
+) -> None:
+    """The swap's device copy is made inside the caller's forward: under inference_mode it
+    used to be an inference tensor (another kernel path than the resident model, and a model
+    no later no_grad forward or autograd refusal could use)."""
+    mode = torch.inference_mode if grad_mode == "inference_mode" else torch.no_grad
+    model = _TransposedDiT()
+    x = torch.randn(7, 5, 16)
+    with mode():
+        ref = model(x)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(mode="module"), device="cpu")
+    assert backend is not None
+    for _ in range(2):
+        with mode():
+            out = model(x)
+        assert torch.equal(out, ref)
+        assert not any(p.is_inference() for p in model.parameters())
+    with torch.no_grad():  # the other mode on the same resident copy
+        assert torch.equal(model(x), ref)
+    backend.disable()
+    with mode():
+        assert torch.equal(model(x), ref)
+
+
+def test_swap_refuses_autograd_like_the_ring() -> None:
+    model = _TransposedDiT()
+    x = torch.randn(7, 5, 16)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(mode="module"), device="cpu")
+    assert backend is not None
+    with pytest.raises(OffloadError, match="autograd enabled"):
+        model(x.requires_grad_())
+    with pytest.raises(OffloadError, match="autograd enabled"):
+        model(x.detach())  # the weights require grad
+    with torch.no_grad():
+        out = model(x.detach())  # still usable after the refusals
+    backend.disable()
+    with torch.no_grad():
+        assert torch.equal(out, model(x.detach()))
