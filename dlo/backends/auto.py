@@ -283,6 +283,11 @@ def _policy_input(
         chunk_nbytes=cfg.chunk_nbytes,
         measured=Measurements(h2d_bps=1.0),  # replaced once measured
         num_slots=cfg.num_slots,
+        num_slots_note=(
+            "the default; num_slots='auto' sizes it"
+            if cfg.num_slots == {f.name: f.default for f in dataclasses.fields(cfg)}["num_slots"]
+            else "explicit"
+        ),
         resident_layers=resident,
         device_budget_gb=cfg.device_budget_gb,
         non_block_nbytes=non_block,

@@ -32,6 +32,7 @@ from dlo.plan.layout import BlockLayout
 from dlo.plan.topology import BlockStack
 from dlo.platform.device import Platform
 from dlo.platform.env import torchrun_env
+from dlo.platform.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,9 @@ class LayerHost:
         region = HostRegion(plan.region_nbytes)
         self.region = region
         journal.record("host region", region.close)
-        for i, b in enumerate(self.blocks):
+        for i, b in progress(
+            enumerate(self.blocks), desc="dlo: host shards", total=len(self.blocks), unit="block"
+        ):
             if b.node_shared:  # packed after the agreement, into the node's copy
                 continue
             b.region, b.host_index = region, i

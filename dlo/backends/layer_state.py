@@ -108,9 +108,14 @@ class LayerState:
             "num_streamed_blocks": len(streamed),
             "num_resident_blocks": sum(b.resident for b in blocks),
             "num_slots": len(pool.slots) if pool else 0,
-            "gather_engine": "copy"
-            if transports and transports.gather_sync is not None
-            else "nccl",
+            # what gathered: None where nothing did (whole blocks, or a group of one)
+            "gather_engine": (
+                None
+                if not transports or transports.group_size == 1
+                else "copy"
+                if transports.gather_sync is not None
+                else "nccl"
+            ),
             "gather_sync": transports.gather_sync if transports else None,
             "pageable_blocks": list(host.pageable) if host else [],
             "enable_time_s": self.enable_time_s,

@@ -44,6 +44,7 @@ from dlo.backends.model_hooks import (
     install_state_dict_hooks,
     move_tensor,
 )
+from dlo.config.fields import COMPONENTS
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
@@ -160,13 +161,20 @@ class ModelSwapBackend(OffloadBackend):
             self._delegate_to(pipeline, journal)
             return
         # on-demand components are the pipeline's to place: never swapped by dlo
-        units_paths = [(p, "dit") for p in plan.dits if p not in plan.on_demand] + [
-            (p, "encoder") for p in plan.encoders if p not in plan.on_demand
-        ]
+        selected = self.config.components or COMPONENTS
+        kinds = [(p, "dit") for p in plan.dits] + [(p, "encoder") for p in plan.encoders]
+        kinds = [(p, k) for p, k in kinds if p not in plan.on_demand]
+        units_paths = [(p, k) for p, k in kinds if k in selected]
+        # the kinds ``components`` leaves out stay device resident, like the VAEs
+        kept = [p for p, k in kinds if k not in selected]
         if not units_paths:
-            raise OffloadError("mode='module' found no DiT or encoder component to swap")
+            raise OffloadError(
+                f"mode='module' found no {' or '.join(selected)} component to swap "
+                f"(DiTs {list(plan.dits)}, encoders {list(plan.encoders)})"
+            )
         comps = [(p, get_by_path(pipeline, p)) for p, _ in units_paths]
-        claim_components(comps + [(p, get_by_path(pipeline, p)) for p in plan.vaes], owner, journal)
+        residents = [(p, get_by_path(pipeline, p)) for p in (*plan.vaes, *kept)]
+        claim_components(comps + residents, owner, journal)
         check_blocks(comps, every_component(pipeline, plan))
         check_not_released(
             [(f"{p}.{n}", t) for p, m in comps for n, _, t in module_tensor_entries(m)], rank=0
@@ -215,7 +223,7 @@ class ModelSwapBackend(OffloadBackend):
             u.timer, u.free, u.ready = StreamTimer(pf), pf.new_event(), pf.new_event()
         faults.check("device_placement")
         unit_ids = {id(u.module) for u in self._units}
-        for path in (*plan.vaes, *plan.resident_modules):
+        for path in (*plan.vaes, *kept, *plan.resident_modules):
             module = get_by_path(pipeline, path)
             if id(module) not in unit_ids:  # a resident module inside a unit swaps with it
                 self._place(module, journal)

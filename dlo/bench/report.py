@@ -81,6 +81,15 @@ def markdown(report: dict[str, Any]) -> str:
         )
         + ".",
         "",
+        *(
+            [
+                "**CPU platform: these timings are not meaningful** (no streams, nothing "
+                "overlaps, every copy is a memcpy); they show that each method runs.",
+                "",
+            ]
+            if report["device"] == "cpu"
+            else []
+        ),
         "| method | tokens | ms / forward | x resident | x H2D limit | x best peer | peak HBM GB |"
         " pinned host GB / rank |",
         "|---|---|---|---|---|---|---|---|",

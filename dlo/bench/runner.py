@@ -36,6 +36,7 @@ from torch import nn
 
 from dlo.backends.factory import get_offload_backend
 from dlo.bench.methods import (
+    MANUAL_DLO_METHODS,
     METHODS,
     _build_dit,
     _clean,
@@ -48,12 +49,14 @@ from dlo.bench.methods import (
 )
 from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
 from dlo.bench.report import _ratios, markdown, plot, write_json
+from dlo.commands.args import DTYPES, PRESET_HELP
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.models import get_preset
 from dlo.parallel.groups import current_world
 from dlo.platform.device import get_platform
 from dlo.platform.env import process_rss_bytes
+from dlo.platform.progress import progress
 from dlo.runtime.measure import (
     GB,
     allgather_bandwidth,
@@ -96,6 +99,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
+    requested = list(dict.fromkeys(methods))
     if {"dlo-ring", "dlo-rank-local"} & set(methods):
         methods += ["dlo-ring", "dlo-rank-local"]  # the group-of-one ring at any world size
     block_nbytes = preset.block_nbytes(dtype)
@@ -113,6 +117,28 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "limits": {},
         "results": [],
     }
+    if world.rank == 0:
+        logger.warning(
+            "dlo bench: preset %s (%d blocks x %.1f MB = %.2f GB, %s), tokens %s, %d rank(s) "
+            "on %s; methods: %s",
+            preset.name,
+            preset.num_blocks,
+            block_nbytes / 1e6,
+            preset.num_blocks * block_nbytes / 1e9,
+            args.dtype,
+            ",".join(map(str, tokens_list)),
+            world.size,
+            report["device"],
+            ",".join(requested),
+        )
+        if not platform.has_streams:
+            logger.warning(
+                "dlo bench: CPU platform: nothing overlaps (no streams) and every copy is a "
+                "memcpy, so the timings and ratios below are NOT meaningful; they check that "
+                "every method runs. Measure on a GPU."
+            )
+    for method, why in _skipped(requested, world.size, platform.has_streams):
+        logger.warning("%s: skipped: %s", method, why)
     lim = report["limits"]
     lim.update(h2d_limits(platform, block_nbytes))
     lim["allgather_GBps"] = allgather_bandwidth(platform, block_nbytes) / GB
@@ -177,11 +203,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             for t in tokens_list
             if t in per_block
         ]
-    for method, num_slots, chunk_mb, row_tokens, compute_ms in runs:
+    for method, num_slots, chunk_mb, row_tokens, compute_ms in progress(
+        runs, desc="dlo bench: dlo methods", total=len(runs), unit="setting"
+    ):
         copy = method.startswith("dlo-allgather-copy")
         if copy and not platform.has_streams:
-            logger.warning("%s: needs CUDA GPUs; method skipped", method)
-            continue
+            continue  # said by _skipped
         transfer = (
             "allgather" if method.startswith("dlo-allgather") else
             "node-shared" if method == "dlo-node-shared" else
@@ -272,7 +299,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "diffusers-group" in methods:
         _bench_diffusers_group(preset.name, platform, dtype, tokens_list, args, record)
 
-    if "dlo-swap" in methods and world.size == 1:
+    if "dlo-swap" in methods and world.size == 1 and platform.has_streams:
         report["swap"] = _bench_swap(
             preset.name, platform, dtype, lim["h2d_pinned_alone_GBps"], reps=args.reps
         )
@@ -280,6 +307,29 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     _ratios(report, streamed_bytes)
     return report
+
+
+def _skipped(methods: list[str], world_size: int, gpus: bool) -> list[tuple[str, str]]:
+    """The requested methods this run cannot measure, and why."""
+    out = []
+    for m in dict.fromkeys(methods):
+        if m == "dlo-ring" and world_size > 1:
+            out.append((m, f"one rank only (this run has {world_size}; see dlo-rank-local)"))
+        elif (
+            m in MANUAL_DLO_METHODS and m not in ("dlo-ring", "dlo-rank-local") and world_size == 1
+        ):
+            out.append((m, "needs 2 or more ranks (torchrun --nproc-per-node=N)"))
+        elif m == "dlo-rank-local" and world_size == 1:
+            out.append((m, "with one rank it is dlo-ring (reported under that name)"))
+        elif m.startswith("dlo-allgather-copy") and not gpus:
+            out.append((m, "the copy-engine gather needs CUDA GPUs with peer access"))
+        elif m == "fsdp2-offload" and (world_size == 1 or not gpus):
+            out.append((m, "needs 2 or more CUDA ranks"))
+        elif m == "dlo-swap" and world_size > 1:
+            out.append((m, "one rank only"))
+        elif m == "dlo-swap" and not gpus:
+            out.append((m, "its load times need CUDA streams and events"))
+    return out
 
 
 def int_list(flag: str, text: Any) -> list[int]:
@@ -294,16 +344,18 @@ def int_list(flag: str, text: Any) -> list[int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="medium")
+    """The flags of ``dlo bench``."""
+    p.add_argument("--preset", default="medium", help=PRESET_HELP)
     p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
     p.add_argument(
         "--methods",
         default=",".join(METHODS),
-        help="comma-separated; each runs where the platform and world size allow",
+        help="comma-separated; each runs where the platform and world size allow (the others "
+        "say why they are skipped)",
     )
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2, help="untimed forwards per row (>= 0)")
+    p.add_argument("--reps", type=int, default=5, help="timed forwards per row (>= 1)")
     p.add_argument(
         "--num-slots", default="2", help="slots of the dlo methods; a comma list sweeps them"
     )

@@ -14,6 +14,11 @@ MODES = ("none", "module", "layer")
 
 
 COMPONENTS = ("dit", "encoder")
+"""The component kinds dlo offloads (the canonical names)."""
+COMPONENT_ALIASES = {"dit": "dit", "encoder": "encoder", "text_encoder": "encoder", "vae": "vae"}
+"""What ``components`` and ``layer_options`` accept: the seeds' names as written
+(``"text_encoder"`` is ``"encoder"``; ``"vae"`` selects nothing to offload: VAEs stay
+device resident in every mode)."""
 
 
 TRANSFERS = ("rank-local", "allgather", "node-shared", "auto")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dlo.config.fields import (
+    COMPONENT_ALIASES,
     COMPONENTS,
     GATHER_ENGINES,
     GATHER_SYNCS,
@@ -104,9 +105,12 @@ class OffloadConfig:
     """``"layer"`` streams blocks through device slots (the ring, any group size);
     ``"module"`` swaps whole components (DiTs vs encoders); ``"none"`` disables offload."""
     components: tuple[str, ...] | None = None
-    """Component kinds whose blocks stream (``"dit"``, ``"encoder"``), mode ``"layer"`` only.
-    None is the compatibility topology: every DiT, plus encoders whose block stacks are
-    declared; declaration problems warn and skip. An explicit tuple turns them into errors."""
+    """Component kinds dlo offloads: ``"dit"``, ``"text_encoder"`` (alias ``"encoder"``, the
+    name it is stored under), ``"vae"`` (selects nothing: VAEs stay device resident). With
+    ``mode="layer"`` the kinds whose blocks stream; None is the compatibility topology (every
+    DiT, plus encoders whose block stacks are declared; declaration problems warn and skip),
+    an explicit tuple turns declaration problems into errors. With ``mode="module"`` the
+    kinds that swap (None: DiTs and encoders); the others stay device resident."""
     transfer: str = "rank-local"
     """Default weight transfer: ``"rank-local"`` (each rank holds whole blocks),
     ``"allgather"`` (each rank holds 1/G and the group rebuilds blocks), ``"node-shared"``
@@ -182,12 +186,13 @@ class OffloadConfig:
             if isinstance(self.components, str) or not isinstance(self.components, (tuple, list)):
                 raise TypeError(f"components must be a tuple of str, got {self.components!r}")
             for c in self.components:
-                _check_choice("components", c, COMPONENTS)
-            if len(set(self.components)) != len(self.components):
+                _check_choice("components", c, tuple(COMPONENT_ALIASES))
+            canonical = tuple(COMPONENT_ALIASES[c] for c in self.components)
+            if len(set(canonical)) != len(canonical):
                 raise ValueError(f"components={self.components!r} has duplicates")
             if not self.components:
                 raise ValueError("components=() selects nothing; use mode='none' to disable")
-            object.__setattr__(self, "components", tuple(self.components))
+            object.__setattr__(self, "components", canonical)
         _check_choice("transfer", self.transfer, TRANSFERS)
         _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
         _check_bool("pin_memory", self.pin_memory)
@@ -241,19 +246,21 @@ class OffloadConfig:
                 f"{self.device_budget_gb!r}: the budget sizes the resident blocks (leave "
                 "resident_layers at 0 or set 'auto')"
             )
-        if self.mode == "module" and self.components is not None:
-            raise ValueError(
-                f"components={self.components!r} applies to mode='layer' only; mode='module' "
-                "swaps every discovered DiT and encoder"
-            )
 
     def _validate_layer_options(self) -> None:
         if not isinstance(self.layer_options, Mapping):
             raise TypeError(f"layer_options must be a mapping, got {self.layer_options!r}")
         opts: dict[str, LayerOptions] = {}
         for key, value in self.layer_options.items():
-            _check_choice("layer_options key", key, COMPONENTS)
-            opts[key] = LayerOptions.from_dict(key, value)
+            _check_choice("layer_options key", key, tuple(COMPONENT_ALIASES))
+            if COMPONENT_ALIASES[key] not in COMPONENTS:
+                raise ValueError(
+                    f"layer_options key {key!r}: VAEs are never streamed (they stay device "
+                    "resident); layer options apply to 'dit' and 'text_encoder'"
+                )
+            if COMPONENT_ALIASES[key] in opts:
+                raise ValueError(f"layer_options gives {COMPONENT_ALIASES[key]!r} twice ({key!r})")
+            opts[COMPONENT_ALIASES[key]] = LayerOptions.from_dict(key, value)
         if opts and self.mode == "module":
             raise ValueError(
                 f"layer_options={sorted(opts)} given with mode={self.mode!r}; they apply to "

@@ -19,11 +19,12 @@ class ParallelConfig:
     HSDP (on when either HSDP size is > 1) shards weights over the same ranks:
     ``hsdp_replicate_size * hsdp_shard_size`` must equal that world size, and
     ``tensor_parallel_size`` must be 1 (HSDP's consecutive shard groups would be the tensor
-    groups).
+    groups). Given only the HSDP sizes, the data-parallel size is their product.
     """
 
     data_parallel_size: int = 1
-    """Ranks running different requests of the same shapes, in lock step."""
+    """Ranks running different requests of the same shapes, in lock step (with only HSDP
+    sizes given: ``hsdp_replicate_size * hsdp_shard_size``)."""
     sequence_parallel_size: int = 1
     """Ranks splitting one request's sequence."""
     tensor_parallel_size: int = 1
@@ -36,6 +37,11 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_int(f.name, getattr(self, f.name), minimum=1)
+        if self.use_hsdp and self.world_size == 1:
+            # only HSDP given: its ranks are data-parallel ranks of one request each
+            object.__setattr__(
+                self, "data_parallel_size", self.hsdp_replicate_size * self.hsdp_shard_size
+            )
         if self.use_hsdp and self.tensor_parallel_size > 1:
             # HSDP's shard groups are consecutive ranks, which with TP are the tensor groups:
             # dlo would gather over TP, which never is a weight axis (DESIGN.md section 3)

@@ -16,6 +16,7 @@ their module's ``init_buffers``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,6 +26,9 @@ from torch import nn
 from dlo.models.pipeline import DemoPipeline
 from dlo.models.presets import Preset, get_preset
 from dlo.platform.env import cpu_share
+from dlo.platform.progress import progress
+
+logger = logging.getLogger(__name__)
 
 WEIGHT_STD = 0.02
 """Std of Linear, Embedding and other free weights (modulation tables, positions)."""
@@ -89,9 +93,13 @@ def init_weights(model: nn.Module, seed: int) -> None:
             jobs.append((param, _init_rule(module, local_name, param), tensor_seed(seed, name)))
     # largest first, so one big tensor does not start last
     jobs.sort(key=lambda job: -job[0].numel())
+    total = sum(job[0].numel() * job[0].element_size() for job in jobs)
     with ThreadPoolExecutor(max_workers=max(torch.get_num_threads(), cpu_share())) as pool:
-        for future in [pool.submit(_fill, *job) for job in jobs]:
+        futures = [(pool.submit(_fill, *job), job[0]) for job in jobs]
+        bar = progress(futures, desc="dlo: random weights", total=len(futures), unit="tensor")
+        for future, _param in bar:
             future.result()
+    logger.debug("filled %d tensors (%.2f GB)", len(jobs), total / 1e9)
     with torch.no_grad():
         for module in model.modules():
             init_buffers = getattr(module, "init_buffers", None)

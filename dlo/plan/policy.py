@@ -114,9 +114,16 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
             ),
         )
     elif ag is not None and ag < rl:
-        transfer, reason = "allgather", f"auto: {ag_ms:.3f} < {rl_ms:.3f} ms per block"
+        transfer, reason = (
+            "allgather",
+            f"auto: modeled AllGather {ag_ms:.3f} < whole blocks {rl_ms:.3f} ms per block",
+        )
     else:  # whole blocks; node-shared if the shared memory holds them (see _fit_shared)
-        transfer, reason = "node-shared", f"auto: {rl_ms:.3f} <= {ag_ms:.3f} ms per block"
+        transfer, reason = (
+            "node-shared",
+            f"auto: modeled whole blocks {rl_ms:.3f} <= AllGather {ag_ms:.3f} ms per block; "
+            "the ranks of the weight axis on a node share one host copy of them",
+        )
     local = transfer in ("rank-local", "node-shared")  # whole blocks, no collective
     return StackChoice(
         name=s.name,
@@ -159,9 +166,15 @@ def _fit_shared(inp: PolicyInput, choices: list[StackChoice]) -> list[StackChoic
         padded_nbytes(b, 1, inp.chunk_nbytes) for s, _ in shared for b in s.block_nbytes
     )
     free = inp.measured.shared_memory_nbytes
-    if free is not None and need <= free * (1 - SHARED_MEMORY_HEADROOM):
-        return choices
     what = "the node's copy needs" if copies == 1 else f"the node's {copies} copies need"
+    if free is not None and need <= free * (1 - SHARED_MEMORY_HEADROOM):
+        fits = f" ({what} {_size(need)} of the {_size(free)} free in shared memory)"
+        return [
+            dataclasses.replace(c, reason=c.reason + fits)
+            if c.requested == "auto" and c.transfer == "node-shared"
+            else c
+            for c in choices
+        ]
     why = f"{what} {_size(need)}, shared memory has " + (
         f"{_size(free)} free" if free is not None else "an unknown size"
     )
@@ -284,7 +297,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
             if capacity is None or _weights(inp.stacks, choices, split, slots, chunk)[1] <= capacity
         ]
 
-    slot_note = "explicit"
+    slot_note = inp.num_slots_note
     if inp.num_slots == "auto":
         num_slots = cycle_slots
         while num_slots > 1 and not fitting(num_slots):

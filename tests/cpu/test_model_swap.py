@@ -337,3 +337,58 @@ def test_swap_refuses_autograd_like_the_ring() -> None:
     backend.disable()
     with torch.no_grad():
         assert torch.equal(out, model(x.detach()))
+
+
+@pytest.mark.parametrize(
+    "components, trace",
+    [
+        (
+            ("dit",),  # the encoder stays resident; the DiTs swap against each other
+            [
+                ("text_encoder", ("text_encoder",)),
+                ("transformer", ("text_encoder", "transformer")),
+                ("transformer", ("text_encoder", "transformer")),
+                ("transformer_2", ("text_encoder", "transformer_2")),
+                ("transformer_2", ("text_encoder", "transformer_2")),
+            ],
+        ),
+        (
+            ("text_encoder",),  # only the encoders swap; the DiTs stay resident
+            [
+                ("text_encoder", ("text_encoder", "transformer", "transformer_2")),
+                ("transformer", ("text_encoder", "transformer", "transformer_2")),
+                ("transformer", ("text_encoder", "transformer", "transformer_2")),
+                ("transformer_2", ("text_encoder", "transformer", "transformer_2")),
+                ("transformer_2", ("text_encoder", "transformer", "transformer_2")),
+            ],
+        ),
+    ],
+    ids=["dit", "text_encoder"],
+)
+def test_components_select_which_groups_swap(
+    components: tuple[str, ...], trace: list[tuple[str, tuple[str, ...]]]
+) -> None:
+    """vLLM-Omni's ``{"mode": "module", "components": [...]}``: the selected groups swap, the
+    others stay device resident (untouched here, on the CPU platform)."""
+    pipe = SwapPipeline()
+    ref = clone(pipe)
+    before = snapshot(pipe)
+    backend = dlo.enable_offload(
+        pipe,
+        dlo.OffloadConfig.from_dict({"mode": "module", "components": list(components)}),
+        device="cpu",
+    )
+    assert backend is not None
+    swapped = set(backend.stats()["components"])
+    assert swapped == (
+        {"transformer", "transformer_2"}
+        if components == ("dit",)
+        else {"text_encoder", "empty_encoder"}
+    )
+    x = torch.randn(2, 3, 16)
+    with torch.no_grad():
+        assert torch.equal(ref(x), pipe(x))
+        assert pipe.trace == trace
+    backend.disable()
+    assert_same(before, pipe)
+    assert LEDGER.host_nbytes == 0

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import inspect
 import itertools
+import json
 import math
 import sys
 from collections.abc import Iterator
@@ -238,8 +239,9 @@ def test_components_list_becomes_tuple() -> None:
         ({"dit"}, TypeError, ("components", "{'dit'}")),
         ({"dit": 1}, TypeError, ("components",)),
         (3, TypeError, ("components", "3")),
-        (("vae",), ValueError, ("components", "'vae'")),
-        (("dit", "text_encoder"), ValueError, ("components", "'text_encoder'")),
+        (("unet",), ValueError, ("components", "'unet'")),
+        (("dit", "text-encoder"), ValueError, ("components", "'text-encoder'")),
+        (("dit", "text_encoder", "encoder"), ValueError, ("components", "duplicates")),
         (("dit", 1), TypeError, ("components", "1")),
         (("dit", "dit"), ValueError, ("components", "('dit', 'dit')", "duplicates")),
         ((), ValueError, ("components", "()")),
@@ -398,7 +400,6 @@ def test_layer_options_must_be_selected_by_components() -> None:
         ("resident_layers", 1),
         ("weight_axis", "data"),
         ("weight_axis", "local"),
-        ("components", ("dit",)),
         ("block_compute_ms", 5.0),
         ("transfer", "node-shared"),
     ],
@@ -654,7 +655,6 @@ def test_use_hsdp(replicate: int, shard: int, use: bool) -> None:
 @pytest.mark.parametrize(
     "kwargs, world",
     [
-        ({"hsdp_shard_size": 2}, 1),
         ({"data_parallel_size": 4, "hsdp_shard_size": 2}, 4),
         ({"data_parallel_size": 4, "hsdp_replicate_size": 2, "hsdp_shard_size": 4}, 4),
         ({"data_parallel_size": 2, "sequence_parallel_size": 2, "hsdp_replicate_size": 3}, 4),
@@ -907,7 +907,7 @@ def test_from_dict_round_trips_every_field() -> None:
         ({"enable_layerwise": True}, ValueError, ("unknown", "enable_layerwise")),
         ({"mode": "layer", "transfer": "nccl"}, ValueError, ("transfer", "'nccl'")),
         ({"mode": "bogus"}, ValueError, ("mode", "'bogus'")),
-        ({"components": ["vae"]}, ValueError, ("components", "'vae'")),
+        ({"components": ["vae", "unet"]}, ValueError, ("components", "'unet'")),
         ({"components": "dit"}, TypeError, ("components", "'dit'")),
         ({"layer_options": {"dit": {"bogus": 1}}}, ValueError, ("layer_options['dit']", "bogus")),
         (
@@ -928,7 +928,17 @@ def test_from_dict_round_trips_every_field() -> None:
             ValueError,
             ("layer_options", "'module'"),
         ),
-        ({"mode": "module", "components": ["dit"]}, ValueError, ("components", "'module'")),
+        (
+            {"mode": "layer", "components": ["encoder", "text_encoder"]},
+            ValueError,
+            ("components", "duplicates"),
+        ),
+        (
+            {"layer_options": {"encoder": {}, "text_encoder": {}}},
+            ValueError,
+            ("'encoder' twice", "'text_encoder'"),
+        ),
+        ({"mode": "layer", "components": ["unet"]}, ValueError, ("components", "'unet'")),
         ({"pin_memory": "yes"}, TypeError, ("pin_memory", "'yes'")),
     ],
 )
@@ -941,6 +951,86 @@ def test_from_dict_errors(data: dict[str, Any], exc: type, needles: tuple[str, .
 def test_from_dict_needs_a_mapping(data: Any) -> None:
     with _raises(TypeError, "mapping", type(data).__name__):
         OffloadConfig.from_dict(data)
+
+
+# vLLM-Omni's compact diffusion_offload_config, as its users write it
+VLLM_OMNI_CONFIGS = [
+    (
+        {
+            "mode": "layer",
+            "components": ["dit"],
+            "layer_options": {"dit": {"weight_transfer": "allgather"}},
+        },
+        {"mode": "layer", "components": ("dit",), "dit": "allgather", "encoder": "rank-local"},
+    ),
+    (
+        {
+            "mode": "layer",
+            "components": ["text_encoder"],
+            "layer_options": {"text_encoder": {"weight_transfer": "allgather"}},
+        },
+        {"mode": "layer", "components": ("encoder",), "dit": "rank-local", "encoder": "allgather"},
+    ),
+    (
+        {"mode": "layer", "components": ["dit", "text_encoder"]},
+        {"mode": "layer", "components": ("dit", "encoder"), "dit": "rank-local"},
+    ),
+    (
+        {
+            "mode": "layer",
+            "components": ["dit", "text_encoder"],
+            "layer_options": {
+                "dit": {"weight_transfer": "rank-local"},
+                "text_encoder": {"weight_transfer": "allgather"},
+            },
+        },
+        {
+            "mode": "layer",
+            "components": ("dit", "encoder"),
+            "dit": "rank-local",
+            "encoder": "allgather",
+        },
+    ),
+    (
+        {"mode": "layer", "components": ["dit"], "layer_options": {"dit": {"resident_layers": 20}}},
+        {"mode": "layer", "components": ("dit",), "resident": 20},
+    ),
+    (
+        {"mode": "layer", "components": ["dit"], "pin_memory": False},
+        {"mode": "layer", "components": ("dit",), "pin_memory": False},
+    ),
+    (
+        {"mode": "module", "components": ["dit", "text_encoder"]},
+        {"mode": "module", "components": ("dit", "encoder")},
+    ),
+    ({"mode": "module", "components": ["dit"]}, {"mode": "module", "components": ("dit",)}),
+    (
+        {"mode": "layer", "components": ["dit", "text_encoder", "vae"]},
+        {"mode": "layer", "components": ("dit", "encoder", "vae")},
+    ),
+]
+
+
+@pytest.mark.parametrize("data, expected", VLLM_OMNI_CONFIGS)
+def test_from_dict_reads_vllm_omni_compact_configs_verbatim(
+    data: dict[str, Any], expected: dict[str, Any]
+) -> None:
+    cfg = OffloadConfig.from_dict(data)
+    assert cfg.mode == expected["mode"] and cfg.components == expected["components"]
+    for kind in ("dit", "encoder"):
+        if kind in expected:
+            assert cfg.transfer_for(kind) == expected[kind], kind
+    assert cfg.resident_layers_for("dit") == expected.get("resident", 0)
+    assert cfg.pin_memory is expected.get("pin_memory", True)
+    assert OffloadConfig.from_dict(json.loads(json.dumps(data))) == cfg  # from JSON alike
+
+
+def test_hsdp_sizes_alone_give_the_data_parallel_size() -> None:
+    par = ParallelConfig(hsdp_replicate_size=2, hsdp_shard_size=2)
+    assert (par.data_parallel_size, par.world_size, par.use_hsdp) == (4, 4, True)
+    assert ParallelConfig(hsdp_shard_size=4).data_parallel_size == 4
+    with _raises(ValueError, "hsdp_replicate_size=2", "world size"):
+        ParallelConfig(data_parallel_size=2, hsdp_replicate_size=2, hsdp_shard_size=2)
 
 
 def test_from_dict_does_not_mutate_input() -> None:

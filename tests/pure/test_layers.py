@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dlo.backends",),
     ("dlo.pipelines",),
     ("dlo",),  # the package face, dlo/__init__.py
-    ("dlo.bench", "dlo.cli", "dlo.__main__"),
+    ("dlo.bench", "dlo.commands", "dlo.cli", "dlo.__main__"),
 )
 
 

@@ -183,7 +183,8 @@ def test_whole_blocks_are_node_shared_where_the_shared_memory_holds_them() -> No
         "local",
         1,
     )
-    assert s.reason.startswith("auto: ") and "shared memory" not in s.reason
+    assert s.reason.startswith("auto: ") and "rank-local:" not in s.reason
+    assert "share one host copy" in s.reason and "free in shared memory" in s.reason, s.reason
     assert d.num_slots == 2  # whole blocks: L == P
     assert "-> node-shared" in d.explanation and "free shared memory" in d.explanation
 

@@ -1,0 +1,35 @@
+"""Progress bars on the long phases (building a model, packing host shards, the denoising loop,
+each bench method): rank 0 only, on stderr, and only where stderr is a terminal, unless
+``DLO_PROGRESS`` says otherwise (``1`` always, ``0`` never)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from dlo.platform.env import env_str, torchrun_env
+
+T = TypeVar("T")
+
+
+def progress_enabled() -> bool:
+    """Whether this process shows progress bars (see the module docstring)."""
+    forced = env_str("DLO_PROGRESS")
+    if forced is not None:
+        return forced.strip() not in ("", "0", "false", "no")
+    return torchrun_env().rank == 0 and sys.stderr.isatty()
+
+
+def progress(
+    items: Iterable[T], *, desc: str, total: int | None = None, unit: str = "it", **kw: Any
+) -> Iterator[T]:
+    """``items``, with a progress bar when :func:`progress_enabled`."""
+    if not progress_enabled():
+        yield from items
+        return
+    from tqdm import tqdm
+
+    kw.setdefault("leave", False)
+    with tqdm(items, desc=desc, total=total, unit=unit, file=sys.stderr, **kw) as bar:
+        yield from bar
