@@ -133,10 +133,12 @@ def resolve_automatic(
     world: World,
     tensors: Mapping[str, TensorDescription],
     block_tensor_ids: set[int],
+    sizing_error: Exception | None = None,
 ) -> tuple[OffloadConfig, ResolvedOffloadPlan, dict[str, Any]]:
     """Decide every automatic setting (see the module docstring). ``tensors`` describes every
     block of ``plan`` (block path -> tensor description, as the layer plan reads them) and
-    ``block_tensor_ids`` holds the ids of the blocks' tensors (the rest is non-block state).
+    ``block_tensor_ids`` holds the ids of the blocks' tensors (the rest is non-block state);
+    ``sizing_error`` is this rank's failure to read them (sized like any other failure).
 
     Returns:
         ``(config, plan, policy)``: the config with concrete ``num_slots`` and
@@ -149,6 +151,8 @@ def resolve_automatic(
     ready: tuple[bool, str] = (True, "")
     inp: PolicyInput | None = None
     try:
+        if sizing_error is not None:  # reading the blocks' tensors failed on this rank
+            raise sizing_error
         inp = _policy_input(pipeline, plan, cfg, platform, tensors, block_tensor_ids)
     except Exception as e:
         if not world.distributed:

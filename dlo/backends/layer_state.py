@@ -66,7 +66,13 @@ class LayerState:
             platform.synchronize()
             sched.harvest_all()
         streamed = [b for r in sched.rings for b in r.blocks] if sched else []
-        transfers = {b.stack.transfer for b in blocks}
+        # what ran: an AllGather stack whose weight group is one rank copies whole blocks
+        transfers = {
+            "rank-local"
+            if b.stack.transfer == "allgather" and b.stack.group_size == 1
+            else b.stack.transfer
+            for b in blocks
+        }
         return {
             "enabled": enabled,
             "transfer": next(

@@ -61,15 +61,15 @@ from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.host.region import HostRegion
 from dlo.journal import Journal
 from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
-from dlo.parallel.groups import World, axis_groups, current_world, group_of
+from dlo.parallel.groups import World, axis_groups, current_world, group_of, init
 from dlo.parallel.store import describe_failure, exchanges_started, startup_failed
 from dlo.plan.checks import check_blocks
 from dlo.plan.declarations import get_by_path
-from dlo.plan.layers import LayerPlan, TensorDescription, plan_layers
+from dlo.plan.layers import LayerPlan, TensorDescription, check_stacks, plan_layers
 from dlo.plan.layout import describe_entries, module_tensor_entries
 from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
 from dlo.platform.device import Platform
-from dlo.platform.env import host_name, process_peak_rss_bytes
+from dlo.platform.env import host_name, process_peak_rss_bytes, torchrun_env
 from dlo.runtime.ring import RingScheduler
 
 logger = logging.getLogger(__name__)
@@ -150,11 +150,11 @@ class LayerwiseBackend(OffloadBackend):
 
     def _install_steps(self, pipeline: Any, journal: Journal) -> None:
         t0 = time.perf_counter()
-        cfg, par, world = self.config, self.parallel, current_world()
-        self.world, state = world, self._state
+        cfg, par, state = self.config, self.parallel, self._state
+        plan = resolve_offload_plan(pipeline, cfg, par)
+        world = self.world = self._world_for(plan)
         if world.distributed:
             par.check_world_size(world.size)
-        plan = resolve_offload_plan(pipeline, cfg, par)
         faults.check("config_validated")
         if not plan.stacks or not any(s.block_paths for s in plan.stacks):
             raise OffloadError(
@@ -163,12 +163,20 @@ class LayerwiseBackend(OffloadBackend):
                 rank=world.rank,
             )
         agree_requests(cfg, plan, world)  # every exchanging rank: the same "auto"s
-        entries = {p: module_tensor_entries(get_by_path(pipeline, p)) for p in plan.all_block_paths}
-        tensors = {p: describe_entries(e) for p, e in entries.items()}
+        # read once for the policy and the layer plan; a failure here is this rank's, and
+        # goes to its peers through the policy's readiness exchange or the vote
+        sizing_error: Exception | None = None
+        try:
+            entries = {
+                p: module_tensor_entries(get_by_path(pipeline, p)) for p in plan.all_block_paths
+            }
+            tensors = {p: describe_entries(e) for p, e in entries.items()}
+        except Exception as e:
+            entries, tensors, sizing_error = {}, {}, e
         if is_automatic(cfg):  # before the layer plan: it may change group sizes
             block_ids = {id(t) for e in entries.values() for _, _, t in e}
             cfg, plan, state.policy = resolve_automatic(
-                pipeline, plan, cfg, par, self.platform, world, tensors, block_ids
+                pipeline, plan, cfg, par, self.platform, world, tensors, block_ids, sizing_error
             )
         self.plan = plan
         gathers = any(s.group_size > 1 for s in plan.stacks)
@@ -197,7 +205,9 @@ class LayerwiseBackend(OffloadBackend):
         host: LayerHost | None = None
         blocks: list[LayerBlock] = []
         try:  # every failure from here to the vote is the vote's (peers are waiting in it)
-            layer = self.layer_plan = self._plan_layers(plan, tensors, cfg)
+            if sizing_error is not None:
+                raise sizing_error
+            check_stacks(plan.stacks, host_backing=cfg.host_backing)
             claim_components(
                 [(p, get_by_path(pipeline, p)) for p in plan.streamed_components],
                 f"dlo {self.name} backend #{id(self):x}",
@@ -209,6 +219,7 @@ class LayerwiseBackend(OffloadBackend):
                     f"gather_engine='copy' needs CUDA GPUs with peer access; this rank runs "
                     f"on {self.platform.device} (use gather_engine='nccl')"
                 )
+            layer = self.layer_plan = self._plan_layers(plan, tensors, cfg)
             blocks = [
                 LayerBlock(bp, get_by_path(pipeline, bp.name), entries[bp.name], i)
                 for i, bp in enumerate(layer.blocks)
@@ -282,6 +293,18 @@ class LayerwiseBackend(OffloadBackend):
         logger.info("%s", state.describe())
 
     # ------------------------------------------------------------------ steps
+    def _world_for(self, plan: ResolvedOffloadPlan) -> World:
+        """The job's ranks. Under torchrun with no process group yet, a plan whose stacks
+        gather, share a node's copy or leave that to the policy on a weight axis of several
+        ranks initializes the default one from torchrun's environment (gloo on CPU, NCCL
+        with this rank's GPU); the process group stays after disable."""
+        world = current_world()
+        multi = any(s.group_size > 1 or s.share_size > 1 for s in plan.stacks)
+        if world.distributed or not multi or not torchrun_env().is_distributed:
+            return world
+        logger.info("dlo: no process group under torchrun: initializing it from the environment")
+        return init(self.parallel, device=self.platform.device)
+
     def _plan_layers(
         self,
         plan: ResolvedOffloadPlan,
@@ -297,9 +320,10 @@ class LayerwiseBackend(OffloadBackend):
             num_slots=cfg.num_slots,
             pin_budget_nbytes=cfg.pin_budget_nbytes,
             host_backing=cfg.host_backing,
+            # the sharers only size the budget's charge (torchrun's layout is read only then)
             node_sharers=(
                 expected_sharers(self.parallel, self.world, share.share_axis, share.share_size)
-                if share
+                if share and cfg.pin_budget_nbytes is not None
                 else 1
             ),
         )

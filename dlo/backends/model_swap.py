@@ -131,7 +131,14 @@ class ModelSwapBackend(OffloadBackend):
         self._transport: BlockTransport | None = None
         self._counters = TransferCounters()
         self._vae_nbytes = 0
-        self._guard = Guard(self.platform, rank=0, what="component")
+        self._guard = Guard(
+            self.platform,
+            rank=0,
+            what="component",
+            order=_unit_order,
+            disable_drops_own_stale=True,
+            check_devices=False,
+        )
         """One component group on the device at a time (see :mod:`dlo.runtime.guard`)."""
 
     def disable(self) -> None:
@@ -289,7 +296,7 @@ class ModelSwapBackend(OffloadBackend):
             unit, unit.path, conflicts=lambda c: c.key is not unit and _excludes(unit, c.key)
         )
         if busy:
-            names = list(dict.fromkeys(c.name for c in busy))
+            names = self._guard.names(busy)
             raise OffloadError(
                 f"forward of {unit.path!r} started while {names} is running (another thread or "
                 "a nested call); mode='module' keeps one of them on the device at a time",
@@ -413,3 +420,7 @@ def _excludes(unit: _Unit, other: _Unit) -> bool:
     """Whether making ``unit`` resident evicts ``other`` (encoders do not exclude each
     other; a DiT excludes every encoder and every other DiT)."""
     return not (unit.kind == "encoder" and other.kind == "encoder")
+
+
+def _unit_order(unit: _Unit) -> int:
+    return unit.region_index

@@ -5,7 +5,7 @@ whether a compact config given with them agrees.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dlo.config.fields import COMPONENTS, _check_bool, _check_int
@@ -81,10 +81,12 @@ def seed_strategy(cfg: Any) -> str:
     return "layerwise"
 
 
-def check_legacy_agrees(cfg: Any, legacy: Mapping[str, Any], from_legacy: Any) -> None:
+def check_legacy_agrees(
+    cfg: Any, legacy: Mapping[str, Any], from_legacy: Callable[[], Any]
+) -> None:
     """A compact config given together with legacy flags: they must select the same strategy
-    and transfer, and leave every legacy DLO tuning at its default (``from_legacy``: the
-    config the legacy flags alone build)."""
+    and transfer, and leave every legacy DLO tuning at its default (``from_legacy()``
+    builds the config the legacy flags alone select; called once the checks passed)."""
     _check_types(legacy)
     for name in _LEGACY_DLO_TUNING:
         if name in legacy and legacy[name] != LEGACY_FLAG_DEFAULTS[name]:
@@ -108,7 +110,8 @@ def check_legacy_agrees(cfg: Any, legacy: Mapping[str, Any], from_legacy: Any) -
     ]
     if not enabled:
         return  # legacy keys at their defaults select nothing to conflict with
-    legacy_strategy = seed_strategy(from_legacy)
+    legacy_cfg = from_legacy()
+    legacy_strategy = seed_strategy(legacy_cfg)
     compact = (
         f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
         f"resident_layers={cfg.resident_layers_for('dit')!r})"
@@ -118,10 +121,10 @@ def check_legacy_agrees(cfg: Any, legacy: Mapping[str, Any], from_legacy: Any) -
             f"{compact} selects {seed_strategy(cfg)!r} but legacy flag {enabled[0]}=True selects "
             f"{legacy_strategy!r}"
         )
-    if cfg.mode == "layer" and from_legacy.transfer != cfg.transfer_for("dit"):
+    if cfg.mode == "layer" and legacy_cfg.transfer != cfg.transfer_for("dit"):
         # the same strategy with another transfer: name the transfers, not one strategy twice
         raise ValueError(
             f"{compact} has transfer={cfg.transfer_for('dit')!r} but legacy flag "
             f"{enabled[0]}=True (with dlo_use_allgather={legacy.get('dlo_use_allgather', True)!r})"
-            f" selects transfer={from_legacy.transfer!r}"
+            f" selects transfer={legacy_cfg.transfer!r}"
         )

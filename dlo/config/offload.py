@@ -402,7 +402,7 @@ class OffloadConfig:
             compact["components"] = tuple(compact["components"])
         cfg = cls(**compact)
         if legacy:
-            check_legacy_agrees(cfg, legacy, cls.from_flags(**legacy))
+            check_legacy_agrees(cfg, legacy, lambda: cls.from_flags(**legacy))
         return cfg
 
 

@@ -150,11 +150,32 @@ def _encoder_stacks(
     stacks: list[_Stack] = []
     for path, encoder in found.encoders:
         attrs = plan.encoder_block_attrs.get(path, ())
+        if not attrs and id(encoder) not in on_demand:
+            _warn_unstreamed_encoder(path, encoder)
         if attrs and id(encoder) in on_demand:
             problems.report(f"encoder {path!r} is on-demand (pipeline-managed); it cannot stream")
             continue
         stacks += _component_stacks("encoder", path, encoder, attrs, problems)
     return stacks
+
+
+_warned_encoders: set[tuple[str, type]] = set()
+
+
+def _warn_unstreamed_encoder(path: str, encoder: nn.Module) -> None:
+    """A declared encoder with no block stack streams nothing: say so once per class."""
+    key = (path, type(encoder))
+    if key in _warned_encoders:
+        return
+    _warned_encoders.add(key)
+    logger.warning(
+        "dlo: encoder %r (%s) declares no block stack, so mode='layer' streams none of it "
+        "(it stays where it is); to stream it, set OffloadPlan(encoder_block_attrs={%r: "
+        "[<its block container, e.g. 'encoder.layers'>]}) as the pipeline's _offload_plan",
+        path,
+        type(encoder).__name__,
+        path,
+    )
 
 
 def _strict_descendants(module: nn.Module) -> Iterator[nn.Module]:

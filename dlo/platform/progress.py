@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from dlo.platform.env import env_str, torchrun_env
+from dlo.platform.env import env_str
 
 T = TypeVar("T")
 
@@ -18,7 +18,8 @@ def progress_enabled() -> bool:
     forced = env_str("DLO_PROGRESS")
     if forced is not None:
         return forced.strip() not in ("", "0", "false", "no")
-    return torchrun_env().rank == 0 and sys.stderr.isatty()
+    # RANK alone, read leniently: a progress bar never refuses a launcher's environment
+    return (env_str("RANK") or "0").strip() == "0" and sys.stderr.isatty()
 
 
 def progress(

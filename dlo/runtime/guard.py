@@ -39,7 +39,7 @@ from dlo.platform.timing import under_torch_compile
 logger = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Claim:
     """One forward in progress."""
 
@@ -69,11 +69,22 @@ class Guard:
         rank: int,
         what: str,
         on_stale: Callable[[Any], None] | None = None,
+        order: Callable[[Any], int] | None = None,
+        disable_drops_own_stale: bool = False,
+        check_devices: bool = True,
     ) -> None:
         self.platform = platform
         self.rank = rank
         self.what = what
         self.on_stale = on_stale
+        self.order = order
+        """Sorts keys in the backend's module order, for messages."""
+        self.disable_drops_own_stale = disable_drops_own_stale
+        """A disable also drops the calling thread's own stale claims (else it proceeds over
+        them: the teardown releases everything)."""
+        self.check_devices = check_devices
+        """Refuse inputs on another device (the ring's blocks; not whole components, whose
+        forwards may take host tensors such as a timestep)."""
         self.claims: list[Claim] = []
         self.closing = False
         """Set by :meth:`begin_disable`: later forwards are refused."""
@@ -95,7 +106,8 @@ class Guard:
                     rank=self.rank,
                     block=name,
                 )
-            self._drop_stale(others_only=False)
+            if self.claims:
+                self._drop_stale(others_only=False)
             busy = [c for c in self.claims if conflicts(c)]
             if not busy:
                 self.claims.append(claim)
@@ -106,10 +118,11 @@ class Guard:
         was refused, or released already)."""
         me = threading.get_ident()
         with self._lock:
-            for i in range(len(self.claims) - 1, -1, -1):
-                c = self.claims[i]
+            claims = self.claims
+            for i in range(len(claims) - 1, -1, -1):
+                c = claims[i]
                 if c.key is key and c.thread == me:
-                    del self.claims[i]
+                    del claims[i]
                     return True
         return False
 
@@ -121,6 +134,14 @@ class Guard:
         """Forget every claim (teardown)."""
         self.claims = []
 
+    def names(self, claims: list[Claim]) -> list[str]:
+        """The names of ``claims``' keys, each once, in the backend's module order."""
+        keys = list({id(c.key): c for c in claims}.values())
+        if self.order is not None:
+            order = self.order
+            keys.sort(key=lambda c: order(c.key))
+        return [c.name for c in keys]
+
     def begin_disable(self) -> None:
         """Decide, under the claim lock, whether disable may proceed: refused while another
         thread runs a forward; otherwise every later forward is refused. The calling
@@ -131,32 +152,37 @@ class Guard:
         """
         me = threading.get_ident()
         with self._lock:
-            self._drop_stale(others_only=True)
+            self._drop_stale(others_only=not self.disable_drops_own_stale)
             busy = [c for c in self.claims if c.thread != me]
             if busy:
+                names = self.names(busy)
+                running = (
+                    "this block's forward" if self.what == "block" else f"the forward of {names}"
+                )
                 raise OffloadError(
-                    f"disable() called while another thread runs the forward of "
-                    f"{[c.name for c in busy]}; nothing was changed: let that forward return "
-                    "(join its thread), then disable",
+                    f"disable() called while another thread runs {running}; nothing was "
+                    "changed: let that forward return (join its thread), then disable",
                     rank=self.rank,
-                    block=busy[0].name,
+                    block=names[0],
                 )
             self.closing = True
 
     def _drop_stale(self, *, others_only: bool) -> None:
         """Drop the claims whose call ended without its post-hook (the lock is held)."""
         me = threading.get_ident()
-        for c in list(self.claims):
-            if others_only and c.thread == me:
-                continue
-            if not call_ended(c.frame, c.thread):
-                continue
+        stale = [
+            c
+            for c in self.claims
+            if not (others_only and c.thread == me) and call_ended(c.frame, c.thread)
+        ]
+        for name in self.names(stale):
             logger.warning(
                 "dlo: %s %s ended without its post-forward hook (KeyboardInterrupt or another "
                 "BaseException inside it); released",
-                self.what,
-                c.name,
+                "block" if self.what == "block" else "forward of",
+                name,
             )
+        for c in stale:
             self.claims.remove(c)
             if self.on_stale is not None:
                 self.on_stale(c.key)
@@ -170,13 +196,10 @@ class Guard:
     ) -> None:
         """What a managed module's forward cannot do, refused before anything is enqueued
         (see the module docstring); ``weights`` are the module's managed tensors."""
-        where = (
-            "modules whose blocks dlo streams" if self.what == "block" else "components dlo swaps"
-        )
-        inside = "the blocks'" if self.what == "block" else "the components'"
         if under_torch_compile():
             # [Note: torch.compile] a compiled graph would read weights through tensors that
             # are rebound between storages; measured wrong results, so refuse clearly
+            where, inside = self._where()
             raise OffloadError(
                 f"torch.compile around {where} is not supported yet: compile code inside "
                 f"{inside} forward, or disable offload",
@@ -187,6 +210,7 @@ class Guard:
             # [Note: CUDA graphs] a graph would replay one step's loads into fixed slots and
             # its waits on events recorded by streams outside the capture; refuse before
             # anything is enqueued, so the capture holds nothing of dlo's
+            where, inside = self._where()
             raise OffloadError(
                 f"CUDA graph capture around {where} is not supported: capture code inside "
                 f"{inside} forward, or disable offload",
@@ -194,6 +218,11 @@ class Guard:
                 block=name,
             )
         self._check_inputs(name, weights, args, kwargs)
+
+    def _where(self) -> tuple[str, str]:
+        if self.what == "block":
+            return "modules whose blocks dlo streams", "the blocks'"
+        return "components dlo swaps", "the components'"
 
     def _check_inputs(
         self, name: str, weights: list[torch.Tensor], args: tuple, kwargs: dict
@@ -213,6 +242,8 @@ class Guard:
                 rank=self.rank,
                 block=name,
             )
+        if not self.check_devices:
+            return
         want = self.platform.device
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         tensors += [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
@@ -223,3 +254,8 @@ class Guard:
                     rank=self.rank,
                     block=name,
                 )
+
+
+def every_claim(claim: Claim) -> bool:
+    """``conflicts`` for a backend that runs one managed module at a time."""
+    return True

@@ -57,7 +57,7 @@ from dlo.host.shards import copy_back, shard_view, written_tensors
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
-from dlo.runtime.guard import Guard
+from dlo.runtime.guard import Guard, every_claim
 from dlo.runtime.slots import Slot, SlotPool
 from dlo.runtime.transport import Transport
 
@@ -226,7 +226,7 @@ class RingScheduler:
         """Claim the ring for ``block``'s forward through the guard, or refuse it."""
         if self.poisoned is not None:
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
-        busy = self.guard.claim(block, block.name, conflicts=lambda c: True)
+        busy = self.guard.claim(block, block.name, conflicts=every_claim)
         if self.poisoned is not None:  # a released stale claim poisoned a gathering ring
             self.guard.release(block)
             raise BackendPoisonedError(self.poisoned, rank=self.rank, block=block.name)
