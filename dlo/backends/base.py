@@ -117,8 +117,12 @@ class OffloadBackend:
         self._journal = journal
         self._pipeline_ref = pipeline
 
-    def disable(self) -> None:
-        """Remove everything enable installed; a no-op when not enabled."""
+    def disable(self, *, restore: bool = False) -> None:
+        """Remove everything enable installed; a no-op when not enabled.
+
+        ``restore=True`` also rebuilds weights that only a collective can rebuild (the
+        layerwise backend's AllGather blocks); backends that keep whole copies always
+        restore them."""
         journal, self._journal = self._journal, None
         self._pipeline_ref = None
         if journal is not None:

@@ -54,6 +54,10 @@ class LayerBlock:
     original_devices: list[torch.device] = field(default_factory=list)
     mapped: MappedBlock | None = None
     """With ``host_backing="mapped"``: the block's host backing (no region bytes)."""
+    device_buffer: torch.Tensor | None = None
+    """A resident block's own device buffer (its tensors are views of it)."""
+    restored: bool = False
+    """``disable(restore=True)`` gathered this AllGather block back into ordinary tensors."""
 
     @property
     def name(self) -> str:
@@ -246,6 +250,12 @@ class LayerHost:
         b.original_devices = [t.device for t in b.tensors]
         for t in b.tensors:
             t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
+
+    def release_gathered(self, b: LayerBlock) -> None:
+        """The undo of an AllGather block's install: its weights go, unless
+        ``disable(restore=True)`` gathered them back already."""
+        if not b.restored:
+            self.release_originals(b)
 
     def restore(self, b: LayerBlock) -> None:
         """Rebuild the model's tensors of ``b`` from its whole-block host copy."""

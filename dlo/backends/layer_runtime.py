@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,13 +21,14 @@ from dlo.backends.model_hooks import (
     install_state_dict_hooks,
     mark_released,
     move_tensor,
+    refuse_released_forward,
 )
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
 from dlo.hooks.foreign import is_dtensor
 from dlo.hooks.registry import HookRegistry
-from dlo.host.shards import shard_view
+from dlo.host.shards import shard_view, unpack_tensor
 from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
@@ -197,32 +197,36 @@ def place_non_block_state(
     return moved
 
 
+def _gather(platform: Platform, b: LayerBlock, transports: Transports) -> torch.Tensor:
+    """Enqueue the load of block ``b`` into a device buffer of its own."""
+    buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=platform.device)
+    transports.by_axis[b.stack.group_axis].load(
+        b.layout,
+        b.mapped or b.host_view(),
+        buffer,
+        free_event=platform.new_event(),
+        ready_event=platform.new_event(),
+        index=b.index,
+    )
+    return buffer
+
+
 def load_resident(
-    platform: Platform,
-    host: LayerHost,
-    transports: Transports,
-    journal: Journal,
-    release_originals: Callable[[LayerBlock], None],
+    platform: Platform, host: LayerHost, transports: Transports, journal: Journal
 ) -> int:
     """Load every resident block once into its own device buffer; returns their bytes."""
     loaded = 0
     for b in host.blocks:
         if not b.resident:
             continue
-        buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=platform.device)
-        transports.by_axis[b.stack.group_axis].load(
-            b.layout,
-            b.mapped or b.host_view(),
-            buffer,
-            free_event=platform.new_event(),
-            ready_event=platform.new_event(),
-            index=b.index,
-        )
+        buffer = b.device_buffer = _gather(platform, b, transports)
+        if b.layout.group_size > 1:
+            b.original_devices = [t.device for t in b.tensors]
         for spec, t in zip(b.layout.tensors, b.tensors):
             t.data = shard_view(buffer, spec)
         loaded += b.layout.padded_nbytes
         if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
-            journal.record(f"resident {b.name}", functools.partial(release_originals, b))
+            journal.record(f"resident {b.name}", functools.partial(host.release_gathered, b))
         else:  # ... from the host region: in-place writes go back there first
             versions = [t._version for t in b.tensors]
             journal.record(
@@ -254,7 +258,9 @@ def install_rings(
         platform.synchronize()
         scheduler.unbind_all()
         scheduler.close()
-        mark_released([t for b in blocks if b.layout.group_size > 1 for t in b.tensors])
+        gone = [b for b in blocks if b.layout.group_size > 1 and not b.restored]
+        mark_released([t for b in gone for t in b.tensors])
+        refuse_released_forward([(b.name, b.module, b.layout.group_size) for b in gone], rank=rank)
 
     journal.record("rings", unbind)
     by_stack: dict[int, list[StreamedBlock]] = {}
@@ -298,6 +304,9 @@ def install_rings(
         registry, pipeline, [sb.name for ring in scheduler.rings for sb in ring.blocks], rank=rank
     )
     install_apply_refusal(registry, pipeline, [b.name for b in blocks], rank=rank)
+    for b in blocks:
+        if not b.resident and b.layout.group_size > 1:  # what restore=True gives back
+            b.original_devices = [t.device for t in b.tensors]
     for ring in scheduler.rings:
         for sb in ring.blocks:
             for t, ph in zip(sb.tensors, sb.placeholders):
@@ -305,3 +314,18 @@ def install_rings(
     scheduler.preload()
     platform.synchronize()
     return scheduler
+
+
+def restore_gathered(platform: Platform, host: LayerHost, transports: Transports) -> None:
+    """Gather every AllGather block back into ordinary tensors on its original device (a
+    collective: every rank of each weight group calls it, in manifest order; bounded by the
+    groups' timeouts), for ``disable(restore=True)``."""
+    for b in host.blocks:
+        if b.layout.group_size == 1 or b.restored:
+            continue
+        buffer = b.device_buffer if b.resident else _gather(platform, b, transports)
+        platform.synchronize()
+        assert buffer is not None
+        for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
+            t.data = unpack_tensor(buffer, spec, dev)
+        b.restored, b.device_buffer = True, None

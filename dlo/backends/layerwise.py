@@ -30,8 +30,14 @@ Install sequence (every step journaled; see [Note: one journal for enable and di
 tensors moved back to the device they came from. Streamed and resident blocks of group size
 1 get their original tensors back (same Parameter objects, shapes, strides, dtypes and
 bytes, on their original device). Blocks of an AllGather stack (group size > 1) cannot be
-rebuilt from one rank's 1/G shard without a collective, which disable never issues; their
-tensors stay empty placeholders and the model must be reloaded to be used without dlo.
+rebuilt from one rank's 1/G shard without a collective, which a plain disable never issues:
+their tensors stay empty placeholders, are marked released (a later enable is refused), and
+their forward raises a dlo error saying to reload the model. ``disable(restore=True)`` is
+the collective way back: every rank of the group calls it, each AllGather block is gathered
+once more (the resident ones are already whole on the device) and unpacked into ordinary
+tensors on the device the originals came from, then the same rollback runs; the model runs
+without dlo and can be enabled again. A restore that fails (a peer gone, a timeout) still
+disables locally, releases what it did not gather, and poisons the backend.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from dlo import faults
 from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
@@ -52,6 +60,7 @@ from dlo.backends.layer_runtime import (
     install_rings,
     load_resident,
     place_non_block_state,
+    restore_gathered,
 )
 from dlo.backends.layer_state import LayerState
 from dlo.backends.model_hooks import check_not_released
@@ -122,19 +131,56 @@ class LayerwiseBackend(OffloadBackend):
             )
         super()._check_can_enable()
 
-    def disable(self) -> None:
+    def disable(self, *, restore: bool = False) -> None:
         """Remove everything enable installed; a no-op when not enabled.
 
+        Args:
+            restore: also gather every AllGather block back into ordinary tensors on its
+                original device, so the model runs without dlo and can be enabled again (a
+                collective: every rank of the group calls it). Without it a block of an
+                AllGather stack keeps empty placeholders, and its forward raises an
+                :class:`~dlo.OffloadError` saying so (see [Note: what disable restores]).
+
         Raises:
-            dlo.OffloadError: another thread is running a block's forward (nothing changed).
+            dlo.OffloadError: another thread is running a block's forward, or restore=True
+                from inside a forward (nothing changed); a restore that failed (the backend
+                is disabled, the blocks it did not gather are released, and it is poisoned).
         """
-        sched = self._state.scheduler
+        sched, failed = self._state.scheduler, None
         if sched is not None and self.is_enabled():
+            if restore and sched.guard.in_forward():
+                raise OffloadError(
+                    "disable(restore=True) from inside a forward: the running block's weights "
+                    "are in use; call it once the forward returned",
+                    rank=self.world.rank,
+                )
             sched.begin_disable()
+            if restore and sched.poisoned is None:
+                failed = self._restore()
         if sched is not None and sched.poisoned is not None:
             self._poisoned = sched.poisoned  # the group may be misaligned: no re-enable
         super().disable()
         self._state = LayerState()
+        if failed is not None:
+            raise failed
+
+    def _restore(self) -> OffloadError | None:
+        """Gather the AllGather blocks back (``disable(restore=True)``); a failure poisons."""
+        state = self._state
+        assert state.host is not None and state.transports is not None
+        try:
+            with torch.inference_mode(False):  # [Note: no inference tensors]
+                restore_gathered(self.platform, state.host, state.transports)
+        except BaseException as e:
+            self._poisoned = f"disable(restore=True) failed ({e!r})"
+            err = OffloadError(
+                f"disable(restore=True) failed: {e!r}; offload is disabled and the blocks not "
+                "gathered back are released: reload the model (and recreate the worker)",
+                rank=self.world.rank,
+            )
+            err.__cause__ = e
+            return err
+        return None
 
     def _after_failed_enable(self) -> None:
         self._state = LayerState()
@@ -353,9 +399,7 @@ class LayerwiseBackend(OffloadBackend):
         )
         state.placed_nbytes = place_non_block_state(pf, pipeline, plan, host.blocks, journal)
         faults.check("first_transfer")
-        state.resident_nbytes = load_resident(
-            pf, host, transports, journal, release_originals=host.release_originals
-        )
+        state.resident_nbytes = load_resident(pf, host, transports, journal)
         state.scheduler = install_rings(
             pf,
             pipeline,

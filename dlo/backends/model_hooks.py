@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dlo.errors import OffloadError
+from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.host.mapped import MappedBlock
@@ -30,6 +31,34 @@ def mark_released(tensors: list[torch.Tensor]) -> None:
     """Remember that these tensors lost their bytes (see [Note: what disable restores])."""
     for t in tensors:
         _RELEASED[id(t)] = weakref.ref(t, functools.partial(_forget, id(t)))
+
+
+RELEASED_OWNER = "dlo.released"
+_RELEASED_HOOKS = HookRegistry(owner=RELEASED_OWNER)
+"""Holds, for good, the refusal on blocks whose weights a disable released: the model is
+not usable without dlo any more, so its forward says so (the hook dies with the module)."""
+
+
+class _ReleasedBlock(ModelHook):
+    def __init__(self, name: str, group_size: int, rank: int) -> None:
+        self.name, self.group_size, self.rank = name, group_size, rank
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        raise OffloadError(
+            "this block's weights were released when AllGather offload of the model was "
+            f"disabled (each rank held 1/{self.group_size} of them): reload the model, or "
+            "disable with backend.disable(restore=True), which gathers them back",
+            rank=self.rank,
+            block=self.name,
+        )
+
+
+def refuse_released_forward(blocks: list[tuple[str, nn.Module, int]], *, rank: int) -> None:
+    """After a disable that released ``(name, module, group_size)`` blocks, their forward
+    raises a dlo error instead of failing inside torch on an empty tensor."""
+    for name, module, group_size in blocks:
+        if RELEASED_OWNER not in {o for o, _ in HookRegistry.owners_on(module)}:
+            _RELEASED_HOOKS.register(module, "released", _ReleasedBlock(name, group_size, rank))
 
 
 def _forget(key: int, _ref: object) -> None:

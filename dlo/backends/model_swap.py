@@ -141,8 +141,9 @@ class ModelSwapBackend(OffloadBackend):
         )
         """One component group on the device at a time (see :mod:`dlo.runtime.guard`)."""
 
-    def disable(self) -> None:
-        """Remove everything enable installed; a no-op when not enabled.
+    def disable(self, *, restore: bool = False) -> None:
+        """Remove everything enable installed; a no-op when not enabled. Components are
+        always restored from their whole host copies (``restore`` changes nothing).
 
         Raises:
             dlo.OffloadError: another thread is running a component's forward (nothing

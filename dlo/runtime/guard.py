@@ -126,6 +126,11 @@ class Guard:
                     return True
         return False
 
+    def in_forward(self) -> bool:
+        """This thread runs a managed module's forward now (a claim whose call is live)."""
+        me = threading.get_ident()
+        return any(c.thread == me and not call_ended(c.frame, c.thread) for c in self.claims)
+
     def held_by_me(self, key: Any) -> bool:
         me = threading.get_ident()
         return any(c.key is key and c.thread == me for c in self.claims)

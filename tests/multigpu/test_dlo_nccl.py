@@ -233,3 +233,45 @@ def _missing_peer(rank: int, world: int) -> str:
 def test_nccl_rank_that_never_enables_is_named_within_the_timeout() -> None:
     outs = assert_all_ok(run_ranks(_missing_peer, 2, backend="nccl", timeout_s=90, env=NCCL_ENV))
     assert "rank(s) [1] never reached enable" in outs[0]
+
+
+def _restore_cycles(rank: int, world: int, engine: str, cycles: int) -> dict[str, Any]:
+    from dlo.platform.env import process_rss_bytes
+    from tests.toys import assert_same, snapshot
+
+    model = ToyDiT(5, dim=64)  # built on the host: restore gives it back there
+    dev = torch.device("cuda", rank)
+    ref_model = clone(model).to(dev)
+    ref = _steps(ref_model, rank, 2, 64)
+    del ref_model
+    before = snapshot(model)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(dev)
+    same, rss, device = [], [], []
+    for _ in range(cycles):
+        b = _backend(rank, world, gather_engine=engine, resident_layers=1)
+        b.enable(model)
+        got = _steps(model, rank, 2, 64)
+        b.disable(restore=True)
+        assert_same(before, model)  # same objects, on the host, same bytes
+        same.append(all(torch.equal(a, c) for a, c in zip(ref, got)))
+        del b
+        torch.cuda.synchronize()
+        device.append(torch.cuda.memory_allocated(dev) - base)
+        rss.append(process_rss_bytes())
+    return {
+        "same": same,
+        "device": device,
+        "rss": rss,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+@pytest.mark.parametrize("engine", ["nccl", "copy"])
+def test_restore_cycles_give_back_the_model_and_the_memory(engine: str) -> None:
+    res = assert_all_ok(
+        run_ranks(_restore_cycles, 2, engine, 6, backend="nccl", timeout_s=300, env=NCCL_ENV)
+    )
+    for r in res:
+        assert all(r["same"]) and r["ledger"] == (0, 0), r
+        assert max(r["device"]) <= 0, r["device"]  # device memory back at its baseline
