@@ -287,10 +287,10 @@ def _policy_input(
         chunk_nbytes=cfg.chunk_nbytes,
         measured=Measurements(h2d_bps=1.0),  # replaced once measured
         num_slots=cfg.num_slots,
-        num_slots_note=(
-            "the default; num_slots='auto' sizes it"
-            if cfg.num_slots == {f.name: f.default for f in dataclasses.fields(cfg)}["num_slots"]
-            else "explicit"
+        defaults=frozenset(
+            k
+            for k, f in {f.name: f for f in dataclasses.fields(cfg)}.items()
+            if k in ("num_slots", "resident_layers") and getattr(cfg, k) == f.default
         ),
         resident_layers=resident,
         device_budget_gb=cfg.device_budget_gb,

@@ -297,7 +297,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
             if capacity is None or _weights(inp.stacks, choices, split, slots, chunk)[1] <= capacity
         ]
 
-    slot_note = inp.num_slots_note
+    slot_note = _kept("num_slots", inp)
     if inp.num_slots == "auto":
         num_slots = cycle_slots
         while num_slots > 1 and not fitting(num_slots):
@@ -328,7 +328,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
             else "auto: capacity unknown, none kept"
         )
     else:
-        per_dit, resident_note = r_max, "explicit"
+        per_dit, resident_note = r_max, _kept("resident_layers", inp)
     resident = splits[per_dit]
     choices = [dataclasses.replace(c, num_resident=r) for c, r in zip(choices, resident)]
     slot_nbytes, dlo_nbytes = _weights(inp.stacks, choices, resident, num_slots, chunk)
@@ -393,3 +393,8 @@ def _explain(
     lines.append(f"  num_slots: {num_slots} x {_size(slot_nbytes)} ({slot_note})")
     lines.append(f"  resident_layers: {per_dit} per DiT ({resident_note})")
     return lines
+
+
+def _kept(knob: str, inp: PolicyInput) -> str:
+    """How the explanation calls a knob the policy kept as given."""
+    return f"the default; {knob}='auto' decides it" if knob in inp.defaults else "explicit"

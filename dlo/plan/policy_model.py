@@ -82,8 +82,9 @@ class PolicyInput:
     measured: Measurements
     num_slots: int | str = 2
     """An int is kept; ``"auto"`` is decided (see [Note: policy model])."""
-    num_slots_note: str = "explicit"
-    """How the explanation calls a kept int (the caller knows whether it was the default)."""
+    defaults: frozenset[str] = frozenset()
+    """The knobs (``"num_slots"``, ``"resident_layers"``) left at the config's default: the
+    explanation says so instead of calling them explicit."""
     resident_layers: int | str = 0
     """``"auto"`` is decided; an int is kept (the stacks' ``num_resident``)."""
     device_budget_gb: float | None = None

@@ -310,3 +310,85 @@ def test_torchrun_hsdp_run_from_a_checkpoint(tmp_path: Path) -> None:
     reports = json.loads(proc.stdout[proc.stdout.index("[") :])
     assert [r["parity"] for r in reports] == [True, True]
     assert all(r["load"] == "checkpoint-mapped" for r in reports)
+
+
+# ----------------------------------------------------------------------------- a newcomer's first hour
+def test_dlo_alone_prints_the_help_and_version_prints_versions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: dlo" in out and "run" in out and "bench" in out and "save-checkpoint" in out
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    import dlo
+
+    assert f"dlo {dlo.__version__} (torch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["run", "bench", "save-checkpoint"])
+def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
+    import argparse
+
+    from dlo.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices[command]
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    missing = [a.option_strings[0] for a in flags if not a.help]
+    assert not missing, f"dlo {command}: no help for {missing}"
+    text = parser.format_help()
+    assert "(default: " in text  # ArgumentDefaultsHelpFormatter: defaults are shown
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["run", "--steps", "0"], "--steps=0 must be >= 1"),
+        (["run", "--seed", "-1"], "--seed=-1 must be >= 0"),
+        (["run", "--offload-config", "{not json"], "--offload-config is not valid JSON"),
+        (["run", "--offload-config", "[1, 2]"], "is neither a JSON object nor a file"),
+        (["run", "--offload-config", '{"mode": "layer"}', "--mode", "module"], "replaces --mode"),
+        (["run", "--offload-config", '{"mode": "layerwise"}'], "mode='layerwise'"),
+    ],
+)
+def test_first_hour_errors_name_the_range_or_the_field(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["inline", "file"])
+def test_run_takes_a_vllm_omni_offload_config(
+    source: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = {"mode": "layer", "components": ["dit", "text_encoder"], "pin_memory": False}
+    arg = json.dumps(cfg)
+    if source == "file":
+        (tmp_path / "offload.json").write_text(arg)
+        arg = str(tmp_path / "offload.json")
+    rc = main(
+        ["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--offload-config", arg]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    (report,) = json.loads(out)
+    assert (
+        report["parity"] is True and report["mode"] == "layer" and report["host_pinned_nbytes"] == 0
+    )
+
+
+def test_bench_says_what_it_runs_and_why_it_skips(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    argv = ["bench", "--preset", "tiny", "--tokens", "64", "--warmup", "0", "--reps", "1"]
+    assert main([*argv, "--methods", "resident,dlo-ring,dlo-allgather,dlo-swap,fsdp2-offload"]) == 0
+    text = caplog.text
+    assert "dlo bench: preset tiny" in text and "tokens 64" in text
+    assert "NOT meaningful" in text  # the CPU platform
+    for method in ("dlo-allgather", "dlo-swap", "fsdp2-offload"):
+        assert f"{method}: skipped: " in text, method
+    assert text.index("dlo bench: preset tiny") < text.index("resident ")
