@@ -189,7 +189,16 @@ class _Entry:
 class _ModuleState(_NotCopyable):
     """Everything dlo keeps for one module; never refers to the module itself."""
 
-    __slots__ = ("__weakref__", "entries", "frames", "hooks", "post_handle", "pre_handle")
+    __slots__ = (
+        "__weakref__",
+        "around",
+        "compiled",
+        "entries",
+        "frames",
+        "hooks",
+        "post_handle",
+        "pre_handle",
+    )
 
     def __init__(self) -> None:
         self.entries: list[_Entry] = []
@@ -197,13 +206,26 @@ class _ModuleState(_NotCopyable):
         self.frames: list[_Frame] = []
         self.pre_handle: RemovableHandle | None = None
         self.post_handle: RemovableHandle | None = None
+        self.around = False
+        """The compiled-call interposer is running this module's hooks around its call."""
+        self.compiled: _Removable | None = None
+        """The module's compiled-call interposer (see :mod:`dlo.hooks.compiled`)."""
 
     # Hot path: runs on every forward of a hooked module. No logging, one tuple per call.
     def dispatch_pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        # [Note: hooks outside compiled frames]
+        if torch.compiler.is_compiling():
+            return None if AROUND.depth else _eager_pre(self, module, args, kwargs)
+        if self.around:
+            return None  # the compiled-call interposer runs the hooks around this call
+        return self._pre(module, args, kwargs, sys._getframe(1))
+
+    def _pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], caller: Any
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         hooks = self.hooks
-        caller = sys._getframe(1)
         frame: _Frame = (id(caller), id(caller.f_back), hooks)
         self.frames.append(frame)
         changed = False
@@ -233,9 +255,22 @@ class _ModuleState(_NotCopyable):
     def dispatch_post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> Any:
+        if torch.compiler.is_compiling():  # [Note: hooks outside compiled frames]
+            return None if AROUND.depth else _eager_post(self, module, args, kwargs, output)
+        if self.around:
+            return None
+        return self._post(module, args, kwargs, output, id(sys._getframe(1)))
+
+    def _post(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        caller_id: int,
+    ) -> Any:
         # [Note: pairing pre and post calls]
         frames = self.frames
-        caller_id = id(sys._getframe(1))
         i = len(frames) - 1
         while i >= 0:
             frame = frames[i]
@@ -257,6 +292,34 @@ class _ModuleState(_NotCopyable):
         if hooks is current:
             return hooks
         return tuple(h for h in hooks if _contains(current, h))
+
+
+class _Around:
+    """How many compiled-call interposers are running hooks around a compiled call now."""
+
+    depth = 0
+
+
+AROUND = _Around()
+
+
+@torch.compiler.disable
+def _eager_pre(
+    state: _ModuleState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The pre-dispatch as a graph break: Dynamo runs it eagerly, between two graphs."""
+    return state._pre(module, args, kwargs, sys._getframe(1))
+
+
+@torch.compiler.disable
+def _eager_post(
+    state: _ModuleState,
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    output: Any,
+) -> Any:
+    return state._post(module, args, kwargs, output, id(sys._getframe(1)))
 
 
 def _contains(hooks: tuple[ModelHook, ...], hook: ModelHook) -> bool:
@@ -338,6 +401,9 @@ class _ApplyHandle:
 
 
 def _remove_dispatchers(state: _ModuleState) -> None:
+    if state.compiled is not None:
+        state.compiled.remove()
+        state.compiled = None
     if state.pre_handle is not None:
         state.pre_handle.remove()
         state.pre_handle = None

@@ -14,9 +14,12 @@ Design, in the spirit of the diffusers hook registry but built on torch's hook h
 * **One dispatcher pair per module.** See [Note: one dispatcher pair per module].
 * **No attribute on the module.** The per-module state (named hooks, torch handles, the stack
   of in-flight calls) lives in a module-level :class:`weakref.WeakKeyDictionary`; it dies with
-  the module and nothing in it refers back to the module. The one exception is the refusal of
-  ``Module._apply`` (:meth:`HookRegistry.register_apply_refusal`), which torch offers no hook
-  for: an instance attribute while registered, removed with it.
+  the module and nothing in it refers back to the module. The exceptions are instance
+  attributes torch offers no hook for, each removed with what installed it: the refusal of
+  ``Module._apply`` (:meth:`HookRegistry.register_apply_refusal`), and on a module with a
+  forward hook the interposer in ``_compiled_call_impl`` and the ``compile`` shim that keep
+  dlo's hooks outside compiled frames ([Note: hooks outside compiled frames] in
+  :mod:`dlo.hooks.compiled`).
 * **Not copyable.** What dlo leaves on a module refuses ``deepcopy`` and pickling with an
   :class:`~dlo.errors.OffloadError` saying to disable first.
 * **One owner per module.** At most one strategy owns offload hooks: registering on a module
@@ -35,6 +38,7 @@ from typing import Any
 from torch import nn
 
 from dlo.errors import OffloadError
+from dlo.hooks.compiled import CompiledCall
 from dlo.hooks.dispatch import (
     _APPLY,
     _FORWARD,
@@ -148,9 +152,10 @@ class HookRegistry:
                 state.post_handle = module.register_forward_hook(
                     state.dispatch_post, with_kwargs=True, always_call=True
                 )
+                # [Note: hooks outside compiled frames] in dlo.hooks.compiled
+                state.compiled = CompiledCall(module, state)
             except BaseException:
-                state.pre_handle.remove()
-                state.pre_handle = None
+                _remove_dispatchers(state)
                 raise
         state.entries.append(_Entry(self, name, _FORWARD, hook=hook))
         state.hooks = (*state.hooks, hook)

@@ -1,6 +1,5 @@
 """Timing and tracing on the device's streams: exposed-wait timers (no host sync on the hot
-path), profiler ranges with stable labels, and whether the caller is being traced by
-``torch.compile``.
+path) and profiler ranges with stable labels.
 """
 
 from __future__ import annotations
@@ -62,17 +61,6 @@ class StreamTimer:
         self.total_ms += start.elapsed_time(end)
         self.count += 1
         self._pending = False
-
-
-def under_torch_compile() -> bool:
-    """True inside a ``torch.compile``d call: while Dynamo traces, and in code it runs eagerly
-    after a graph break (its frame-evaluation callback is installed then)."""
-    compiler = getattr(torch, "compiler", None)
-    if compiler is not None and compiler.is_compiling():
-        return True
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    get = getattr(eval_frame, "get_eval_frame_callback", None)
-    return bool(get is not None and get() not in (None, False))
 
 
 @contextlib.contextmanager

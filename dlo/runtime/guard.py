@@ -13,10 +13,12 @@ time). Every forward of a module dlo manages first takes a *claim* on it, under 
   hooks are gone, and a disable is refused while another thread runs a forward (its
   weights would vanish mid-forward; waiting would look like a hang).
 
-:meth:`Guard.refuse_unsupported` refuses what no streamed or swapped module can serve:
-a ``torch.compile`` trace around it, a CUDA graph capture (which would replay one step's
-loads into fixed slots and wait on events recorded outside the capture), autograd (slots are
-reused, so weights saved for backward would be overwritten), and inputs on another device.
+:meth:`Guard.refuse_unsupported` refuses what no streamed or swapped module can serve: a
+CUDA graph capture around it (which would replay one step's loads into fixed slots and wait
+on events recorded outside the capture), autograd (slots are reused, so weights saved for
+backward would be overwritten), and inputs on another device. ``torch.compile`` is served:
+the hooks run outside compiled frames (see [Note: hooks outside compiled frames] in
+:mod:`dlo.hooks.compiled`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from torch.utils._pytree import tree_leaves
 from dlo.errors import OffloadError
 from dlo.hooks.frames import call_ended, module_call_frame
 from dlo.platform.device import Platform
-from dlo.platform.timing import under_torch_compile
 
 logger = logging.getLogger(__name__)
 
@@ -201,16 +202,8 @@ class Guard:
     ) -> None:
         """What a managed module's forward cannot do, refused before anything is enqueued
         (see the module docstring); ``weights`` are the module's managed tensors."""
-        if under_torch_compile():
-            # [Note: torch.compile] a compiled graph would read weights through tensors that
-            # are rebound between storages; measured wrong results, so refuse clearly
-            where, inside = self._where()
-            raise OffloadError(
-                f"torch.compile around {where} is not supported yet: compile code inside "
-                f"{inside} forward, or disable offload",
-                rank=self.rank,
-                block=name,
-            )
+        # torch.compile needs nothing here: the hooks run outside compiled frames ([Note:
+        # hooks outside compiled frames] in dlo.hooks.compiled)
         if self.platform.stream_capturing():
             # [Note: CUDA graphs] a graph would replay one step's loads into fixed slots and
             # its waits on events recorded by streams outside the capture; refuse before
