@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -46,12 +47,26 @@ METHODS = (
 def time_forward(
     fn: Callable[[], Any], platform: Platform, *, warmup: int, reps: int
 ) -> dict[str, float]:
-    """Median/min device time of ``fn`` in ms (wall time on the CPU platform)."""
-    for _ in range(warmup):
+    """Median/min device time of ``fn`` in ms (wall time on the CPU platform), and the wall
+    time of the first call (``first_ms``: with ``--compile``, the compile of the first
+    forward is in it)."""
+    t0 = time.perf_counter()
+    fn()  # the first warm-up forward (one even without warm-up: its time is reported)
+    platform.synchronize()
+    first_ms = (time.perf_counter() - t0) * 1e3
+    for _ in range(max(0, warmup - 1)):
         fn()
     barrier()
     times = [t * 1e3 for t in sample_seconds(platform, fn, reps)]
-    return {"median_ms": statistics.median(times), "min_ms": min(times)}
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "first_ms": first_ms}
+
+
+def compile_blocks(dit: nn.Module, mode: str | None) -> nn.Module:
+    """Regional compile, as diffusers' ``compile_repeated_blocks``: ``block.compile()`` on
+    every block of the DiT (``mode=None``: no compile)."""
+    if mode is not None:
+        getattr(dit, "compile_repeated_blocks")(mode=None if mode == "default" else mode)  # noqa: B009
+    return dit
 
 
 def _max_over_ranks(value: float) -> float:

@@ -14,7 +14,15 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
-from dlo.bench.methods import _build_dit, _clean, _fwd, _inputs, _peak, time_forward
+from dlo.bench.methods import (
+    _build_dit,
+    _clean,
+    _fwd,
+    _inputs,
+    _peak,
+    compile_blocks,
+    time_forward,
+)
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.models import build_pipeline
@@ -56,6 +64,7 @@ def _bench_diffusers_group(
         use_stream=True,
     )
     enable_s = time.perf_counter() - t0
+    compile_blocks(dit, args.compile)  # after the hooks, as diffusers documents
     for tokens in tokens_list:
         inp = _inputs(preset, tokens, platform.device, dtype)
         platform.reset_peak_memory_stats()

@@ -64,7 +64,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['preset']} ({report['num_blocks']} blocks x {report['block_nbytes'] / 1e6:.0f} MB,"
         f" {report['dtype']}), {report['world_size']} x {report['device']}, torch "
         f"{report['torch']}, {report['date']}; chunk {_listed(report['chunk_mb'])} MiB, "
-        f"{_listed(report['num_slots'])} slots",
+        f"{_listed(report['num_slots'])} slots"
+        + (
+            f"; every block compiled (block.compile(), mode {report['compile']})"
+            if report.get("compile")
+            else ""
+        ),
         "",
         f"Limits: pinned H2D {lim['h2d_pinned_alone_GBps']:.1f} GB/s alone, "
         f"{lim['h2d_pinned_concurrent_GBps']:.1f} GB/s per rank with all ranks copying; pageable "
@@ -91,8 +96,8 @@ def markdown(report: dict[str, Any]) -> str:
             else []
         ),
         "| method | tokens | ms / forward | x resident | x H2D limit | x best peer | peak HBM GB |"
-        " pinned host GB / rank |",
-        "|---|---|---|---|---|---|---|---|",
+        " pinned host GB / rank | first forward s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v: Any, fmt: str = "{:.3f}") -> str:
@@ -107,7 +112,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
             f"{f(r['x_h2d_limit'])} | {f(r['x_best_peer'])} | "
-            f"{r['peak_device_nbytes'] / GB:.2f} | {_pinned_gb(r)} |"
+            f"{r['peak_device_nbytes'] / GB:.2f} | {_pinned_gb(r)} | "
+            f"{f(r.get('first_forward_ms', 0) / 1e3, '{:.2f}')} |"
         )
     if report.get("swap"):
         lines += ["", "| swap component | MB | load ms | x H2D limit |", "|---|---|---|---|"]

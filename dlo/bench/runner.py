@@ -45,6 +45,7 @@ from dlo.bench.methods import (
     _max_over_ranks,
     _peak,
     _profile,
+    compile_blocks,
     time_forward,
 )
 from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
@@ -114,6 +115,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d"),
         "chunk_mb": chunks,
         "num_slots": slots,
+        "compile": args.compile,
         "limits": {},
         "results": [],
     }
@@ -150,6 +152,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": tokens,
             "median_ms": _max_over_ranks(timing["median_ms"]),
             "min_ms": _max_over_ranks(timing["min_ms"]),
+            "first_forward_ms": _max_over_ranks(timing["first_ms"]),
+            "compile": args.compile,
             **extra,
         }
         report["results"].append(row)
@@ -160,7 +164,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     streamed_bytes = preset.num_blocks * block_nbytes
     if "resident" in methods:
-        dit = _build_dit(preset.name, platform.device, dtype)
+        dit = compile_blocks(_build_dit(preset.name, platform.device, dtype), args.compile)
         for tokens in tokens_list:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             fwd = _fwd(dit, inp)
@@ -214,7 +218,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "node-shared" if method == "dlo-node-shared" else
             "auto" if method.startswith("dlo-auto") else "rank-local"
         )  # fmt: skip
-        cpu_dit = cpu_dit or _build_dit(preset.name, "cpu", dtype)
+        cpu_dit = cpu_dit or compile_blocks(_build_dit(preset.name, "cpu", dtype), args.compile)
         rss0 = process_rss_bytes()
         cfg = OffloadConfig(
             mode="layer",
@@ -288,6 +292,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         _clean(platform)
         dit = _build_dit(preset.name, "cpu", dtype)
         _fsdp2(dit, world.size, platform)
+        compile_blocks(dit, args.compile)
         for tokens in tokens_list:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             platform.reset_peak_memory_stats()
@@ -361,6 +366,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--chunk-mb", default="64", help="chunk MiB of the dlo methods; a comma list sweeps them"
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        choices=["default", "max-autotune-no-cudagraphs"],
+        help="compile every DiT block of every method (block.compile(), as diffusers' "
+        "compile_repeated_blocks) in this torch.compile mode; the first forward's time, "
+        "compile included, is reported apart",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
     p.add_argument(

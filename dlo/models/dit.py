@@ -7,7 +7,7 @@ the device under layerwise offload; ``blocks`` is the ring, declared through
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,12 @@ class DiT(nn.Module):
         else:
             self.head_modulation = nn.Parameter(torch.zeros(1, 2, d))
         self.proj_out = nn.Linear(d, preset.latent_channels)
+
+    def compile_repeated_blocks(self, **kwargs: Any) -> None:
+        """Compile every block (``block.compile(**kwargs)``), as diffusers' method of this
+        name does for its models: regional compilation, one graph per block shape."""
+        for block in self.blocks:
+            block.compile(**kwargs)
 
     def forward(
         self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor
