@@ -123,7 +123,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         default=None,
         choices=["default", "max-autotune-no-cudagraphs"],
         help="compile every DiT block (block.compile(), as diffusers' compile_repeated_blocks) "
-        "in this torch.compile mode, before offload is enabled; --check compiles the "
+        "in this torch.compile mode, once offload is enabled; --check compiles the resident "
         "reference the same way",
     )
     r.add_argument("--steps", type=int, default=8, help="denoising steps (an int >= 1)")
