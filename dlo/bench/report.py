@@ -113,7 +113,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {f(r['x_resident'])} | "
             f"{f(r['x_h2d_limit'])} | {f(r['x_best_peer'])} | "
             f"{r['peak_device_nbytes'] / GB:.2f} | {_pinned_gb(r)} | "
-            f"{f(r.get('first_forward_ms', 0) / 1e3, '{:.2f}')} |"
+            f"{f(_seconds(r.get('first_forward_ms')), '{:.2f}')} |"
         )
     if report.get("swap"):
         lines += ["", "| swap component | MB | load ms | x H2D limit |", "|---|---|---|---|"]
@@ -186,3 +186,7 @@ def write_json(path: str, report: dict[str, Any]) -> None:
     with open(tmp, "w") as fh:
         json.dump(report, fh, indent=2)
     os.replace(tmp, path)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return ms / 1e3 if ms is not None else None
