@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from dlo.commands import run as run_command
+from dlo.commands import run_flags
 from dlo.commands import save as save_command
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"dlo {__version__} (torch {torch.__version__})"
     )
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
-    run_command.add_arguments(
+    run_flags.add_arguments(
         sub.add_parser("run", help="run the embedded demo pipeline under a strategy")
     )
     add_bench_arguments(

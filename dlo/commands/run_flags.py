@@ -1,0 +1,204 @@
+"""The flags of ``dlo run``, and the offload config they ask for (``--offload-config`` JSON,
+vLLM-Omni's compact form included, or the individual flags)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from dlo.commands.args import DTYPES, PRESET_HELP, int_or_auto
+from dlo.config.fields import GATHER_ENGINES, GATHER_SYNCS, HOST_BACKINGS, MODES, TRANSFERS
+from dlo.config.offload import OffloadConfig
+
+# the flags --offload-config replaces (give them inside the JSON instead)
+OFFLOAD_FLAGS = {
+    "mode": "--mode",
+    "transfer": "--transfer",
+    "resident_layers": "--resident-layers",
+    "num_slots": "--num-slots",
+    "chunk_mb": "--chunk-mb",
+    "no_pin": "--no-pin",
+    "gather_engine": "--gather-engine",
+    "gather_sync": "--gather-sync",
+    "device_budget_gb": "--device-budget-gb",
+    "block_compute_ms": "--block-compute-ms",
+    "host_backing": "--host-backing",
+}
+
+
+def add_arguments(r: argparse.ArgumentParser) -> None:
+    """The flags of ``dlo run``."""
+    r.add_argument("--preset", default="tiny", help=PRESET_HELP)
+    r.add_argument(
+        "--mode",
+        default="layer",
+        choices=MODES,
+        help="layer: stream blocks through device slots; module: swap whole components; "
+        "none: no offload",
+    )
+    r.add_argument(
+        "--transfer",
+        default="rank-local",
+        choices=TRANSFERS,
+        help="how a block reaches the device: whole blocks per rank (rank-local), 1/N per "
+        "rank rebuilt by AllGather (allgather), one host copy per node (node-shared), or "
+        "chosen from measured bandwidths (auto)",
+    )
+    r.add_argument(
+        "--resident-layers",
+        type=int_or_auto,
+        default=0,
+        help="leading DiT blocks kept on the device: an int >= 0 or 'auto'",
+    )
+    r.add_argument(
+        "--num-slots",
+        type=int_or_auto,
+        default=2,
+        help="device slots the streamed blocks take turns in: an int >= 1 or 'auto'",
+    )
+    r.add_argument(
+        "--device-budget-gb",
+        type=float,
+        default=None,
+        help="device memory for weights per rank (GiB); sizes the resident blocks",
+    )
+    r.add_argument(
+        "--block-compute-ms",
+        type=float,
+        default=None,
+        help="expected compute time of one block (ms; `dlo bench` prints it): lets "
+        "--transfer auto take node-shared where compute hides whole-block copies",
+    )
+    r.add_argument(
+        "--offload-config",
+        default=None,
+        metavar="JSON",
+        help="the offload settings as one JSON object, or the path of a .json file holding "
+        "one (OffloadConfig.from_dict: the compact form, vLLM-Omni's diffusion_offload_config "
+        "or the legacy flags); replaces --mode, --transfer and the other offload flags",
+    )
+    r.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the automatic policy's decision and the numbers behind it (rank 0)",
+    )
+    r.add_argument(
+        "--chunk-mb", type=int, default=64, help="AllGather chunk size in MiB (an int >= 1)"
+    )
+    r.add_argument("--no-pin", action="store_true", help="keep host storage pageable")
+    r.add_argument(
+        "--gather-engine",
+        default="auto",
+        choices=GATHER_ENGINES,
+        help="AllGather by NCCL kernels or by copy engines over peer access (CUDA, one "
+        "node); auto: the copy engines where every rank can use them",
+    )
+    r.add_argument(
+        "--gather-sync",
+        default="auto",
+        choices=GATHER_SYNCS,
+        help="the copy engine's barriers: stream memory operations or the barrier kernel",
+    )
+    r.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        choices=["default", "max-autotune-no-cudagraphs"],
+        help="compile every DiT block (block.compile(), as diffusers' compile_repeated_blocks) "
+        "in this torch.compile mode, once offload is enabled; --check compiles the resident "
+        "reference the same way",
+    )
+    r.add_argument("--steps", type=int, default=8, help="denoising steps (an int >= 1)")
+    r.add_argument("--tokens", type=int, default=None, help="latent tokens (default: the preset's)")
+    r.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
+    r.add_argument(
+        "--seed", type=int, default=0, help="input seed of rank 0 (rank r uses seed + r)"
+    )
+    r.add_argument("--check", action="store_true", help="bitwise parity against a resident run")
+    r.add_argument("--json", action="store_true", help="print a machine-readable report")
+    r.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: auto)")
+    r.add_argument(
+        "--hsdp-shard",
+        type=int,
+        default=1,
+        help="HSDP shard-axis size: FSDP2 shards the non-block weights and dlo's "
+        "AllGather runs on this axis (1: no HSDP)",
+    )
+    r.add_argument(
+        "--hsdp-replicate",
+        type=int,
+        default=1,
+        help="HSDP replicate-axis size (ranks = replicate x shard)",
+    )
+    r.add_argument(
+        "--checkpoint",
+        default=None,
+        help="load the weights from this safetensors checkpoint (file, directory or index) "
+        "into a meta skeleton instead of building them (see dlo save-checkpoint)",
+    )
+    r.add_argument(
+        "--checkpoint-load",
+        default="mapped",
+        choices=["mapped", "copy"],
+        help="mapped: each rank reads only its slices; copy: the ordinary path, a full "
+        "pageable copy first (for comparison)",
+    )
+    r.add_argument(
+        "--host-backing",
+        default="region",
+        choices=HOST_BACKINGS,
+        help="region: each rank copies its blocks into its own host memory; mapped: "
+        "rank-local blocks are read from the --checkpoint file (page cache shared by the "
+        "node's ranks) through two pinned staging buffers",
+    )
+
+
+def config_of(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> OffloadConfig:
+    """The offload config the flags ask for (bad values raise ValueError/TypeError naming
+    the field, before any work)."""
+    if args.offload_config is not None:
+        given = [
+            flag
+            for dest, flag in OFFLOAD_FLAGS.items()
+            if getattr(args, dest) != parser_defaults[dest]
+        ]
+        if given:
+            raise ValueError(
+                f"--offload-config replaces {', '.join(given)}: give those settings inside the "
+                "JSON instead"
+            )
+        return OffloadConfig.from_dict(_json_object(args.offload_config))
+    # every flag goes to the config, which refuses layer-only settings with --mode module
+    return OffloadConfig(
+        mode=args.mode,
+        transfer=args.transfer,
+        resident_layers=args.resident_layers,
+        num_slots=args.num_slots,
+        chunk_mb=args.chunk_mb,
+        pin_memory=not args.no_pin,
+        gather_engine=args.gather_engine,
+        gather_sync=args.gather_sync,
+        device_budget_gb=args.device_budget_gb,
+        block_compute_ms=args.block_compute_ms,
+        host_backing=args.host_backing,
+    )
+
+
+def _json_object(text: str) -> Any:
+    source = "--offload-config"
+    if not text.lstrip().startswith("{"):
+        if not os.path.isfile(text):
+            raise ValueError(f"--offload-config={text!r} is neither a JSON object nor a file")
+        source = f"--offload-config file {text!r}"
+        with open(text, encoding="utf-8") as fh:
+            text = fh.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{source} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
+    return data
