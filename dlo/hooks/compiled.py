@@ -99,8 +99,10 @@ class CompiledCall(_NotCopyable):
         module, state = self._module(), self._state()
         if module is None or state is None or state.pre_handle is None:
             return self.inner(*args, **kwargs)
-        caller = sys._getframe(0)
-        changed = state._pre(module, args, kwargs, caller)
+        # this frame's id only: a local holding the frame itself is a cycle (frame -> its
+        # locals -> frame) that keeps every block's output alive until the next gc pass
+        caller_id = id(sys._getframe(0))
+        changed = state._pre(module, args, kwargs, sys._getframe(0))
         if changed is not None:
             args, kwargs = changed
         state.around = True
@@ -110,11 +112,11 @@ class CompiledCall(_NotCopyable):
         except BaseException:
             AROUND.depth -= 1
             state.around = False
-            _drop_call(state, id(caller), module, args, kwargs)
+            _drop_call(state, caller_id, module, args, kwargs)
             raise
         AROUND.depth -= 1
         state.around = False
-        result = state._post(module, args, kwargs, output, id(caller))
+        result = state._post(module, args, kwargs, output, caller_id)
         return output if result is None else result
 
     def remove(self) -> None:

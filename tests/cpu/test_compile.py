@@ -195,6 +195,36 @@ def test_inductor_default_mode_is_bitwise_too() -> None:
     backend.disable()
 
 
+@pytest.mark.parametrize("form", [None, *FORMS])
+def test_block_outputs_are_freed_when_the_forward_returns(form: str | None) -> None:
+    """No reference cycle keeps a block's activations alive past the forward (they would
+    wait for the garbage collector, holding device memory: measured on an H200 as 2.5 GB
+    more HBM per forward at 16384 tokens before the interposer stopped holding its frame)."""
+    import gc
+    import weakref
+
+    model = TwoStackDiT(3, num_blocks2=2)
+    seen: list[weakref.ref] = []
+    for b in _blocks(model):
+        b.register_forward_hook(lambda m, a, o: seen.append(weakref.ref(o)))
+    torch._dynamo.reset()
+    fn = model if form is None else _compile(model, form, Counter())
+    backend = _enable(model, num_slots=2)
+    enabled = gc.isenabled()
+    gc.disable()  # what refcounting alone frees
+    try:
+        for s in range(3):
+            seen.clear()
+            with torch.no_grad():
+                fn(_x(s))
+            assert len(seen) == 5
+            assert [r() is None for r in seen] == [True] * 5, (form, s)
+    finally:
+        if enabled:
+            gc.enable()
+        backend.disable()
+
+
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_cuda_graph_modes_are_refused_naming_the_modes_that_work(mode: str) -> None:
     model = ToyDiT(3)

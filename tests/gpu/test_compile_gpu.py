@@ -78,8 +78,13 @@ def test_compiled_ring_is_bitwise_to_the_compiled_resident_model(
         _break_at_blocks(resident)
     torch._dynamo.reset()
     start = _graphs()
-    ref = _forwards(_compile(resident, form, mode))
+    ref_fn = _compile(resident, form, mode)
+    ref = _forwards(ref_fn)
     ref_graphs = _graphs() - start
+    # the second pass runs the graphs compiled dynamic in tokens after the 96-token call (their
+    # kernels may differ from the first pass's static ones): the ring's second pass matches it
+    ref_again = _forwards(ref_fn)
+    del ref_fn
     del resident
     torch._dynamo.reset()
     start = _graphs()
@@ -94,7 +99,7 @@ def test_compiled_ring_is_bitwise_to_the_compiled_resident_model(
     finally:
         backend.disable()
     assert all(torch.equal(a, b) for a, b in zip(ref, got)), form
-    assert all(torch.equal(a, b) for a, b in zip(ref, again)), form
+    assert all(torch.equal(a, b) for a, b in zip(ref_again, again)), form
     if form == "repeated":  # one graph per block signature, as the resident compile
         assert graphs == ref_graphs
     else:
