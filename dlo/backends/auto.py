@@ -287,10 +287,13 @@ def _policy_input(
         chunk_nbytes=cfg.chunk_nbytes,
         measured=Measurements(h2d_bps=1.0),  # replaced once measured
         num_slots=cfg.num_slots,
-        defaults=frozenset(
+        defaults=frozenset(  # the effective values (a layer option is a choice too)
             k
-            for k, f in {f.name: f for f in dataclasses.fields(cfg)}.items()
-            if k in ("num_slots", "resident_layers") and getattr(cfg, k) == f.default
+            for k, v in (
+                ("num_slots", cfg.num_slots),
+                ("resident_layers", cfg.resident_layers_for("dit")),
+            )
+            if v == OffloadConfig.__dataclass_fields__[k].default
         ),
         resident_layers=resident,
         device_budget_gb=cfg.device_budget_gb,

@@ -49,7 +49,8 @@ def time_forward(
 ) -> dict[str, float]:
     """Median/min device time of ``fn`` in ms (wall time on the CPU platform), and the wall
     time of the first call (``first_ms``: with ``--compile``, the compile of the first
-    forward is in it)."""
+    forward is in it), and how many forwards ran (``forwards``: that first one runs even
+    with ``warmup=0``)."""
     t0 = time.perf_counter()
     fn()  # the first warm-up forward (one even without warm-up: its time is reported)
     platform.synchronize()
@@ -58,7 +59,12 @@ def time_forward(
         fn()
     barrier()
     times = [t * 1e3 for t in sample_seconds(platform, fn, reps)]
-    return {"median_ms": statistics.median(times), "min_ms": min(times), "first_ms": first_ms}
+    return {
+        "median_ms": statistics.median(times),
+        "min_ms": min(times),
+        "first_ms": first_ms,
+        "forwards": float(max(1, warmup) + reps),  # every forward run, for per-forward stats
+    }
 
 
 def compile_blocks(dit: nn.Module, mode: str | None) -> nn.Module:

@@ -254,7 +254,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 )
             # what crossed this rank's link per forward: its shards, or whole blocks (rank-
             # local, node-shared: not the 1/L of host memory a node-shared rank is charged)
-            fwds = args.reps + args.warmup
+            fwds = t["forwards"]
             link_nbytes = (st["h2d_nbytes"] - st0["h2d_nbytes"]) / fwds
             limit_ms = link_nbytes / (bw * GB) * 1e3 if bw else 0.0
             record(
@@ -359,7 +359,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated; each runs where the platform and world size allow (the others "
         "say why they are skipped)",
     )
-    p.add_argument("--warmup", type=int, default=2, help="untimed forwards per row (>= 0)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed forwards per row (>= 0; the first forward, timed apart, runs even at 0)",
+    )
     p.add_argument("--reps", type=int, default=5, help="timed forwards per row (>= 1)")
     p.add_argument(
         "--num-slots", default="2", help="slots of the dlo methods; a comma list sweeps them"

@@ -80,9 +80,9 @@ class CompiledCall(_NotCopyable):
         self._state = weakref.ref(state)
         self.inner: Any = None
         self._shim = _CompileShim(self)
+        self.wrap(module)  # first: a refused compile leaves no shim behind
         if "compile" not in vars(module):
             vars(module)["compile"] = self._shim
-        self.wrap(module)
 
     def wrap(self, module: nn.Module) -> None:
         """Interpose on the module's compiled call, if it has one that is not ours."""

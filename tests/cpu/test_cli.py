@@ -171,6 +171,19 @@ def test_bench_auto_compute_without_resident_rows_says_so(
     assert "dlo-auto-compute: needs the resident rows; method skipped" in caplog.text
 
 
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_bench_bytes_per_forward_count_every_forward_run(tmp_path: Path, warmup: int) -> None:
+    # the first forward runs even at --warmup 0: the per-forward link bytes divide by it too
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--preset", "tiny", "--methods", "dlo-ring", "--tokens", "32"]
+    assert main([*argv, "--warmup", str(warmup), "--reps", "2", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    (row,) = report["results"]
+    streamed = row["host_nbytes"]  # one rank, rank-local: every block crosses once per forward
+    gbps = report["limits"]["h2d_pinned_alone_GBps"]
+    assert row["h2d_limit_ms"] == pytest.approx(streamed / (gbps * 1e9) * 1e3)
+
+
 def test_bench_cut_short_keeps_the_rows_it_has(tmp_path: Path) -> None:
     # a device-time limit or a failure in a later method must not cost the finished rows
     from dlo import faults

@@ -235,8 +235,10 @@ def test_cuda_graph_modes_are_refused_naming_the_modes_that_work(mode: str) -> N
     assert model.blocks[0]._compiled_call_impl is None  # as if never called
     backend.disable()
     model.blocks[0].compile(mode=mode)  # compiled before enable: refused by enable
+    keys = [set(vars(m)) for m in model.modules()]
     with pytest.raises(OffloadError, match="CUDA graphs"):
         _enable(model)
+    assert [set(vars(m)) for m in model.modules()] == keys  # no shim or interposer left
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     assert not any(dlo.HookRegistry.owners_on(m) for m in model.modules())
     model.blocks[0]._compiled_call_impl = None

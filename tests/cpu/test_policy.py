@@ -225,6 +225,27 @@ def test_explicit_allgather_with_auto_slots_measures_its_gather() -> None:
     assert "AllGather[data] 40.00 GB/s" in res[0]["policy"]["explanation"]
 
 
+@pytest.mark.parametrize(
+    "cfg_kw, note",
+    [
+        ({}, "(the default; resident_layers='auto' decides it)"),
+        ({"resident_layers": 1}, "(explicit)"),
+        ({"layer_options": {"dit": {"resident_layers": 2}}}, "(explicit)"),
+    ],
+)
+def test_the_explanation_calls_only_untouched_knobs_the_default(
+    cfg_kw: dict[str, Any], note: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = ToyDiT(4)
+    cfg = dlo.OffloadConfig(mode="layer", num_slots="auto", **cfg_kw)
+    with caplog.at_level("INFO", logger="dlo.backends.auto"):
+        backend = dlo.enable_offload(model, cfg, device="cpu")
+    assert backend is not None
+    backend.disable()
+    (line,) = [ln for ln in caplog.text.splitlines() if "resident_layers:" in ln]
+    assert line.endswith(note), line
+
+
 def test_budget_sizes_resident_blocks_identically() -> None:
     # a budget that holds about half of the toy's blocks beside two slots
     cfg = {"transfer": "rank-local", "device_budget_gb": 12_000 / (1 << 30)}
