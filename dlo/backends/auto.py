@@ -101,10 +101,7 @@ def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) 
     """
     if not world.distributed:
         return
-    if not is_automatic(cfg) and not any(
-        s.group_size > 1 or s.share_size > 1
-        for s in plan.stacks  # as _install_steps' exchanges
-    ):
+    if not is_automatic(cfg) and not plan.exchanges:
         return
     replies = share(
         requested_settings(cfg),

@@ -213,9 +213,8 @@ def _gather(platform: Platform, b: LayerBlock, transports: Transports) -> torch.
 
 def load_resident(
     platform: Platform, host: LayerHost, transports: Transports, journal: Journal
-) -> int:
-    """Load every resident block once into its own device buffer; returns their bytes."""
-    loaded = 0
+) -> None:
+    """Load every resident block once into its own device buffer."""
     for b in host.blocks:
         if not b.resident:
             continue
@@ -224,7 +223,6 @@ def load_resident(
             b.original_devices = [t.device for t in b.tensors]
         for spec, t in zip(b.layout.tensors, b.tensors):
             t.data = shard_view(buffer, spec)
-        loaded += b.layout.padded_nbytes
         if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
             journal.record(f"resident {b.name}", functools.partial(host.release_gathered, b))
         else:  # ... from the host region: in-place writes go back there first
@@ -236,7 +234,6 @@ def load_resident(
     if transports.staging is not None:
         transports.staging.drain()
     platform.synchronize()
-    return loaded
 
 
 def install_rings(

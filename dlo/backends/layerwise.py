@@ -225,8 +225,7 @@ class LayerwiseBackend(OffloadBackend):
                 pipeline, plan, cfg, par, self.platform, world, tensors, block_ids, sizing_error
             )
         self.plan = plan
-        gathers = any(s.group_size > 1 for s in plan.stacks)
-        exchanges = gathers or any(s.share_size > 1 for s in plan.stacks)
+        gathers, exchanges = plan.gathers, plan.exchanges
         if exchanges and not world.distributed:
             raise OffloadError(
                 "an AllGather or node-shared stack needs a process group: run under torchrun "
@@ -345,8 +344,7 @@ class LayerwiseBackend(OffloadBackend):
         ranks initializes the default one from torchrun's environment (gloo on CPU, NCCL
         with this rank's GPU); the process group stays after disable."""
         world = current_world()
-        multi = any(s.group_size > 1 or s.share_size > 1 for s in plan.stacks)
-        if world.distributed or not multi or not torchrun_env().is_distributed:
+        if world.distributed or not plan.exchanges or not torchrun_env().is_distributed:
             return world
         logger.info("dlo: no process group under torchrun: initializing it from the environment")
         return init(self.parallel, device=self.platform.device)
@@ -399,7 +397,8 @@ class LayerwiseBackend(OffloadBackend):
         )
         state.placed_nbytes = place_non_block_state(pf, pipeline, plan, host.blocks, journal)
         faults.check("first_transfer")
-        state.resident_nbytes = load_resident(pf, host, transports, journal)
+        load_resident(pf, host, transports, journal)
+        state.resident_nbytes = layer.resident_nbytes
         state.scheduler = install_rings(
             pf,
             pipeline,

@@ -184,11 +184,9 @@ class ModelSwapBackend(OffloadBackend):
         residents = [(p, get_by_path(pipeline, p)) for p in (*plan.vaes, *kept)]
         claim_components(comps + residents, owner, journal)
         check_blocks(comps, every_component(pipeline, plan))
-        check_not_released(
-            [(f"{p}.{n}", t) for p, m in comps for n, _, t in module_tensor_entries(m)], rank=0
-        )
-        faults.check("manifest_build")
         entries = {p: module_tensor_entries(m) for p, m in comps}
+        check_not_released([(f"{p}.{n}", t) for p, e in entries.items() for n, _, t in e], rank=0)
+        faults.check("manifest_build")
         layouts = plan_units(
             {p: describe_entries(e) for p, e in entries.items()},
             chunk_nbytes=self.config.chunk_nbytes,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any
 
@@ -11,8 +10,6 @@ from dlo.bench.methods import AUTO_METHODS, MANUAL_DLO_METHODS
 from dlo.runtime.measure import (
     GB,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def label(row: dict[str, Any]) -> str:

@@ -299,11 +299,6 @@ class OffloadConfig:
         """:attr:`pin_budget_gb` in bytes (None: no budget)."""
         return _gib_nbytes(self.pin_budget_gb)
 
-    @property
-    def device_budget_nbytes(self) -> int | None:
-        """:attr:`device_budget_gb` in bytes (None: no budget)."""
-        return _gib_nbytes(self.device_budget_gb)
-
     def transfer_for(self, component: str) -> str:
         """Effective transfer of a component kind."""
         o = self.layer_options.get(component)

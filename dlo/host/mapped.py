@@ -21,7 +21,6 @@ buffers: ``NUM_STAGING_BUFFERS`` exact-size buffers of the largest chunk, in one
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -31,8 +30,6 @@ from dlo.host.packer import TensorSource, fill_ranges
 from dlo.host.shards import chunk_copies, gap_ranges
 from dlo.io.checkpoint import Checkpoint, bytes_of
 from dlo.plan.layout import BlockLayout
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)

@@ -4,7 +4,6 @@ tensors that alias it (see [Note: loading from a checkpoint] in :mod:`dlo.io.mat
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -14,8 +13,6 @@ from dlo.host.shards import pack_shard, shard_copies, span_bytes
 from dlo.io.checkpoint import Checkpoint, bytes_of
 from dlo.io.materialize import mapped_source
 from dlo.plan.layout import BlockLayout
-
-logger = logging.getLogger(__name__)
 
 
 def pack_block(

@@ -5,14 +5,11 @@ and copying in-place writes back.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from dlo.plan.layout import BlockLayout, TensorSpec, extent_numel
-
-logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- packing

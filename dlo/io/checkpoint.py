@@ -364,7 +364,7 @@ def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
         for _name, t in tensors:
             if t.numel():
                 data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(data.numpy()))  # type: ignore[arg-type]
+                f.write(bytes_of(data))
     os.replace(tmp, path)
 
 

@@ -71,9 +71,15 @@ class _Problems:
 
     def note(self, message: str, *, log: bool = True) -> None:
         self.messages.append(message)
-        if log and message not in _logged_messages:
-            _logged_messages.add(message)
-            logger.warning("%s", message)
+        if log:
+            warn_once(message)
+
+
+def warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
+    if message not in _logged_messages:
+        _logged_messages.add(message)
+        logger.warning("%s", message)
 
 
 def _owner(pipeline: object) -> str:

@@ -102,11 +102,6 @@ class LayerPlan:
         """Some stack rebuilds its blocks with a collective (group size > 1)."""
         return any(b.stack.group_size > 1 for b in self.blocks)
 
-    @property
-    def shares(self) -> bool:
-        """Some stack shares a node's host copy with other ranks."""
-        return any(b.stack.share_size > 1 for b in self.blocks)
-
     def max_chunks(self, axis: str) -> int:
         """The most chunks of any block of the stacks on weight axis ``axis``."""
         return max(

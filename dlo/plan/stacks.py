@@ -10,7 +10,6 @@ nearest registered class in the DiT class's MRO). Encoder blocks stream only whe
 
 from __future__ import annotations
 
-import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,9 +25,7 @@ from dlo.plan.declarations import (
     _join,
     get_by_path,
 )
-from dlo.plan.discovery import _class_declaration, _Components, _Problems
-
-logger = logging.getLogger(__name__)
+from dlo.plan.discovery import _class_declaration, _Components, _Problems, warn_once
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -159,22 +156,13 @@ def _encoder_stacks(
     return stacks
 
 
-_warned_encoders: set[tuple[str, type]] = set()
-
-
 def _warn_unstreamed_encoder(path: str, encoder: nn.Module) -> None:
     """A declared encoder with no block stack streams nothing: say so once per class."""
-    key = (path, type(encoder))
-    if key in _warned_encoders:
-        return
-    _warned_encoders.add(key)
-    logger.warning(
-        "dlo: encoder %r (%s) declares no block stack, so mode='layer' streams none of it "
-        "(it stays where it is); to stream it, set OffloadPlan(encoder_block_attrs={%r: "
-        "[<its block container, e.g. 'encoder.layers'>]}) as the pipeline's _offload_plan",
-        path,
-        type(encoder).__name__,
-        path,
+    warn_once(
+        f"dlo: encoder {path!r} ({type(encoder).__name__}) declares no block stack, so "
+        "mode='layer' streams none of it (it stays where it is); to stream it, set "
+        f"OffloadPlan(encoder_block_attrs={{{path!r}: [<its block container, e.g. "
+        "'encoder.layers'>]}) as the pipeline's _offload_plan"
     )
 
 

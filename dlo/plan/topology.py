@@ -148,6 +148,16 @@ class ResolvedOffloadPlan:
         return tuple(dict.fromkeys(s.component_path for s in self.stacks))
 
     @property
+    def gathers(self) -> bool:
+        """Some stack rebuilds its blocks with a collective (group size > 1)."""
+        return any(s.group_size > 1 for s in self.stacks)
+
+    @property
+    def exchanges(self) -> bool:
+        """Some stack's ranks talk at startup: it gathers, or shares a node's host copy."""
+        return self.gathers or any(s.share_size > 1 for s in self.stacks)
+
+    @property
     def all_block_paths(self) -> tuple[str, ...]:
         return tuple(p for s in self.stacks for p in s.block_paths)
 

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import socket
 import tempfile
 from dataclasses import dataclass
-
-logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- environment

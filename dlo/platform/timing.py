@@ -5,15 +5,12 @@ path) and profiler ranges with stable labels.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from dlo.platform.device import Platform
-
-logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- timing

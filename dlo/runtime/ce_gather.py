@@ -76,6 +76,7 @@ import torch
 
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
+from dlo.runtime.collectives import all_gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -343,7 +344,6 @@ class CopyEngineGather:
         timeout_s: float,
         sync: str = "auto",
     ) -> None:
-        import torch.distributed as dist
         from torch.distributed import _symmetric_memory as symm_mem
 
         if sync not in ("auto", "stream", "kernel"):
@@ -374,9 +374,7 @@ class CopyEngineGather:
         local_ok = sync != "kernel" and can_use_stream_ops(
             platform, flags[PROBE_WORD : PROBE_WORD + 1], list(theirs.values())
         )
-        oks: list[Any] = [None] * group_size
-        dist.all_gather_object(oks, local_ok, group=group)  # one choice for the group
-        everyone_ok = all(oks)
+        everyone_ok = all(all_gather_objects(local_ok, group))  # one choice for the group
         if sync == "stream" and not everyone_ok:
             raise RuntimeError("sync='stream': a rank of the group has no stream memory operations")
         if everyone_ok:

@@ -5,8 +5,9 @@ physical limits). Each probe moves one buffer a few times and reports the median
 CUDA timed with events on the current stream, on the CPU platform timed on the host (a
 memcpy and a gloo gather), so the whole policy path runs, and is tested, without a GPU.
 
-Besides :mod:`dlo.runtime.transport`, this is the only module that issues collectives (the probes'
-AllGather and barrier); the probes run on setup paths only, never on the hot path.
+Besides :mod:`dlo.runtime.collectives` (which it calls for its gathers), this is the only
+module of the runtime that issues collectives (the probes' barrier); the probes run on setup
+paths only, never on the hot path.
 
 [Note: one set of numbers]
 Every rank measures its own link and its own group, so the raw numbers differ from rank to
@@ -42,7 +43,7 @@ from dlo.plan.layout import ALIGN
 from dlo.plan.policy_model import Measurements
 from dlo.platform.device import Platform
 from dlo.platform.env import host_name, shared_memory_free_nbytes
-from dlo.runtime.collectives import all_gather_into
+from dlo.runtime.collectives import all_gather_into, all_gather_objects
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +136,7 @@ def over_ranks(value: float) -> list[float]:
     """``value`` of every rank of the default group (collective)."""
     if not dist.is_initialized():
         return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return [float(v) for v in out]
+    return [float(v) for v in all_gather_objects(value, None)]
 
 
 def h2d_limits(platform: Platform, nbytes: int) -> dict[str, float]:

@@ -905,3 +905,25 @@ def test_meta_device_models_resolve_identically_without_touching_tensors() -> No
 def test_resolve_with_none_parallel_equals_default_parallel() -> None:
     pipe = make_pipeline({"transformer": DiT()})
     assert resolve_offload_plan(pipe, LAYER) == resolve_offload_plan(pipe, LAYER, ParallelConfig())
+
+
+def test_an_encoder_without_blocks_is_told_once(caplog: pytest.LogCaptureFixture) -> None:
+    class UnstreamedEncoder(Encoder):  # its own class: the message is this test's alone
+        pass
+
+    class Pipe:
+        _dit_modules = ["transformer"]
+        _encoder_modules = ["text_encoder"]
+        _vae_modules: list[str] = []
+
+        def __init__(self) -> None:
+            self.transformer = DiT(num_blocks=2)
+            self.text_encoder = UnstreamedEncoder()
+
+    caplog.set_level(logging.WARNING, logger="dlo.plan")
+    for _ in range(2):
+        plan = resolve_offload_plan(Pipe(), LAYER)
+        assert plan.encoders == ("text_encoder",)
+    told = [r.getMessage() for r in caplog.records if "declares no block stack" in r.getMessage()]
+    assert len(told) == 1 and "'text_encoder' (UnstreamedEncoder)" in told[0], told
+    assert "encoder_block_attrs={'text_encoder': [" in told[0]
