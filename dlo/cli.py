@@ -17,7 +17,16 @@ from dlo.commands import save as save_command
 
 logger = logging.getLogger(__name__)
 
-_FORMAT = argparse.ArgumentDefaultsHelpFormatter
+
+class _FORMAT(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help already says it in words
+    (``--tokens``: "(default: the preset's)", not "(default: None)" after it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        if "(default:" in help_text:
+            return help_text
+        return super()._get_help_string(action)
 
 
 class _UsageError(Exception):

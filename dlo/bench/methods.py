@@ -67,14 +67,6 @@ def time_forward(
     }
 
 
-def compile_blocks(dit: nn.Module, mode: str | None) -> nn.Module:
-    """Regional compile, as diffusers' ``compile_repeated_blocks``: ``block.compile()`` on
-    every block of the DiT (``mode=None``: no compile)."""
-    if mode is not None:
-        getattr(dit, "compile_repeated_blocks")(mode=None if mode == "default" else mode)  # noqa: B009
-    return dit
-
-
 def _max_over_ranks(value: float) -> float:
     return max(over_ranks(value))
 

@@ -20,9 +20,9 @@ from dlo.bench.methods import (
     _fwd,
     _inputs,
     _peak,
-    compile_blocks,
     time_forward,
 )
+from dlo.commands.args import compile_blocks
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.models import build_pipeline

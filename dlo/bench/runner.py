@@ -45,12 +45,11 @@ from dlo.bench.methods import (
     _max_over_ranks,
     _peak,
     _profile,
-    compile_blocks,
     time_forward,
 )
 from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
 from dlo.bench.report import _ratios, markdown, plot, write_json
-from dlo.commands.args import DTYPES, PRESET_HELP
+from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, check_minimums, compile_blocks
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.models import get_preset
@@ -70,13 +69,13 @@ logger = logging.getLogger(__name__)
 def check_args(args: argparse.Namespace) -> None:
     """Refuse bad counts and output paths before anything is measured (``ValueError``
     naming the flag and the value)."""
-    for flag, value, minimum in (
-        ("--reps", args.reps, 1),
-        ("--warmup", args.warmup, 0),
-        ("--nccl-max-ctas", args.nccl_max_ctas, 1),
-    ):
-        if value is not None and value < minimum:
-            raise ValueError(f"{flag}={value} must be >= {minimum}")
+    check_minimums(
+        (
+            ("--reps", args.reps, 1),
+            ("--warmup", args.warmup, 0),
+            ("--nccl-max-ctas", args.nccl_max_ctas, 1),
+        )
+    )
     for flag, path in (("--json", args.json), ("--markdown", args.markdown), ("--plot", args.plot)):
         if path is not None and not os.path.isdir(os.path.dirname(path) or "."):
             raise ValueError(
@@ -208,7 +207,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             if t in per_block
         ]
     for method, num_slots, chunk_mb, row_tokens, compute_ms in progress(
-        runs, desc="dlo bench: dlo methods", total=len(runs), unit="setting"
+        runs, desc="dlo bench: dlo methods", unit="setting"
     ):
         copy = method.startswith("dlo-allgather-copy")
         if copy and not platform.has_streams:
@@ -377,7 +376,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         nargs="?",
         const="default",
         default=None,
-        choices=["default", "max-autotune-no-cudagraphs"],
+        choices=COMPILE_MODES,
         help="compile every DiT block of every method (block.compile(), as diffusers' "
         "compile_repeated_blocks) in this torch.compile mode; the first forward's time, "
         "compile included, is reported apart",

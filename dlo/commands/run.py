@@ -20,10 +20,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dlo.commands.args import check_minimums, compile_blocks
 from dlo.commands.run_flags import config_of
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.platform.progress import progress_enabled
+from dlo.platform.progress import progress_bar
 
 
 def _device(text: str) -> torch.device:
@@ -45,11 +46,9 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     from dlo.runtime.measure import device_peak_nbytes
 
     cfg = config_of(args, parser_defaults)  # bad flag values fail here, before any work
-    for name, minimum in (("steps", 1), ("seed", 0)):
-        if getattr(args, name) < minimum:
-            raise ValueError(f"--{name}={getattr(args, name)} must be >= {minimum}")
-    if args.tokens is not None and args.tokens < 1:
-        raise ValueError(f"--tokens={args.tokens} must be >= 1")
+    check_minimums(
+        (("--steps", args.steps, 1), ("--seed", args.seed, 0), ("--tokens", args.tokens, 1))
+    )
     preset = get_preset(args.preset)
     dtype = getattr(torch, args.dtype)
     device = _device(args.device) if args.device else default_device()
@@ -107,9 +106,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
                 shard_non_block(pipe, cfg, par, device_type=device.type)
             backend.enable(pipe)
     enable_s = time.perf_counter() - t0
-    compile_mode = None if args.compile in (None, "default") else args.compile
-    if args.compile is not None:  # after enable: dlo keeps its hooks outside the compile
-        pipe.transformer.compile_repeated_blocks(mode=compile_mode)
+    compile_blocks(pipe.transformer, args.compile)  # after enable, as diffusers documents
     enable_rss = process_peak_rss_bytes()  # VmHWM now: the build and enable, not the run
     platform.reset_peak_memory_stats()
     if args.explain and rank0:
@@ -125,14 +122,15 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
             step_events.append(ev)
         else:
             step_events.append(time.perf_counter())
-        if bar is not None:
-            bar.update(1)
+        bar.update(1)
 
-    bar = None
-    if rank0 and not args.json and progress_enabled():
-        from tqdm import tqdm
-
-        bar = tqdm(total=args.steps, desc="dlo run: denoising", unit="step", file=sys.stderr)
+    bar = progress_bar(
+        total=args.steps,
+        desc="dlo run: denoising",
+        unit="step",
+        enabled=rank0 and not args.json,
+        leave=True,
+    )
     t_start: Any
     with torch.inference_mode():
         if platform.has_streams:
@@ -145,8 +143,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         out = pipe.decode(pipe.denoise(latents, text, args.steps, on_step=on_step))
         platform.synchronize()
         wall = time.perf_counter() - wall0
-    if bar is not None:
-        bar.close()
+    bar.close()
     marks = [t_start, *step_events]
     if platform.has_streams:
         step_ms = [a.elapsed_time(b) for a, b in itertools.pairwise(marks)]
@@ -164,8 +161,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
             ref, _ = load_pipeline(skeleton, args.checkpoint, None, par, device)
         else:
             ref = build_pipeline(preset, dtype=dtype, device=device)
-        if args.compile is not None:
-            ref.transformer.compile_repeated_blocks(mode=compile_mode)
+        compile_blocks(ref.transformer, args.compile)
         parity = bool(torch.equal(ref.generate(ids, latents, args.steps), out))
         del ref
     report = {

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any
 
-from dlo.commands.args import DTYPES, PRESET_HELP, int_or_auto
+from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, int_or_auto
 from dlo.config.fields import GATHER_ENGINES, GATHER_SYNCS, HOST_BACKINGS, MODES, TRANSFERS
 from dlo.config.offload import OffloadConfig
 
@@ -106,7 +106,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         nargs="?",
         const="default",
         default=None,
-        choices=["default", "max-autotune-no-cudagraphs"],
+        choices=COMPILE_MODES,
         help="compile every DiT block (block.compile(), as diffusers' compile_repeated_blocks) "
         "in this torch.compile mode, once offload is enabled; --check compiles the resident "
         "reference the same way",

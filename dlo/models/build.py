@@ -95,9 +95,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
     jobs.sort(key=lambda job: -job[0].numel())
     total = sum(job[0].numel() * job[0].element_size() for job in jobs)
     with ThreadPoolExecutor(max_workers=max(torch.get_num_threads(), cpu_share())) as pool:
-        futures = [(pool.submit(_fill, *job), job[0]) for job in jobs]
-        bar = progress(futures, desc="dlo: random weights", total=len(futures), unit="tensor")
-        for future, _param in bar:
+        futures = [pool.submit(_fill, *job) for job in jobs]
+        for future in progress(futures, desc="dlo: random weights", unit="tensor"):
             future.result()
     logger.debug("filled %d tensors (%.2f GB)", len(jobs), total / 1e9)
     with torch.no_grad():

@@ -34,3 +34,26 @@ def progress(
     kw.setdefault("leave", False)
     with tqdm(items, desc=desc, total=total, unit=unit, file=sys.stderr, **kw) as bar:
         yield from bar
+
+
+class _NoBar:
+    """What :func:`progress_bar` returns when no bar is shown."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(
+    *, total: int, desc: str, unit: str = "it", enabled: bool = True, **kw: Any
+) -> Any:
+    """A bar advanced by hand (``update(n)``, ``close()``) for a loop dlo does not drive (a
+    callback per step); a no-op one unless ``enabled`` and :func:`progress_enabled`."""
+    if not (enabled and progress_enabled()):
+        return _NoBar()
+    from tqdm import tqdm
+
+    kw.setdefault("leave", False)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, **kw)

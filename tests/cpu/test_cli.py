@@ -353,6 +353,10 @@ def test_every_flag_has_help_and_shows_its_default(command: str) -> None:
     assert not missing, f"dlo {command}: no help for {missing}"
     text = parser.format_help()
     assert "(default: " in text  # ArgumentDefaultsHelpFormatter: defaults are shown
+    import re
+
+    twice = re.findall(r"\(default: [^)]*\) \(default: [^)]*\)", " ".join(text.split()))
+    assert not twice, f"a default said in words, then by argparse: {twice}"
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ from torch import nn
 import dlo
 from dlo.errors import OffloadError
 from dlo.host.region import LEDGER
-from dlo.platform.device import CpuPlatform
 from tests.toys import ToyDiT, TwoStackDiT, assert_same, snapshot
 
 FORMS = ("module", "repeated", "forward", "whole")
@@ -172,13 +171,16 @@ def test_model_level_swap_compiles_the_same_way(form: str) -> None:
         compile_target(p).compile(backend=counter, fullgraph=form == "repeated")
         return p
 
-    ref = _run(compiled(ref_pipe, Counter()))
+    ref_counter = Counter()
+    ref = _run(compiled(ref_pipe, ref_counter))
     torch._dynamo.reset()
     counter = Counter()
     fn = compiled(pipe, counter)
     backend = _enable(pipe, mode="module")
     got = _run(fn)
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    if form != "whole":  # the component compiled as one: the resident compile's graphs
+        assert counter.graphs == ref_counter.graphs, (counter.graphs, ref_counter.graphs)
     assert backend.stats()["components"]["transformer"]["num_loads"] >= 1
     backend.disable()
 
@@ -270,7 +272,6 @@ def _allgather_compiled(rank: int, world: int, form: str) -> bool:
     got = _run(fn)
     gathered = backend.stats()["allgather_nbytes"] > 0
     backend.disable()
-    assert isinstance(CpuPlatform(), CpuPlatform)
     return gathered and all(torch.equal(a, b) for a, b in zip(ref, got))
 
 

@@ -91,8 +91,10 @@ def test_a_local_disable_leaves_a_clear_error_on_the_next_forward() -> None:
         assert "lost their weights" in r["again"], r
 
 
-def _restore_inside_forward(rank: int, world: int) -> str:
+def _restore_inside_forward(rank: int, world: int) -> dict[str, Any]:
     model = ToyDiT(3)
+    ref = _steps(clone(model), rank, 1)
+    before = snapshot(model)
     backend = LayerwiseBackend(_cfg(), _par(world), CpuPlatform())
     backend.enable(model)
     seen: list[str] = []
@@ -105,13 +107,19 @@ def _restore_inside_forward(rank: int, world: int) -> str:
 
     # after dlo's own pre-hook (prepended): the block is claimed and running
     handle = model.blocks[1].register_forward_pre_hook(hook)
-    _steps(model, rank, 1)
+    during = _steps(model, rank, 1)  # the refused restore changed nothing in this forward
     handle.remove()
     backend.disable(restore=True)
-    _steps(model, rank, 1)  # restored: runs without dlo
-    return seen[0] if seen else "not refused"
+    assert_same(before, model)
+    after = _steps(model, rank, 1)  # restored: runs without dlo
+    return {
+        "refusal": seen[0] if seen else "not refused",
+        "same": [torch.equal(a, b) for a, b in zip(ref + ref, during + after)],
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
 
 
 def test_restore_from_inside_a_forward_is_refused_and_changes_nothing() -> None:
     res = assert_all_ok(run_ranks(_restore_inside_forward, 2, timeout_s=90))
-    assert all("from inside a forward" in r for r in res), res
+    assert all("from inside a forward" in r["refusal"] for r in res), res
+    assert all(r["same"] == [True, True] and r["ledger"] == (0, 0) for r in res), res
