@@ -78,8 +78,8 @@ def _table(header: Iterable[str], rows: Iterable[Iterable[str]]) -> str:
 
 # ----------------------------------------------------------------------------- config fields
 def field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the attribute docstring right after it in the class body (the same
-    reading as ``tests/pure/test_config.py::test_every_field_has_a_docstring``)."""
+    """Field name -> the attribute docstring right after it in the class body (also what
+    ``tests/pure/test_config.py::test_every_field_has_a_docstring`` checks)."""
     tree = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
     nodes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__]
     if len(nodes) != 1:
