@@ -5,11 +5,20 @@ Discovery, in order of preference:
 1. The pipeline class declares :class:`SupportsComponentDiscovery` lists (``_dit_modules``,
    ``_encoder_modules``, ``_vae_modules``, ``_resident_modules``; dotted paths; missing lists
    are empty).
-2. The pipeline is a bare ``nn.Module`` that declares its own blocks, or whose class is in
-   the adapter registry (:mod:`dlo.plan.adapters`): one DiT at path ``""``.
+   Set on the instance, they win over the class's.
+2. The pipeline is a bare ``nn.Module`` that declares its own blocks, whose class is in
+   the adapter registry (:mod:`dlo.plan.adapters`), or that names the classes it repeats
+   (``_repeated_blocks`` / ``_no_split_modules`` with a container of them,
+   :mod:`dlo.plan.repeated`): one DiT at path ``""``.
 3. The pipeline class is in the adapter registry: its component attribute names, keeping
    those that hold an ``nn.Module`` (optional components are ``None``), without a warning.
 4. A scan of well-known attribute names, which warns once per pipeline class.
+5. A bare ``nn.Module`` where the scan finds no component is itself the one DiT (its
+   blocks are then found by structure, or the error says what to declare).
+
+A component is a module that is called: a container (``nn.ModuleList``, ``nn.ModuleDict``)
+never runs, so no strategy can serve it (the scan skips them; a declared one is a problem,
+naming the path).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dlo.plan.declarations import (
     _path_tuple,
     get_by_path,
 )
+from dlo.plan.repeated import REPEATED_ATTRS, find_containers
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +109,13 @@ def _resolve_module(
             f"{what} {path!r} of {_owner(pipeline)} is not an nn.Module (got {type(obj).__name__})"
         )
         return None
+    if what != "resident module" and _is_container(obj):
+        # only a declaration gets here (the scan skips containers), and no strategy can
+        # serve it: an error under either topology
+        raise ValueError(
+            f"{what} {path!r} of {_owner(pipeline)} is a {type(obj).__name__}, a container "
+            "that is never called: declare the module whose forward runs it as the component"
+        )
     return obj
 
 
@@ -111,11 +128,12 @@ class _Components:
     resident: list[tuple[str, nn.Module]] = field(default_factory=list)
 
 
-def _class_declaration(cls: type, name: str) -> tuple[str, ...] | None:
-    value = getattr(cls, name, None)
+def _declaration(obj: object, name: str) -> tuple[str, ...] | None:
+    """Declaration ``name`` of ``obj``: set on the instance, else on its class."""
+    value = getattr(obj, name, None)
     if value is None:
         return None
-    return _path_tuple(f"{cls.__name__}.{name}", value, allow_root=True)
+    return _path_tuple(f"{type(obj).__name__}.{name}", value, allow_root=True)
 
 
 def resident_dit_paths_of(pipeline: object) -> tuple[str, ...] | None:
@@ -137,17 +155,26 @@ def _offload_plan_of(pipeline: object) -> OffloadPlan:
 def _declares_blocks(module: object, plan: OffloadPlan) -> bool:
     if not isinstance(module, nn.Module):
         return False
-    cls = type(module)
-    return (
+    if (
         "" in plan.block_attrs
-        or getattr(cls, BLOCKS_ATTRS, None) is not None
-        or getattr(cls, BLOCKS_ATTR_DEPRECATED, None) is not None
-        or model_adapter(cls) is not None
-    )
+        or getattr(module, BLOCKS_ATTRS, None) is not None
+        or getattr(module, BLOCKS_ATTR_DEPRECATED, None) is not None
+        or model_adapter(type(module)) is not None
+    ):
+        return True
+    found = find_containers(module)
+    return found is not None and found.source in REPEATED_ATTRS
 
 
 def _scan(pipeline: object, names: tuple[str, ...]) -> list[str]:
-    return [n for n in names if isinstance(getattr(pipeline, n, None), nn.Module)]
+    """The names whose attribute holds a module that is not a container (see the module
+    docstring)."""
+    found = [(n, getattr(pipeline, n, None)) for n in names]
+    return [n for n, m in found if isinstance(m, nn.Module) and not _is_container(m)]
+
+
+def _is_container(module: nn.Module) -> bool:
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
 def _discovery_paths(
@@ -155,7 +182,7 @@ def _discovery_paths(
 ) -> tuple[list[str], list[str], list[str], list[str]] | None:
     """Declared paths of DiTs, encoders, VAEs and resident modules; None: nothing declared."""
     cls = type(pipeline)
-    declared = {name: _class_declaration(cls, name) for name in DECLARATION_ATTRS}
+    declared = {name: _declaration(pipeline, name) for name in DECLARATION_ATTRS}
     self_dit = [""] if _declares_blocks(pipeline, plan) else []
     if any(v is not None for v in declared.values()):
         dits, encoders, vaes, resident = (list(v or ()) for v in declared.values())
@@ -180,6 +207,14 @@ def _scan_paths(
 ) -> tuple[list[str], list[str], list[str], list[str]]:
     """Well-known attribute names holding modules; warns once per pipeline class."""
     cls = type(pipeline)
+    scanned: tuple[list[str], list[str], list[str], list[str]] = (
+        _scan(pipeline, DIT_SCAN_NAMES),
+        _scan(pipeline, ENCODER_SCAN_NAMES),
+        _scan(pipeline, VAE_SCAN_NAMES),
+        [],
+    )
+    if isinstance(pipeline, nn.Module) and not any(scanned):
+        return [""], [], [], []  # a bare model: the one DiT (rule 5)
     if cls not in _warned_scan_classes:
         _warned_scan_classes.add(cls)
         logger.warning(
@@ -192,12 +227,7 @@ def _scan_paths(
         f"{cls.__name__} declares no components; found them by scanning well-known names",
         log=False,
     )
-    return (
-        _scan(pipeline, DIT_SCAN_NAMES),
-        _scan(pipeline, ENCODER_SCAN_NAMES),
-        _scan(pipeline, VAE_SCAN_NAMES),
-        [],
-    )
+    return scanned
 
 
 def _discover(pipeline: object, plan: OffloadPlan, problems: _Problems) -> _Components:

@@ -1,11 +1,15 @@
 """Block stacks: which block containers of each component stream, and the checks that no
 block is claimed twice or nested.
 
-Blocks of a DiT come from ``_offload_plan.block_attrs[dit_path]``, else the DiT class's
-``_layerwise_offload_blocks_attrs``, else the deprecated singular
-``_layerwise_offload_blocks_attr`` (``FutureWarning``), else the adapter registry (the
-nearest registered class in the DiT class's MRO). Encoder blocks stream only when
-``_offload_plan.encoder_block_attrs`` declares them.
+Blocks of a DiT come from ``_offload_plan.block_attrs[dit_path]``, else the DiT's
+``_layerwise_offload_blocks_attrs`` (set on the instance or its class), else the deprecated
+singular ``_layerwise_offload_blocks_attr`` (``FutureWarning``), else the adapter registry
+(the nearest registered class in the DiT class's MRO), else the containers of the classes
+the model says repeat (``_repeated_blocks``, ``_no_split_modules``), else a structural
+guess that warns once per class (:mod:`dlo.plan.repeated`). Encoder blocks come from
+``_offload_plan.encoder_block_attrs[encoder_path]``, else the same chain from the
+encoder's own declaration on (a ``transformers`` text encoder's ``_no_split_modules``),
+without the structural guess.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from dlo.plan.declarations import (
     _join,
     get_by_path,
 )
-from dlo.plan.discovery import _class_declaration, _Components, _Problems, warn_once
+from dlo.plan.discovery import _Components, _declaration, _Problems, warn_once
+from dlo.plan.repeated import candidate_containers, describe, find_containers, is_block
 
 
 # ----------------------------------------------------------------------------- blocks
@@ -35,19 +40,44 @@ class _Stack:
     component_path: str
     container_path: str
     blocks: list[tuple[str, nn.Module]]
+    source: str = "declared"
+    """Where the container came from: ``"declared"``, ``"adapter"``, ``"_repeated_blocks"``,
+    ``"_no_split_modules"`` or ``"structure"``."""
 
 
-def _dit_block_attrs(path: str, dit: nn.Module, plan: OffloadPlan) -> tuple[str, ...]:
-    if path in plan.block_attrs:
-        return plan.block_attrs[path]
-    cls = type(dit)
-    attrs = _class_declaration(cls, BLOCKS_ATTRS)
+def _block_attrs(
+    kind: str, path: str, comp: nn.Module, declared: tuple[str, ...] | None
+) -> tuple[tuple[str, ...], str]:
+    """The block containers of component ``comp`` and their source (see the module
+    docstring for the order); ``((), "")`` when nothing finds one."""
+    if declared is not None:
+        return declared, "declared"
+    cls = type(comp)
+    attrs = _declaration(comp, BLOCKS_ATTRS)
     if attrs is not None:
-        return attrs
-    single = getattr(cls, BLOCKS_ATTR_DEPRECATED, None)
-    if single is None:
-        adapter = model_adapter(cls)
-        return adapter.block_attrs if adapter is not None else ()
+        return attrs, "declared"
+    single = getattr(comp, BLOCKS_ATTR_DEPRECATED, None)
+    if single is not None:
+        return _deprecated_attr(cls, single), "declared"
+    adapter = model_adapter(cls)
+    if adapter is not None:
+        return adapter.block_attrs, "adapter"
+    # a structural guess only for DiTs: an encoder streams when declared or when it names
+    # its repeated classes (every transformers model does)
+    found = find_containers(comp, structural=kind == "DiT")
+    if found is None:
+        return (), ""
+    if found.source == "structure":
+        warn_once(
+            f"dlo: {kind} {path!r} ({cls.__name__}) declares no blocks and no repeated "
+            f"classes (_repeated_blocks, _no_split_modules); streaming the ModuleLists "
+            f"found by structure: {describe(found.attrs, comp)}. To make it a declaration: "
+            f"{cls.__name__}.{BLOCKS_ATTRS} = {list(found.attrs)!r}"
+        )
+    return found.attrs, found.source
+
+
+def _deprecated_attr(cls: type, single: object) -> tuple[str, ...]:
     if not isinstance(single, str):
         raise TypeError(
             f"{cls.__name__}.{BLOCKS_ATTR_DEPRECATED} must be a str, got {single!r} "
@@ -57,32 +87,24 @@ def _dit_block_attrs(path: str, dit: nn.Module, plan: OffloadPlan) -> tuple[str,
         f"{cls.__name__}.{BLOCKS_ATTR_DEPRECATED} is deprecated; declare "
         f"{BLOCKS_ATTRS} = [{single!r}] instead",
         FutureWarning,
-        stacklevel=5,  # the caller of resolve_offload_plan
+        stacklevel=6,  # the caller of resolve_offload_plan
     )
     return (_check_path(f"{cls.__name__}.{BLOCKS_ATTR_DEPRECATED}", single),)
 
 
-def _is_block(module: object) -> bool:
-    # containers (and other modules without a forward) never run, so hooks on them never fire
-    return (
-        isinstance(module, nn.Module)
-        and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
-        and type(module).forward is not nn.Module.forward
-    )
-
-
 def _container_stack(
-    kind: str, comp_path: str, comp: nn.Module, attr: str, problems: _Problems
+    kind: str, comp_path: str, comp: nn.Module, attr: str, source: str, problems: _Problems
 ) -> _Stack | None:
     where = f"{kind} {comp_path!r} ({type(comp).__name__}) block container {attr!r}"
     try:
         container = get_by_path(comp, attr)
     except AttributeError as e:
-        problems.report(f"{where} does not resolve: {e}")
+        problems.report(f"{where} does not resolve: {e}. {_offer(kind, comp_path, comp)}")
         return None
     if not isinstance(container, (nn.ModuleList, nn.Sequential)):
         problems.report(
-            f"{where} must be an nn.ModuleList or nn.Sequential, got {type(container).__name__}"
+            f"{where} must be an nn.ModuleList or nn.Sequential, got "
+            f"{type(container).__name__}. {_offer(kind, comp_path, comp)}"
         )
         return None
     container_path = _join(comp_path, attr)
@@ -92,20 +114,58 @@ def _container_stack(
         problems.report(f"{where} is empty: nothing to stream")
         return None
     for block_path, child in blocks:
-        if not _is_block(child):
+        if not is_block(child):
             problems.report(
                 f"{where}: {block_path!r} is a {type(child).__name__}, not an executable block "
-                "(a container given as a block? declare the inner container instead)"
+                f"(a container given as a block?). {_offer(kind, comp_path, comp)}"
             )
             return None
-    return _Stack(kind, comp_path, container_path, blocks)
+    return _Stack(kind, comp_path, container_path, blocks, source)
+
+
+def _offer(kind: str, path: str, comp: nn.Module) -> str:
+    """What to declare instead: the containers ``comp`` has, as a declaration that works."""
+    found = candidate_containers(comp)
+    if not found:
+        return f"{type(comp).__name__} has no nn.ModuleList or nn.Sequential of blocks"
+    first = found[0].split(" ", 1)[0]
+    field_name = "block_attrs" if kind == "dit" else "encoder_block_attrs"
+    return (
+        f"Its block containers: {', '.join(found)}; declare one, e.g. "
+        f"{_plan_declaration(field_name, path, first)}"
+    )
+
+
+def _plan_declaration(field_name: str, path: str, attr_repr: str) -> str:
+    if path == "":  # a bare model: the plan goes on the model itself
+        return (
+            f"model._offload_plan = dlo.OffloadPlan({field_name}={{'': [{attr_repr}]}}) or "
+            f"model.{BLOCKS_ATTRS} = [{attr_repr}]"
+        )
+    return f"pipe._offload_plan = dlo.OffloadPlan({field_name}={{{path!r}: [{attr_repr}]}})"
 
 
 def _component_stacks(
-    kind: str, path: str, comp: nn.Module, attrs: tuple[str, ...], problems: _Problems
+    kind: str,
+    path: str,
+    comp: nn.Module,
+    attrs: tuple[str, ...],
+    source: str,
+    problems: _Problems,
 ) -> list[_Stack]:
-    stacks = [_container_stack(kind, path, comp, attr, problems) for attr in attrs]
+    stacks = [_container_stack(kind, path, comp, attr, source, problems) for attr in attrs]
     return [s for s in stacks if s is not None]
+
+
+def _no_blocks(kind: str, path: str, comp: nn.Module) -> str:
+    cls = type(comp).__name__
+    field_name = "block_attrs" if kind == "dit" else "encoder_block_attrs"
+    return (
+        f"{kind} {path!r} ({cls}) has no blocks dlo can find: it looked for "
+        f"OffloadPlan.{field_name}[{path!r}], {cls}.{BLOCKS_ATTRS}, a dlo adapter for {cls}, "
+        f"ModuleLists of the classes in {cls}._repeated_blocks / _no_split_modules, and "
+        f"ModuleLists of two or more blocks of one class. {_offer(kind, path, comp)}"
+    )
 
 
 def _dit_stacks(
@@ -114,23 +174,23 @@ def _dit_stacks(
     dit_paths = {p for p, _ in found.dits}
     for key in plan.block_attrs:
         if key not in dit_paths:
-            problems.report(f"OffloadPlan.block_attrs key {key!r} is not a discovered DiT")
+            problems.report(
+                f"OffloadPlan.block_attrs key {key!r} is not a discovered DiT "
+                f"(the DiTs: {sorted(dit_paths)})"
+            )
     for key in plan.resident_dit_paths or ():
         if key not in dit_paths:
             problems.report(f"OffloadPlan.resident_dit_paths entry {key!r} is not a discovered DiT")
     stacks: list[_Stack] = []
     for path, dit in found.dits:
-        attrs = _dit_block_attrs(path, dit, plan)
+        attrs, source = _block_attrs("DiT", path, dit, plan.block_attrs.get(path))
         if not attrs:
-            problems.report(
-                f"DiT {path!r} ({type(dit).__name__}) declares no blocks: set "
-                f"{BLOCKS_ATTRS} on its class or OffloadPlan.block_attrs[{path!r}]"
-            )
+            problems.report(_no_blocks("dit", path, dit))
             continue
         if id(dit) in on_demand:
             problems.report(f"DiT {path!r} is on-demand (pipeline-managed); it cannot stream")
             continue
-        stacks += _component_stacks("dit", path, dit, attrs, problems)
+        stacks += _component_stacks("dit", path, dit, attrs, source, problems)
     return stacks
 
 
@@ -142,27 +202,30 @@ def _encoder_stacks(
         for key in getattr(plan, field_name):
             if key not in encoders:
                 problems.report(
-                    f"OffloadPlan.{field_name} entry {key!r} is not a discovered encoder"
+                    f"OffloadPlan.{field_name} entry {key!r} is not a discovered encoder "
+                    f"(the encoders: {sorted(encoders)})"
                 )
     stacks: list[_Stack] = []
     for path, encoder in found.encoders:
-        attrs = plan.encoder_block_attrs.get(path, ())
-        if not attrs and id(encoder) not in on_demand:
-            _warn_unstreamed_encoder(path, encoder)
-        if attrs and id(encoder) in on_demand:
-            problems.report(f"encoder {path!r} is on-demand (pipeline-managed); it cannot stream")
+        if id(encoder) in on_demand:
+            if path in plan.encoder_block_attrs:
+                problems.report(
+                    f"encoder {path!r} is on-demand (pipeline-managed); it cannot stream"
+                )
             continue
-        stacks += _component_stacks("encoder", path, encoder, attrs, problems)
+        attrs, source = _block_attrs("encoder", path, encoder, plan.encoder_block_attrs.get(path))
+        if not attrs:
+            _warn_unstreamed_encoder(path, encoder)
+            continue
+        stacks += _component_stacks("encoder", path, encoder, attrs, source, problems)
     return stacks
 
 
 def _warn_unstreamed_encoder(path: str, encoder: nn.Module) -> None:
-    """A declared encoder with no block stack streams nothing: say so once per class."""
+    """An encoder with no block stack streams nothing: say so once per class."""
     warn_once(
-        f"dlo: encoder {path!r} ({type(encoder).__name__}) declares no block stack, so "
-        "mode='layer' streams none of it (it stays where it is); to stream it, set "
-        f"OffloadPlan(encoder_block_attrs={{{path!r}: [<its block container, e.g. "
-        "'encoder.layers'>]}) as the pipeline's _offload_plan"
+        f"dlo: {_no_blocks('encoder', path, encoder)}; mode='layer' streams none of it "
+        "(it stays where it is, or on the device with the other resident modules)"
     )
 
 

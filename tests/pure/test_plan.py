@@ -64,6 +64,14 @@ class UndeclaredDiT(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(2))
 
 
+class OpaqueDiT(nn.Module):
+    """Nothing dlo can find: no declaration, no repeated classes, one block (no structure)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+
+
 class LegacyDiT(nn.Module):
     _layerwise_offload_blocks_attr = "layers"
 
@@ -471,13 +479,71 @@ def test_two_dits_each_get_their_stacks() -> None:
 
 
 def test_dit_without_block_declaration_explicit_errors_compat_skips() -> None:
-    pipe = make_pipeline({"transformer": DiT(num_blocks=2), "aux": UndeclaredDiT()})
-    with pytest.raises(ValueError, match=r"DiT 'aux' \(UndeclaredDiT\) declares no blocks"):
+    pipe = make_pipeline({"transformer": DiT(num_blocks=2), "aux": OpaqueDiT()})
+    with pytest.raises(
+        ValueError, match=r"dit 'aux' \(OpaqueDiT\) has no blocks dlo can find"
+    ) as e:
         resolve_offload_plan(pipe, DIT_ONLY)
+    # the message says what was looked for and offers a declaration that works as written
+    message = str(e.value)
+    for looked_for in ("OpaqueDiT._layerwise_offload_blocks_attrs", "_no_split_modules"):
+        assert looked_for in message
+    offered = "pipe._offload_plan = dlo.OffloadPlan(block_attrs={'aux': ['blocks']})"
+    assert offered in message
+    pipe._offload_plan = OffloadPlan(block_attrs={"aux": ["blocks"]})
+    assert resolve_offload_plan(pipe, DIT_ONLY).all_block_paths[-1] == "aux.blocks.0"
+    del pipe._offload_plan
     plan = resolve_offload_plan(pipe, LAYER)
     assert plan.dits == ("transformer", "aux")
     assert plan.all_block_paths == ("transformer.blocks.0", "transformer.blocks.1")
     assert len(plan.warnings) == 1 and "'aux'" in plan.warnings[0]
+
+
+def test_undeclared_dit_streams_the_module_lists_found_by_structure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class StructureOnly(UndeclaredDiT):  # its own class: the warning is this test's alone
+        pass
+
+    caplog.set_level(logging.WARNING, logger="dlo.plan")
+    for _ in range(2):
+        plan = resolve_offload_plan(make_pipeline({"transformer": StructureOnly()}), DIT_ONLY)
+        assert plan.all_block_paths == ("transformer.blocks.0", "transformer.blocks.1")
+    told = [r.getMessage() for r in caplog.records if "found by structure" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "StructureOnly._layerwise_offload_blocks_attrs = ['blocks']" in told[0]
+
+
+def test_an_instance_declaration_is_honoured() -> None:
+    dit = OpaqueDiT()
+    dit._layerwise_offload_blocks_attrs = ["blocks"]
+    plan = resolve_offload_plan(make_pipeline({"transformer": dit}), DIT_ONLY)
+    assert plan.all_block_paths == ("transformer.blocks.0",)
+    assert getattr(OpaqueDiT, "_layerwise_offload_blocks_attrs", None) is None
+
+
+def test_a_module_list_is_never_a_component() -> None:
+    """A bare model holding a ``transformer_blocks`` list is the DiT itself, not a pipeline
+    whose DiT is the (never called) list; a declared list is a problem naming it."""
+
+    class Bare(nn.Module):
+        _no_split_modules: ClassVar[list[str]] = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer_blocks = nn.ModuleList(Block() for _ in range(2))
+
+    for mode in ("layer", "module"):
+        plan = resolve_offload_plan(Bare(), OffloadConfig(mode=mode))
+        assert plan.dits == ("",)
+    assert resolve_offload_plan(Bare(), LAYER).all_block_paths == (
+        "transformer_blocks.0",
+        "transformer_blocks.1",
+    )
+    pipe = make_pipeline({"transformer": DiT()})
+    pipe._dit_modules = ["transformer.blocks"]
+    with pytest.raises(ValueError, match=r"'transformer.blocks' of Pipe is a ModuleList"):
+        resolve_offload_plan(pipe, OffloadConfig(mode="module", components=("dit",)))
 
 
 def test_container_that_does_not_resolve() -> None:
@@ -924,6 +990,6 @@ def test_an_encoder_without_blocks_is_told_once(caplog: pytest.LogCaptureFixture
     for _ in range(2):
         plan = resolve_offload_plan(Pipe(), LAYER)
         assert plan.encoders == ("text_encoder",)
-    told = [r.getMessage() for r in caplog.records if "declares no block stack" in r.getMessage()]
+    told = [r.getMessage() for r in caplog.records if "no blocks dlo can find" in r.getMessage()]
     assert len(told) == 1 and "'text_encoder' (UnstreamedEncoder)" in told[0], told
-    assert "encoder_block_attrs={'text_encoder': [" in told[0]
+    assert "encoder_block_attrs={'text_encoder': ['encoder.layers']}" in told[0]

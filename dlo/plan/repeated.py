@@ -1,0 +1,144 @@
+"""Block containers a model does not declare to dlo, found from what it says about itself.
+
+A diffusers model names the classes it repeats (``_repeated_blocks``, which its own
+``compile_repeated_blocks`` uses) and the classes that must not be split across devices
+(``_no_split_modules``, shared with ``transformers`` and accelerate's ``device_map``). The
+block containers are the ``nn.ModuleList`` / ``nn.Sequential`` whose children are all
+instances of those classes: the streamed stacks. A model that says neither gets a
+structural guess (ModuleLists of two or more blocks of one class defined outside
+``torch.nn``), which warns once per class so the user can make it a declaration.
+
+[Note: repeated-block discovery]
+Only the outermost containers count: a container inside a block of another (the refiner
+blocks of a token refiner that is itself repeated) streams with that block. Containers are
+returned in registration order, which is not always the order they run in; the ring learns
+the execution order on the first forward (see [Note: prefetch chain] in
+:mod:`dlo.runtime.chain`). A listed class that is not in a container (a patch embedder in
+``_no_split_modules``) is not a block and is ignored. Pure: reads module structure only,
+never tensor data, so it works on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+
+from torch import nn
+
+REPEATED_ATTRS = ("_repeated_blocks", "_no_split_modules")
+"""Class attributes naming repeated block classes, in order of preference."""
+
+
+@dataclass(frozen=True)
+class FoundContainers:
+    """Block containers of one model and where the knowledge came from."""
+
+    attrs: tuple[str, ...]
+    """Container paths relative to the model, in registration order."""
+    source: str
+    """``"_repeated_blocks"``, ``"_no_split_modules"`` or ``"structure"``."""
+
+
+def is_block(module: object) -> bool:
+    """An executable module: not a container, and with a forward of its own (a container's
+    hooks never fire: it is never called)."""
+    return (
+        isinstance(module, nn.Module)
+        and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and type(module).forward is not nn.Module.forward
+    )
+
+
+def _class_names(module: nn.Module) -> set[str]:
+    return {c.__name__ for c in type(module).__mro__}
+
+
+def _outermost(
+    model: nn.Module, accept: tuple[type[nn.Module], ...], keep: Callable[[nn.Module], bool]
+) -> list[tuple[str, nn.Module]]:
+    """Containers of type ``accept`` for which ``keep(container)`` holds, skipping any inside
+    an accepted container's block; in registration order."""
+    found: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()
+    for path, module in model.named_modules(remove_duplicate=True):
+        if id(module) in inside or not path:
+            continue
+        if isinstance(module, accept) and keep(module):  # type: ignore[arg-type]
+            found.append((path, module))
+            for child in module.children():
+                inside.update(id(m) for m in child.modules())
+    return found
+
+
+def _all_of(container: nn.Module, names: set[str]) -> bool:
+    children = list(container.children())
+    return bool(children) and all(is_block(c) and _class_names(c) & names for c in children)
+
+
+def declared_repeats(model: nn.Module) -> tuple[str, tuple[str, ...]] | None:
+    """The first non-empty repeated-class declaration of ``model`` (instance, then class):
+    ``(attribute, class names)``, or None."""
+    for attr in REPEATED_ATTRS:
+        names = getattr(model, attr, None)
+        if isinstance(names, (list, tuple, set, frozenset)) and names:
+            return attr, tuple(str(n) for n in names)
+    return None
+
+
+def _structural(container: nn.Module) -> bool:
+    children = list(container.children())
+    if len(children) < 2:
+        return False
+    cls = type(children[0])
+    return (
+        all(type(c) is cls for c in children)
+        and is_block(children[0])
+        and not cls.__module__.startswith("torch.")
+        and any(True for _ in children[0].parameters())
+    )
+
+
+def find_containers(model: nn.Module, *, structural: bool = True) -> FoundContainers | None:
+    """Block containers of ``model`` from its repeated-class declarations, else by
+    structure (when ``structural``); None when nothing finds one (see [Note: repeated-block
+    discovery])."""
+    containers = (nn.ModuleList, nn.Sequential)
+    for attr in REPEATED_ATTRS:
+        names = getattr(model, attr, None)
+        if not isinstance(names, (list, tuple, set, frozenset)) or not names:
+            continue
+        found = _outermost(model, containers, partial(_all_of, names={str(n) for n in names}))
+        if found:
+            return FoundContainers(tuple(p for p, _ in found), attr)
+    if not structural:
+        return None
+    found = _outermost(model, (nn.ModuleList,), _structural)
+    if found:
+        return FoundContainers(tuple(p for p, _ in found), "structure")
+    return None
+
+
+def candidate_containers(model: nn.Module) -> list[str]:
+    """Every outermost container of ``model`` whose children are all executable blocks, as
+    ``"path (N x Class)"``: what an error message offers to declare."""
+
+    def any_blocks(c: nn.Module) -> bool:
+        children = list(c.children())
+        return bool(children) and all(is_block(x) for x in children)
+
+    out = []
+    for path, c in _outermost(model, (nn.ModuleList, nn.Sequential), any_blocks):
+        out.append(f"{path!r} ({_count(c)})")
+    return out
+
+
+def _count(container: nn.Module) -> str:
+    children = list(container.children())
+    kinds = dict.fromkeys(type(x).__name__ for x in children)
+    return f"{len(children)} x {'/'.join(kinds)}"
+
+
+def describe(attrs: Iterable[str], model: nn.Module) -> str:
+    """``'blocks' (4 x WanTransformerBlock), ...`` for a log line."""
+    return ", ".join(f"{attr!r} ({_count(model.get_submodule(attr))})" for attr in attrs)
