@@ -260,7 +260,8 @@ def install_rings(
         refuse_released_forward([(b.name, b.module, b.layout.group_size) for b in gone], rank=rank)
 
     journal.record("rings", unbind)
-    by_stack: dict[int, list[StreamedBlock]] = {}
+    # one ring per component, across its stacks (see [Note: prefetch chain])
+    by_component: dict[str, list[StreamedBlock]] = {}
     for b in blocks:
         if b.resident:
             continue
@@ -274,11 +275,9 @@ def install_rings(
             index=b.index,
             host_writable=b.host_writable,
         )
-        by_stack.setdefault(id(b.stack), []).append(sb)
-    for stack in dict.fromkeys(b.stack for b in blocks):
-        sbs = by_stack.get(id(stack), [])
-        if sbs:
-            scheduler.add_ring(BlockRing(stack.container_path, sbs))
+        by_component.setdefault(b.stack.component_path, []).append(sb)
+    for component, sbs in by_component.items():
+        scheduler.add_ring(BlockRing(component, sbs))
 
     registry = HookRegistry(owner=owner)
     journal.record("hooks", registry.remove_all)

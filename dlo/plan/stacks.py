@@ -69,9 +69,10 @@ def _block_attrs(
         return (), ""
     if found.source == "structure":
         warn_once(
-            f"dlo: {kind} {path!r} ({cls.__name__}) declares no blocks and no repeated "
-            f"classes (_repeated_blocks, _no_split_modules); streaming the ModuleLists "
-            f"found by structure: {describe(found.attrs, comp)}. To make it a declaration: "
+            f"dlo: {kind} {path!r} ({cls.__name__}) declares no blocks, and no ModuleList "
+            f"holds only classes its _repeated_blocks / _no_split_modules name; streaming the "
+            f"ModuleLists found by structure: {describe(found.attrs, comp)}. To make it a "
+            "declaration: "
             f"{cls.__name__}.{BLOCKS_ATTRS} = {list(found.attrs)!r}"
         )
     return found.attrs, found.source

@@ -91,6 +91,11 @@ class BlockStack:
     """Node-shared only: the weight axis whose ranks on one node share the host copy."""
     share_size: int = 1
     """Node-shared only: size of that axis's group (the ranks on one node share)."""
+    found_by: str = "declared"
+    """How the container was found: ``"declared"`` (an ``OffloadPlan`` or the class's
+    ``_layerwise_offload_blocks_attrs``), ``"adapter"`` (dlo's registry), the model's own
+    ``"_repeated_blocks"`` or ``"_no_split_modules"``, or ``"structure"`` (a guess that
+    warned; see :mod:`dlo.plan.repeated`)."""
 
     def __post_init__(self) -> None:
         if self.component not in COMPONENTS:
@@ -272,6 +277,7 @@ def _finish(
             block_paths=tuple(p for p, _ in stack.blocks),
             transfer=transfer,
             num_resident=num_resident,
+            found_by=stack.source,
             **transfer_groups(transfer, axis, size),
         )
         out.append(built)

@@ -1,8 +1,9 @@
 """The ring: streamed blocks taking turns in a few shared device slots.
 
 [Note: ring protocol]
-Each stack of streamed blocks is a ring (the block after the last is the first). All rings
-of a pipeline share one :class:`~dlo.runtime.slots.SlotPool` and one pair of streams. A block is
+Each component's streamed blocks, across all its stacks, are a ring (the block after the
+last is the first), in the order they run: learned on the component's first forward (see
+[Note: prefetch chain] in :mod:`dlo.runtime.chain`). All rings of a pipeline share one :class:`~dlo.runtime.slots.SlotPool` and one pair of streams. A block is
 IDLE (its tensors are empty placeholders; its bytes live only in host shards), LOADED (a
 slot holds it, or a load into that slot is enqueued) or RUNNING (its forward is executing
 with its tensors rebound to views of the slot).
@@ -15,8 +16,9 @@ with its tensors rebound to views of the slot).
      on the compute stream: the gap is the exposed wait, measured without a host sync);
   3. the block's Parameters and buffers are rebound to views of the slot (``.data``
      assignment: the same Python objects, new storage);
-  4. prefetch: the next ``num_slots - 1`` blocks of the same ring are loaded into free (or
-     evictable) slots, never evicting the running block or the window itself.
+  4. prefetch: the next ``num_slots - 1`` blocks of the same ring (in its learned order;
+     across the seam between two stacks) are loaded into free (or evictable) slots, never
+     evicting the running block or the window itself.
 
 ``exit(block)``, from the post-forward hook (also called when forward raised):
   rebind placeholders, record the slot's ``free`` event on the compute stream, release the
@@ -57,6 +59,7 @@ from dlo.host.shards import copy_back, shard_view, written_tensors
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
+from dlo.runtime.chain import ExecutionOrder, learn
 from dlo.runtime.guard import Guard, every_claim
 from dlo.runtime.slots import Slot, SlotPool
 from dlo.runtime.transport import Transport
@@ -90,7 +93,6 @@ class StreamedBlock:
     views: list[list[torch.Tensor]] = field(default_factory=list)
     """``views[slot.index][i]``: tensor i as a view of that slot."""
     ring: BlockRing | None = None
-    position: int = 0
     state: str = IDLE
     slot: Slot | None = None
     wait: StreamTimer | None = None
@@ -104,14 +106,21 @@ class StreamedBlock:
 
 @dataclass(eq=False)
 class BlockRing:
-    """The ordered streamed blocks of one stack."""
+    """The streamed blocks of one component, its stacks in declared order, and the order
+    they run in (see [Note: prefetch chain])."""
 
     name: str
     blocks: list[StreamedBlock]
+    order: ExecutionOrder[StreamedBlock] = field(init=False)
 
     def __post_init__(self) -> None:
-        for i, b in enumerate(self.blocks):
-            b.ring, b.position = self, i
+        self.order = ExecutionOrder(self.blocks, name=_block_name)
+        for b in self.blocks:
+            b.ring = self
+
+
+def _block_name(block: StreamedBlock) -> str:
+    return block.name
 
 
 class _BlockHook(ModelHook):
@@ -249,6 +258,8 @@ class RingScheduler:
 
     def _activate(self, block: StreamedBlock) -> None:
         """Steps 1-4 of [Note: ring protocol]: load on demand, wait, rebind, prefetch."""
+        assert block.ring is not None
+        learn(block.ring.order, block, block.transport.agree, block.ring.name)
         if block.state == IDLE:
             block.num_demand_loads += 1
             slot = self._acquire(block, protect=())
@@ -419,13 +430,7 @@ class RingScheduler:
     def _prefetch(self, block: StreamedBlock) -> None:
         ring = block.ring
         assert ring is not None
-        n = len(ring.blocks)
-        window: list[StreamedBlock] = []
-        for j in range(1, len(self.pool.slots)):
-            nxt = ring.blocks[(block.position + j) % n]
-            if nxt is block:
-                break
-            window.append(nxt)
+        window = ring.order.after(block, len(self.pool.slots) - 1)
         protect = (block, *window)
         for nxt in window:
             if nxt.state != IDLE:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,9 @@ class SequenceCheck:
         dev = platform.device
         self._mine = torch.zeros(2, dtype=torch.int64, device=dev)
         self._free: deque[tuple[torch.Tensor, torch.Tensor, Any]] = deque()
-        self._pending: deque[tuple[torch.Tensor, torch.Tensor, Any, tuple[int, int]]] = deque()
+        self._pending: deque[
+            tuple[torch.Tensor, torch.Tensor, Any, tuple[int, int], Callable[[], str] | None]
+        ] = deque()
         pin = platform.has_streams
         for _ in range(depth if pin else 1):
             gathered = torch.zeros(2 * group_size, dtype=torch.int64, device=dev)
@@ -60,14 +62,26 @@ class SequenceCheck:
 
     def issue(self, index: int, stream: Any, *, slot: int = -1) -> None:
         """Gather ``(index, slot)`` from every rank on ``stream`` (the comm stream)."""
+        self._gather((index, slot), stream, None)
+
+    def agree(self, value: int, stream: Any, describe: Callable[[], str]) -> None:
+        """Gather ``value`` (an int64 digest) from every rank on ``stream`` and compare it
+        like a block index; a rank that differs raises an ``OffloadError`` with
+        ``describe()`` (what this rank has) in it. Used once per learned execution order
+        (see [Note: prefetch chain] in :mod:`dlo.runtime.chain`)."""
+        self._gather((value, -2), stream, describe)
+
+    def _gather(
+        self, expected: tuple[int, int], stream: Any, describe: Callable[[], str] | None
+    ) -> None:
         gathered, host, event = self.take()
         with self.platform.stream(stream):
-            self._mine[0].fill_(index)
-            self._mine[1].fill_(slot)
+            self._mine[0].fill_(expected[0])
+            self._mine[1].fill_(expected[1])
             all_gather_into(gathered, self._mine, self.group)
             host.copy_(gathered, non_blocking=True)
             event.record(stream)
-        self._pending.append((gathered, host, event, (index, slot)))
+        self._pending.append((gathered, host, event, expected, describe))
         if not self.platform.has_streams:
             self.poll()
 
@@ -83,7 +97,7 @@ class SequenceCheck:
         with self.platform.stream(stream):
             host.copy_(tags, non_blocking=True)
             event.record(stream)
-        self._pending.append((gathered, host, event, (index, slot)))
+        self._pending.append((gathered, host, event, (index, slot), None))
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """A free (device, pinned host, event) entry, checking finished ones first (and
@@ -96,7 +110,7 @@ class SequenceCheck:
     def poll(self, *, block_host: bool = False) -> None:
         """Check every completed gather (the oldest one waits if ``block_host``)."""
         while self._pending:
-            gathered, host, event, (index, slot) = self._pending[0]
+            gathered, host, event, (index, slot), describe = self._pending[0]
             if block_host:
                 event.synchronize()
                 block_host = False
@@ -106,6 +120,14 @@ class SequenceCheck:
             self._free.append((gathered, host, event))
             flat = host.tolist()
             seen = list(zip(flat[0::2], flat[1::2]))
+            if describe is not None and any(v != (index, slot) for v in seen):
+                differ = [r for r, v in enumerate(seen) if v != (index, slot)]
+                raise OffloadError(
+                    "ranks of an AllGather group ran a component's blocks in different orders "
+                    f"on its first forward (ranks {differ} differ from rank {self.group_rank}, "
+                    f"which ran {describe()}); they must run the same block sequence",
+                    rank=self.group_rank,
+                )
             if any(v != (index, slot) for v in seen):
                 loading = ", ".join(
                     f"rank {r}: {self.names[v] if 0 <= v < len(self.names) else v} (slot {sl})"

@@ -39,6 +39,7 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -186,6 +187,10 @@ class StagedTransport:
             self._cond.notify_all()
         self.counters.h2d_nbytes += layout.padded_nbytes
         self.counters.num_loads += 1
+
+    def agree(self, value: int, describe: Callable[[], str]) -> None:
+        """Nothing: the mapped backing streams whole blocks (a group of one)."""
+        return None
 
     def wait_enqueued(self, slot_index: int, block: str) -> None:
         """Return once the last load into slot ``slot_index`` has its copies and ``ready``

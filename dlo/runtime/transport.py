@@ -23,6 +23,7 @@ shard is the whole padded block: one copy, no collective, ``S.ready`` on the cop
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,6 +70,11 @@ class Transport(Protocol):
     def wait_enqueued(self, slot_index: int, block: str) -> None:
         """Return once the load into slot ``slot_index`` has recorded its ``ready`` event
         (see [Note: staged ready] in :mod:`dlo.runtime.staged`)."""
+        ...
+
+    def agree(self, value: int, describe: Callable[[], str]) -> None:
+        """Compare ``value`` across the group (a learned order's digest; see [Note:
+        prefetch chain] in :mod:`dlo.runtime.chain`); nothing for a group of one."""
         ...
 
 
@@ -129,6 +135,12 @@ class BlockTransport:
         """Nothing: every load is enqueued by the time :meth:`load` returns (a staged
         transport's is not; see [Note: staged ready])."""
         return None
+
+    def agree(self, value: int, describe: Callable[[], str]) -> None:
+        """Compare ``value`` across the group through the lock-step check, on the comm
+        stream (ordered with the gathers); nothing without a check (group of one)."""
+        if self.sequence_check is not None:
+            self.sequence_check.agree(value, self.comm_stream, describe)
 
     def load(
         self,

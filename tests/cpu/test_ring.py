@@ -341,3 +341,44 @@ def test_state_dict_views_stay_valid_after_disable() -> None:
     gc.collect()
     for k in want:  # reading them must neither crash nor differ
         assert torch.equal(want[k], got[k]), k
+
+
+class OutOfOrderDiT(TwoStackDiT):
+    """Declares ``blocks`` then ``blocks2`` but runs ``blocks2`` first (as Lumina2 runs its
+    context refiner before the noise refiner), and optionally interleaves them."""
+
+    interleave = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.interleave:
+            for a, b in zip(self.blocks, self.blocks2):
+                h = a(b(h))
+            return self.head(h)
+        for b in self.blocks2:
+            h = b(h)
+        for i, b in enumerate(self.blocks):
+            h = b(h, scale=1.0 + i)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+@pytest.mark.parametrize("kind", ["in order", "out of order", "interleaved"])
+def test_one_ring_across_stacks_has_no_demand_loads_after_the_first_forward(
+    kind: str, num_slots: int
+) -> None:
+    """[Note: prefetch chain]: the last block of one stack prefetches the first of the next,
+    in the order the blocks ran on the first forward, so steady state never demand-loads."""
+    model = (TwoStackDiT if kind == "in order" else OutOfOrderDiT)(4, num_blocks2=4)
+    model.interleave = kind == "interleaved"  # type: ignore[assignment]
+    ref_model = clone(model)
+    backend = _enable(model, num_slots=num_slots)
+    first = _run(model, 1)
+    warm = backend.stats()["num_demand_loads"]
+    if kind == "in order":
+        assert warm == 0  # block 0 preloaded, the seam prefetched
+    out = first + _run(model, 3)
+    for a, b in zip(_run(ref_model, 1) + _run(ref_model, 3), out, strict=True):
+        assert torch.equal(a, b)
+    assert backend.stats()["num_demand_loads"] == warm
+    backend.disable()

@@ -33,6 +33,9 @@ class Case:
     call: Callable[[nn.Module, dict[str, Any]], Any] | None = None
     note: str = ""
     """Anything a reader of the table should know (e.g. an optional stack left unused)."""
+    needs: dict[str, Any] | None = None
+    """``OffloadConfig`` fields the ring needs for this class (None: nothing), with the
+    reason in ``note``."""
 
     def run(self, model: nn.Module, inputs: dict[str, Any]) -> Any:
         if self.call is not None:
@@ -53,3 +56,21 @@ def tensors_of(output: Any) -> Iterator[torch.Tensor]:
     elif hasattr(output, "__dataclass_fields__"):
         for k in output.__dataclass_fields__:
             yield from tensors_of(getattr(output, k))
+
+
+DIT_MODULES = ("diffusers_a", "diffusers_b", "diffusers_c", "diffusers_d")
+ENCODER_MODULE = "encoders"
+
+
+def cases(module: str) -> list[Case]:
+    """The cases of ``tests.zoo.<module>``."""
+    import importlib
+
+    return list(importlib.import_module(f"{__name__}.{module}").CASES)
+
+
+def not_built(module: str) -> dict[str, str]:
+    """Classes of ``tests.zoo.<module>`` that do not build on CPU, with the reason."""
+    import importlib
+
+    return dict(getattr(importlib.import_module(f"{__name__}.{module}"), "NOT_BUILT", {}))

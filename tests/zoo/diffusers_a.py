@@ -205,7 +205,7 @@ def _build_dit() -> nn.Module:
         attention_head_dim=16,
         in_channels=4,
         out_channels=8,
-        num_layers=2,
+        num_layers=3,  # block 0 stays resident (needs): two stream
         sample_size=8,
         patch_size=2,
         num_embeds_ada_norm=10,  # number of class labels
@@ -650,7 +650,14 @@ CASES: list[Case] = [
             " interleaved with transformer_blocks (after blocks 0 and 2)"
         ),
     ),
-    Case("DiTTransformer2DModel", _build_dit, _inputs_dit),
+    Case(
+        "DiTTransformer2DModel",
+        _build_dit,
+        _inputs_dit,
+        # its forward reads transformer_blocks[0].norm1.emb after the blocks ran
+        note="reads block 0's time embedder after the blocks: keep block 0 resident",
+        needs={"resident_layers": 1},
+    ),
     Case(
         "HunyuanDiT2DModel",
         _build_hunyuan_dit,

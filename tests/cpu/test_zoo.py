@@ -1,0 +1,204 @@
+"""Every diffusers transformer class and the pipelines' text encoders, at tiny sizes
+(:mod:`tests.zoo`), streamed with no declaration of their own.
+
+For each class: the ring and the model swap (``mode="module"``) are bitwise equal to a
+resident copy over two forwards, the second forward issues no demand load (the ring learned
+the order the blocks ran in, across stacks: [Note: prefetch chain]), and after ``disable``
+every tensor is back and the model still gives the same output. Text encoders run as the
+encoder of a pipeline, discovered from their ``_no_split_modules``. AllGather at world 2
+(gloo) runs a set of classes: multi-stack, out of declared order, interleaved stacks.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import dlo
+from dlo.backends.layerwise import LayerwiseBackend
+from dlo.platform.device import CpuPlatform
+from tests.harness import assert_all_ok, run_ranks
+from tests.toys import assert_same, snapshot
+from tests.zoo import DIT_MODULES, ENCODER_MODULE, Case, cases, tensors_of
+
+DITS = {c.name: c for m in DIT_MODULES for c in cases(m)}
+ENCODERS = {c.name: c for c in cases(ENCODER_MODULE)}
+
+# multi-stack (Flux, HunyuanVideo), out of declared order (Lumina2, WanVACE), interleaved
+# (Latte), and a plain one (Wan)
+ALLGATHER = (
+    "FluxTransformer2DModel",
+    "HunyuanVideoTransformer3DModel",
+    "Lumina2Transformer2DModel",
+    "WanVACETransformer3DModel",
+    "LatteTransformer3DModel",
+    "WanTransformer3DModel",
+)
+
+
+class EncoderPipeline:
+    """A pipeline whose one component is a text encoder (declared as such, no blocks)."""
+
+    _dit_modules: ClassVar[list[str]] = []
+    _encoder_modules: ClassVar[list[str]] = ["text_encoder"]
+    _vae_modules: ClassVar[list[str]] = []
+    _resident_modules: ClassVar[list[str]] = []
+
+    def __init__(self, encoder: nn.Module) -> None:
+        self.text_encoder = encoder
+
+
+def _build(case: Case) -> nn.Module:
+    torch.manual_seed(0)
+    return case.build()
+
+
+def _forwards(case: Case, model: nn.Module, n: int = 2, seed: int = 1) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for i in range(n):
+            g = torch.Generator().manual_seed(seed + i)
+            out += [t.clone() for t in tensors_of(case.run(model, case.inputs(g)))]
+    return out
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _check(case: Case, model: nn.Module, target: Any, cfg: dlo.OffloadConfig) -> dict[str, Any]:
+    """Enable on ``target`` (the model or a pipeline holding it), compare, disable.
+
+    Stats are taken after two forwards (the warm-up: a stack that does not run in the first
+    forward fixes the learned order only when the second begins) and after two more."""
+    ref = copy.deepcopy(model)
+    ref_before = snapshot(ref)
+    want = _forwards(case, ref, 4)
+    # tensors the model rebinds itself in forward (OmniGen's rope.inv_freq): compared by
+    # value against the resident copy, not by identity against the state before enable
+    rebound = _rebound(ref_before, ref)
+    before = snapshot(model)
+    backend = dlo.enable_offload(target, cfg, device="cpu")
+    assert backend is not None
+    try:
+        first = _forwards(case, model, 2)
+        stats_first = backend.stats()
+        rest = _forwards(case, model, 2, seed=3)
+        stats = backend.stats()
+    finally:
+        backend.disable()
+    assert _same(want, first + rest), "offloaded forwards differ from the resident model"
+    assert_same({k: v for k, v in before.items() if k not in rebound}, _without(model, rebound))
+    ref_tensors = dict(_named_tensors(ref))
+    for name, t in _named_tensors(model):
+        if name in rebound:
+            assert torch.equal(t, ref_tensors[name]), name
+    assert _same(want[: len(first) // 2], _forwards(case, model, 1)), "after disable"
+    return {"first": stats_first, "last": stats}
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def _rebound(before: dict[str, Any], model: nn.Module) -> set[str]:
+    after = snapshot(model)
+    return {k for k in before if k not in after or before[k][0] != after[k][0]}
+
+
+class _Without(nn.Module):
+    """``model``'s tensors but those named in ``skip`` (for :func:`assert_same`)."""
+
+    def __init__(self, model: nn.Module, skip: set[str]) -> None:
+        super().__init__()
+        self.items = [(k, t) for k, t in _named_tensors(model) if k not in skip]
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return iter(self.items)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return iter(())
+
+
+def _without(model: nn.Module, skip: set[str]) -> nn.Module:
+    return _Without(model, skip)
+
+
+@pytest.mark.parametrize("name", sorted(DITS))
+def test_dit_ring_without_declarations(name: str) -> None:
+    case = DITS[name]
+    model = _build(case)
+    plan = dlo.resolve_offload_plan(model, dlo.OffloadConfig(mode="layer"))
+    assert plan.dits == ("",) and plan.stacks, plan
+    cfg = dlo.OffloadConfig(mode="layer", num_slots=2, **(case.needs or {}))
+    st = _check(case, model, model, cfg)
+    streamed = st["last"]["num_streamed_blocks"] + st["last"]["num_resident_blocks"]
+    assert streamed == len(plan.all_block_paths)
+    assert st["last"]["h2d_nbytes"] > 0
+    # steady state: no demand load after the first forward taught the ring the order
+    assert st["last"]["num_demand_loads"] == st["first"]["num_demand_loads"], st
+
+
+@pytest.mark.parametrize("name", sorted(DITS))
+def test_dit_module_swap_without_declarations(name: str) -> None:
+    case = DITS[name]
+    model = _build(case)
+    st = _check(case, model, model, dlo.OffloadConfig(mode="module"))
+    assert list(st["last"]["components"]) == [""]
+
+
+@pytest.mark.parametrize("name", sorted(ENCODERS))
+def test_text_encoder_streams_from_its_no_split_modules(name: str) -> None:
+    case = ENCODERS[name]
+    model = _build(case)
+    pipe = EncoderPipeline(model)
+    plan = dlo.resolve_offload_plan(pipe, dlo.OffloadConfig(mode="layer"))
+    assert plan.encoders == ("text_encoder",) and plan.stacks, plan
+    assert all(s.component == "encoder" for s in plan.stacks)
+    st = _check(case, model, pipe, dlo.OffloadConfig(mode="layer", num_slots=2))
+    assert st["last"]["num_streamed_blocks"] == len(plan.all_block_paths)
+    assert st["last"]["num_demand_loads"] == st["first"]["num_demand_loads"], st
+    _check(case, model, pipe, dlo.OffloadConfig(mode="module"))
+
+
+def _allgather(rank: int, world: int, name: str) -> dict[str, Any]:
+    case = DITS[name]
+    model = _build(case)
+    want = _forwards(case, copy.deepcopy(model), 4, seed=1 + 10 * rank)
+    cfg = dlo.OffloadConfig(
+        mode="layer", transfer="allgather", num_slots=2, collective_timeout_s=30
+    )
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    backend.enable(model)
+    try:
+        first = _forwards(case, model, 2, seed=1 + 10 * rank)
+        loads = backend.stats()["num_demand_loads"]
+        rest = _forwards(case, model, 2, seed=3 + 10 * rank)
+        st = backend.stats()
+    finally:
+        backend.disable()
+    return {
+        "same": _same(want, first + rest),
+        "group_size": st["group_size"],
+        "allgather_nbytes": st["allgather_nbytes"],
+        "steady": st["num_demand_loads"] == loads,
+    }
+
+
+@pytest.mark.parametrize("name", ALLGATHER)
+def test_dit_allgather_two_ranks_without_declarations(name: str) -> None:
+    for r in assert_all_ok(run_ranks(_allgather, 2, name, timeout_s=180)):
+        assert r["same"] and r["steady"], r
+        assert r["group_size"] == 2 and r["allgather_nbytes"] > 0, r
+
+
+def test_the_compatibility_table_is_current() -> None:
+    """docs/compatibility.md's model table is what the zoo gives now (regenerate:
+    ``python -m tests.zoo.table``)."""
+    from tests.zoo import table
+
+    assert table.current() == table.table(), "regenerate: python -m tests.zoo.table"

@@ -1,0 +1,95 @@
+"""The model table of ``docs/compatibility.md``, from the zoo: ``python -m tests.zoo.table``
+rewrites it; ``tests/cpu/test_zoo.py`` fails while it differs from what this produces.
+
+Each row is a class of the installed diffusers (every transformer class) or one of the text
+encoders, as dlo finds it with no declaration: the stacks it streams and how it found them.
+"Out of the box" is backed by ``tests/cpu/test_zoo.py``: every built class runs bitwise
+under the ring and the model swap with exactly the configuration the row names.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import diffusers
+import torch
+import transformers
+
+import dlo
+from tests.zoo import DIT_MODULES, ENCODER_MODULE, Case, cases, not_built
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "compatibility.md"
+BEGIN = "<!-- generated: models -->\n"
+END = "<!-- end generated -->"
+
+
+def _row(case: Case, encoder: bool) -> str:
+    torch.manual_seed(0)
+    model = case.build()
+    target: object = model
+    if encoder:
+        target = type("Pipe", (), {"_dit_modules": [], "_encoder_modules": ["text_encoder"]})()
+        target.text_encoder = model  # type: ignore[attr-defined]
+    plan = dlo.resolve_offload_plan(target, dlo.OffloadConfig(mode="layer"))
+    prefix = "text_encoder." if encoder else ""
+    stacks = ", ".join(
+        f"`{s.container_path.removeprefix(prefix)}` x{len(s.block_paths)}" for s in plan.stacks
+    )
+    found = sorted({s.found_by for s in plan.stacks})
+    if not plan.stacks:
+        status = "needs a declaration"
+    elif case.needs:
+        needs = ", ".join(f"`{k}={v!r}`" for k, v in case.needs.items())
+        status = f"needs {needs}: {case.note}"
+    elif found == ["structure"]:
+        status = "out of the box (a structural guess: warns once, naming the declaration)"
+    else:
+        status = "out of the box"
+    by = ", ".join(f"`{f}`" if f.startswith("_") else f for f in found)
+    return f"| `{case.name}` | {stacks or '-'} | {by or '-'} | {status} |"
+
+
+def table() -> str:
+    """The generated section's body."""
+    lines = [
+        f"diffusers {diffusers.__version__}, transformers {transformers.__version__}; tiny "
+        "configs (`tests/zoo`), random weights. Regenerate: `python -m tests.zoo.table`.",
+        "",
+        "| class | streamed stacks (tiny config) | found by | status |",
+        "|---|---|---|---|",
+    ]
+    for module in DIT_MODULES:
+        lines += [_row(c, encoder=False) for c in cases(module)]
+        lines += [
+            f"| `{n}` | - | - | not built on CPU: {why} |" for n, why in not_built(module).items()
+        ]
+    lines += [
+        "",
+        "Text encoders, as a pipeline's encoder (streamed when `components` selects "
+        "encoders, the default):",
+        "",
+        "| class | streamed stacks (tiny config) | found by | status |",
+        "|---|---|---|---|",
+    ]
+    lines += [_row(c, encoder=True) for c in cases(ENCODER_MODULE)]
+    return "\n".join(lines) + "\n"
+
+
+def rewrite(text: str, body: str) -> str:
+    head, rest = text.split(BEGIN, 1)
+    return head + BEGIN + body + END + rest.split(END, 1)[1]
+
+
+def current() -> str:
+    """The generated section as ``docs/compatibility.md`` has it now."""
+    return DOC.read_text(encoding="utf-8").split(BEGIN, 1)[1].split(END, 1)[0]
+
+
+def main() -> int:
+    DOC.write_text(rewrite(DOC.read_text(encoding="utf-8"), table()), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
