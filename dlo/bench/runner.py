@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
+from dlo.bench.like import LIKE, markdown_like, run_like
 from dlo.bench.methods import (
     MANUAL_DLO_METHODS,
     METHODS,
@@ -390,12 +391,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="folder for one profiled forward per dlo method and token count",
     )
+    p.add_argument(
+        "--like",
+        default=None,
+        choices=sorted(LIKE),
+        help="instead of a preset: this diffusers transformer at its published shape, random "
+        "weights, under resident, dlo-ring and diffusers-group (--tokens: "
+        + "; ".join(f"{k}: {v.tokens_help}" for k, v in sorted(LIKE.items()))
+        + ")",
+    )
+    p.add_argument("--like-slots", type=int, default=2, help="slots of dlo-ring with --like")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.like is not None:
+        return _main_like(args)
     report = run_bench(args)
     if current_world().rank == 0:
         text = markdown(report)
@@ -407,4 +420,21 @@ def main(args: argparse.Namespace) -> int:
                 fh.write(text + "\n")
         if args.plot:
             plot(report, args.plot)
+    return 0
+
+
+def _main_like(args: argparse.Namespace) -> int:
+    check_args(args)
+    check_minimums((("--like-slots", args.like_slots, 1),))
+    methods = [m for m in args.methods.split(",") if m]
+    if args.methods == ",".join(METHODS):  # the default: the three --like serves
+        methods = ["resident", "dlo-ring", "diffusers-group"]
+    report = run_like(args, int_list("--tokens", args.tokens), methods)
+    text = markdown_like(report)
+    print(text)
+    if args.json:
+        write_json(args.json, report)
+    if args.markdown:
+        with open(args.markdown, "w") as fh:
+            fh.write(text + "\n")
     return 0

@@ -1,0 +1,358 @@
+"""``dlo bench --like NAME``: a real diffusers transformer at its published shape, with random
+weights (nothing downloaded), under resident, dlo's ring and diffusers group offloading in
+one run, against the measured host-to-device limit.
+
+Random weights are a proxy for speed and memory, never for anything that depends on the
+values. Each method gets its own build of the model (the same seed), so none inherits
+another's host or device state. Rows carry the ring's demand loads after warm-up (zero when
+the prefetch chain covers every stack seam, see [Note: prefetch chain] in
+:mod:`dlo.runtime.chain`) and the bytes it copied per forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.backends.factory import enable_offload
+from dlo.bench.methods import _clean, _peak, time_forward
+from dlo.config.offload import OffloadConfig
+from dlo.platform.device import Platform, get_platform
+from dlo.runtime.measure import GB, h2d_limits
+
+logger = logging.getLogger(__name__)
+
+
+Inputs = Callable[[int, torch.device, torch.dtype, torch.Generator], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Like:
+    """A diffusers transformer class and its published config."""
+
+    name: str
+    cls: str
+    """``module:Class`` in diffusers."""
+    config: dict[str, Any]
+    inputs: Inputs
+    """``inputs(tokens, device, dtype, generator)``: forward kwargs for ``tokens`` tokens."""
+    tokens_help: str
+
+
+def _randn(g: torch.Generator, *shape: int, device: torch.device, dtype: torch.dtype) -> Any:
+    return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+
+def _flux_inputs(
+    tokens: int, device: torch.device, dtype: torch.dtype, g: torch.Generator, *, text: int = 512
+) -> dict[str, Any]:
+    side = int(tokens**0.5)
+    if side * side != tokens:
+        raise ValueError(f"--tokens {tokens} for a FLUX image must be a square (4096: 1024 px)")
+    ids = torch.zeros(tokens, 3)
+    ids[:, 1] = torch.arange(side).repeat_interleave(side)
+    ids[:, 2] = torch.arange(side).repeat(side)
+    return {
+        "hidden_states": _randn(g, 1, tokens, 64, device=device, dtype=dtype),
+        "encoder_hidden_states": _randn(g, 1, text, 4096, device=device, dtype=dtype),
+        "pooled_projections": _randn(g, 1, 768, device=device, dtype=dtype),
+        "timestep": torch.full((1,), 0.5, device=device, dtype=dtype),
+        "guidance": torch.full((1,), 3.5, device=device, dtype=dtype),
+        "img_ids": ids.to(device),
+        "txt_ids": torch.zeros(text, 3, device=device),
+        "return_dict": False,
+    }
+
+
+def _wan_inputs(
+    tokens: int, device: torch.device, dtype: torch.dtype, g: torch.Generator
+) -> dict[str, Any]:
+    per_frame = 30 * 52  # 480 x 832 px: a 60 x 104 latent, patches of 2 x 2
+    if tokens % per_frame:
+        raise ValueError(
+            f"--tokens {tokens} for Wan 480p must be a multiple of {per_frame} (one latent "
+            "frame: 1560 is 1 frame, 32760 is 81 frames)"
+        )
+    frames = tokens // per_frame
+    return {
+        "hidden_states": _randn(g, 1, 16, frames, 60, 104, device=device, dtype=dtype),
+        "timestep": torch.full((1,), 500, device=device, dtype=torch.long),
+        "encoder_hidden_states": _randn(g, 1, 512, 4096, device=device, dtype=dtype),
+        "return_dict": False,
+    }
+
+
+def _tiny_flux_inputs(
+    tokens: int, device: torch.device, dtype: torch.dtype, g: torch.Generator
+) -> dict[str, Any]:
+    inputs = _flux_inputs(tokens, device, dtype, g, text=8)
+    inputs["encoder_hidden_states"] = _randn(g, 1, 8, 32, device=device, dtype=dtype)
+    inputs["pooled_projections"] = _randn(g, 1, 32, device=device, dtype=dtype)
+    return inputs
+
+
+_FLUX = "diffusers.models.transformers.transformer_flux:FluxTransformer2DModel"
+
+
+LIKE: dict[str, Like] = {
+    like.name: like
+    for like in (
+        # black-forest-labs/FLUX.1-dev, transformer/config.json
+        Like(
+            "flux.1-dev",
+            _FLUX,
+            {
+                "patch_size": 1,
+                "in_channels": 64,
+                "num_layers": 19,
+                "num_single_layers": 38,
+                "attention_head_dim": 128,
+                "num_attention_heads": 24,
+                "joint_attention_dim": 4096,
+                "pooled_projection_dim": 768,
+                "guidance_embeds": True,
+                "axes_dims_rope": (16, 56, 56),
+            },
+            _flux_inputs,
+            "image tokens (a square: 4096 is 1024 x 1024 px)",
+        ),
+        # Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json
+        Like(
+            "wan2.1-t2v-14b",
+            "diffusers.models.transformers.transformer_wan:WanTransformer3DModel",
+            {
+                "patch_size": (1, 2, 2),
+                "num_attention_heads": 40,
+                "attention_head_dim": 128,
+                "in_channels": 16,
+                "out_channels": 16,
+                "text_dim": 4096,
+                "freq_dim": 256,
+                "ffn_dim": 13824,
+                "num_layers": 40,
+                "cross_attn_norm": True,
+                "qk_norm": "rms_norm_across_heads",
+                "eps": 1e-6,
+                "rope_max_seq_len": 1024,
+            },
+            _wan_inputs,
+            "video tokens at 480p (1560 per latent frame: 1560 is 1 frame, 32760 is 81)",
+        ),
+        # the same class at a size CPU tests run
+        Like(
+            "tiny-flux",
+            _FLUX,
+            {
+                "patch_size": 1,
+                "in_channels": 64,
+                "num_layers": 2,
+                "num_single_layers": 3,
+                "attention_head_dim": 16,
+                "num_attention_heads": 2,
+                "joint_attention_dim": 32,
+                "pooled_projection_dim": 32,
+                "guidance_embeds": True,
+                "axes_dims_rope": (4, 6, 6),
+            },
+            _tiny_flux_inputs,
+            "image tokens (a square)",
+        ),
+    )
+}
+
+
+@contextlib.contextmanager
+def _no_init(dtype: torch.dtype) -> Iterator[None]:
+    """Build without torch's initializers (the weights are drawn after), in ``dtype``."""
+    init = torch.nn.init
+    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(init, n) for n in names}
+    before = torch.get_default_dtype()
+    for n in names:
+        setattr(init, n, lambda t, *a, **k: t)
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+        for n, f in saved.items():
+            setattr(init, n, f)
+
+
+_POOL = 1 << 24
+"""Random values drawn once per build; every weight is a window of them (drawing 14 B
+normal samples would take minutes of the benchmark's time)."""
+
+
+def build(like: Like, dtype: torch.dtype, *, seed: int = 0) -> nn.Module:
+    """``like``'s class on the CPU, weights from a pool of N(0, 0.02) values drawn with
+    ``seed`` (each tensor a window of the pool at its own offset)."""
+    module, _, name = like.cls.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    with _no_init(dtype):
+        model = cls(**like.config)
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randn(2 * _POOL, generator=g).mul_(0.02).to(dtype)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            flat = p.view(-1)
+            start = (i * 7919) % _POOL
+            for at in range(0, flat.numel(), _POOL):
+                n = min(_POOL, flat.numel() - at)
+                flat[at : at + n].copy_(pool[start : start + n])
+    return model.eval().requires_grad_(False)
+
+
+def _model_nbytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.parameters())
+
+
+def run_like(args: argparse.Namespace, tokens_list: list[int], methods: list[str]) -> dict:
+    """The ``--like`` run: one report dict (``results`` rows like ``dlo bench``'s)."""
+    like = LIKE[args.like]
+    platform = get_platform(None)
+    dtype = getattr(torch, args.dtype)
+    nbytes = _model_nbytes(build(like, dtype))
+    report: dict[str, Any] = {
+        "like": like.name,
+        "class": like.cls,
+        "dtype": args.dtype,
+        "model_nbytes": nbytes,
+        "tokens": tokens_list,
+        "limits": h2d_limits(platform, 256 << 20) if platform.has_streams else {},
+        "results": [],
+    }
+    bw = report["limits"].get("h2d_pinned_alone_GBps")
+    reference: dict[int, torch.Tensor] = {}
+    for method in methods:
+        if method == "diffusers-group" and not platform.has_streams:
+            logger.warning("diffusers-group: needs CUDA streams; method skipped on CPU")
+            continue
+        report["results"] += _run_method(
+            method, like, platform, dtype, tokens_list, args, reference, nbytes
+        )
+    # the limit: the bytes a forward must move (the streamed blocks' host bytes; the
+    # non-block weights stay on the device) at the pinned host-to-device rate
+    streamed = [r["streamed_nbytes"] for r in report["results"] if "streamed_nbytes" in r]
+    report["streamed_nbytes"] = streamed[0] if streamed else nbytes
+    for row in report["results"]:
+        limit = report["streamed_nbytes"] / (bw * GB) * 1e3 if bw else None
+        row["h2d_limit_ms"] = limit
+        row["x_h2d_limit"] = row["median_ms"] / limit if limit else None
+    return report
+
+
+def _run_method(
+    method: str,
+    like: Like,
+    platform: Platform,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    args: argparse.Namespace,
+    reference: dict[int, torch.Tensor],
+    nbytes: int,
+) -> list[dict[str, Any]]:
+    """Rows of ``method``; the resident run fills ``reference`` (its outputs per token
+    count), the others are compared against it bit for bit."""
+    model = build(like, dtype)
+    t0 = time.perf_counter()
+    backend = None
+    if method == "resident":
+        model.to(platform.device)
+    elif method == "dlo-ring":
+        cfg = OffloadConfig(mode="layer", transfer="rank-local", num_slots=args.like_slots)
+        backend = enable_offload(model, cfg, device=platform.device)
+    elif method == "diffusers-group":
+        from diffusers.hooks import apply_group_offloading
+
+        apply_group_offloading(
+            model,
+            onload_device=platform.device,
+            offload_device=torch.device("cpu"),
+            offload_type="block_level",
+            num_blocks_per_group=1,
+            use_stream=True,
+            record_stream=True,
+        )
+    else:
+        raise ValueError(f"--methods: {method!r} is not one of resident, dlo-ring, diffusers-group")
+    platform.synchronize()
+    setup_s = time.perf_counter() - t0
+    rows = []
+    for tokens in tokens_list:
+        inputs = like.inputs(tokens, platform.device, dtype, torch.Generator().manual_seed(1))
+        platform.reset_peak_memory_stats()
+
+        def forward(inputs: dict[str, Any] = inputs, model: nn.Module = model) -> Any:
+            with torch.inference_mode():
+                return model(**inputs)
+
+        out = forward()[0].float().cpu()  # the first forward learns the ring's order
+        for _ in range(args.warmup - 1):
+            forward()
+        platform.synchronize()
+        before = backend.stats() if backend is not None else {}
+        # every forward from here is the steady state (the untimed first one included)
+        timing = time_forward(forward, platform, warmup=0, reps=args.reps)
+        row = {
+            "method": method,
+            "tokens": tokens,
+            "median_ms": timing["median_ms"],
+            "min_ms": timing["min_ms"],
+            "first_forward_ms": timing["first_ms"],
+            "setup_s": setup_s,
+            "peak_device_nbytes": _peak(platform),
+        }
+        if method == "resident":
+            reference[tokens] = out
+        elif tokens in reference:
+            row["bitwise_vs_resident"] = torch.equal(out, reference[tokens])
+        if backend is not None:
+            after = backend.stats()
+            row["demand_loads_after_warmup"] = after["num_demand_loads"] - before.get(
+                "num_demand_loads", 0
+            )
+            row["streamed_nbytes"] = after["host_nbytes"]
+            row["h2d_nbytes_per_forward"] = (after["h2d_nbytes"] - before["h2d_nbytes"]) / max(
+                1.0, timing["forwards"]
+            )
+        rows.append(row)
+        logger.warning("%-16s tokens=%-6d %.2f ms", method, tokens, row["median_ms"])
+        del inputs
+    if backend is not None:
+        backend.disable()
+    del model, backend
+    _clean(platform)
+    return rows
+
+
+def markdown_like(report: dict[str, Any]) -> str:
+    """The report as a markdown table."""
+    lines = [
+        f"`{report['like']}` ({report['class']}), {report['dtype']}, "
+        f"{report['model_nbytes'] / 1e9:.2f} GB; limits {report['limits']}",
+        "",
+        "| method | tokens | median ms | x H2D limit | peak HBM GB | setup s | demand loads "
+        "after warm-up | H2D GB / forward | bitwise vs resident |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        x = f"{r['x_h2d_limit']:.3f}" if r.get("x_h2d_limit") else "-"
+        per = r.get("h2d_nbytes_per_forward")
+        lines.append(
+            f"| {r['method']} | {r['tokens']} | {r['median_ms']:.1f} | {x} | "
+            f"{r['peak_device_nbytes'] / 1e9:.2f} | {r['setup_s']:.1f} | "
+            f"{r.get('demand_loads_after_warmup', '-')} | "
+            f"{'-' if per is None else f'{per / 1e9:.2f}'} | "
+            f"{r.get('bitwise_vs_resident', '-')} |"
+        )
+    return "\n".join(lines)
