@@ -393,6 +393,30 @@ def test_lock_step_check_compares_slots() -> None:
         assert "different blocks or slots" in o and "b (slot 0)" in o and "b (slot 1)" in o
 
 
+def _order_mismatch(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+
+    from dlo.runtime.sequence import SequenceCheck
+
+    check = SequenceCheck(CpuPlatform(), dist.group.WORLD, rank, world, ["a", "b"])
+    out = []
+    check.agree(7, None, lambda: "a, b (2 blocks)")  # the same digest: nothing to say
+    out.append("agreed")
+    try:
+        check.agree(100 + rank, None, lambda: f"order {rank} (2 blocks)")
+    except dlo.OffloadError as e:
+        out.append(str(e))
+    return out
+
+
+def test_a_learned_order_that_differs_across_ranks_is_reported_naming_it() -> None:
+    """[Note: prefetch chain]: the learned order's digest is compared once."""
+    for rank, o in enumerate(assert_all_ok(run_ranks(_order_mismatch, 2, timeout_s=60))):
+        assert o[0] == "agreed" and len(o) == 2, o
+        assert "ran a component's blocks in different orders" in o[1]
+        assert f"which ran order {rank} (2 blocks)" in o[1] and f"ranks [{1 - rank}]" in o[1]
+
+
 def _auto_engine_on_cpu(rank: int, world: int) -> dict[str, Any]:
     model = ToyDiT(4)
     ref = _steps(clone(model), rank, 3)
