@@ -25,6 +25,7 @@ from torch import nn
 
 from dlo.backends.factory import enable_offload
 from dlo.bench.methods import _clean, _peak, time_forward
+from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
 from dlo.platform.device import Platform, get_platform
 from dlo.runtime.measure import GB, h2d_limits
@@ -272,17 +273,7 @@ def _run_method(
         cfg = OffloadConfig(mode="layer", transfer="rank-local", num_slots=args.like_slots)
         backend = enable_offload(model, cfg, device=platform.device)
     elif method == "diffusers-group":
-        from diffusers.hooks import apply_group_offloading
-
-        apply_group_offloading(
-            model,
-            onload_device=platform.device,
-            offload_device=torch.device("cpu"),
-            offload_type="block_level",
-            num_blocks_per_group=1,
-            use_stream=True,
-            record_stream=True,
-        )
+        apply_diffusers_group(model, platform.device, record_stream=True)
     else:
         raise ValueError(f"--methods: {method!r} is not one of resident, dlo-ring, diffusers-group")
     platform.synchronize()

@@ -5,6 +5,7 @@ offload, dlo's own model-level swap.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import time
 from collections.abc import Callable
@@ -45,9 +46,7 @@ def _bench_diffusers_group(
     """diffusers group offloading, block level, one block per group, with streams (the
     peer's fastest documented setting), on the same DiT and inputs; skipped (logged) when
     diffusers is not installed or there are no streams."""
-    try:
-        from diffusers.hooks import apply_group_offloading
-    except ImportError:
+    if importlib.util.find_spec("diffusers") is None:
         logger.warning("diffusers-group: diffusers is not installed; method skipped")
         return
     if not platform.has_streams:
@@ -55,14 +54,7 @@ def _bench_diffusers_group(
         return
     dit = _build_dit(preset, "cpu", dtype)
     t0 = time.perf_counter()
-    apply_group_offloading(
-        dit,
-        onload_device=platform.device,
-        offload_device=torch.device("cpu"),
-        offload_type="block_level",
-        num_blocks_per_group=1,
-        use_stream=True,
-    )
+    apply_diffusers_group(dit, platform.device, record_stream=False)
     enable_s = time.perf_counter() - t0
     compile_blocks(dit, args.compile)  # after the hooks, as diffusers documents
     for tokens in tokens_list:
@@ -78,6 +70,22 @@ def _bench_diffusers_group(
         del inp
     del dit
     _clean(platform)
+
+
+def apply_diffusers_group(model: nn.Module, device: torch.device, *, record_stream: bool) -> None:
+    """diffusers group offloading as the bench runs it: block level, one block per group,
+    on streams (its fastest documented setting)."""
+    from diffusers.hooks import apply_group_offloading
+
+    apply_group_offloading(
+        model,
+        onload_device=device,
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+        use_stream=True,
+        record_stream=record_stream,
+    )
 
 
 def _bench_swap(

@@ -408,33 +408,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.like is not None:
-        return _main_like(args)
+        check_args(args)
+        check_minimums((("--like-slots", args.like_slots, 1),))
+        methods = [m for m in args.methods.split(",") if m]
+        if args.methods == ",".join(METHODS):  # the default: the three --like serves
+            methods = ["resident", "dlo-ring", "diffusers-group"]
+        report = run_like(args, int_list("--tokens", args.tokens), methods)
+        _write(args, report, markdown_like(report))
+        return 0
     report = run_bench(args)
     if current_world().rank == 0:
-        text = markdown(report)
-        print(text)
-        if args.json:
-            write_json(args.json, report)
-        if args.markdown:
-            with open(args.markdown, "w") as fh:
-                fh.write(text + "\n")
+        _write(args, report, markdown(report))
         if args.plot:
             plot(report, args.plot)
     return 0
 
 
-def _main_like(args: argparse.Namespace) -> int:
-    check_args(args)
-    check_minimums((("--like-slots", args.like_slots, 1),))
-    methods = [m for m in args.methods.split(",") if m]
-    if args.methods == ",".join(METHODS):  # the default: the three --like serves
-        methods = ["resident", "dlo-ring", "diffusers-group"]
-    report = run_like(args, int_list("--tokens", args.tokens), methods)
-    text = markdown_like(report)
+def _write(args: argparse.Namespace, report: dict[str, Any], text: str) -> None:
+    """Print the table; write the JSON and markdown files the flags ask for."""
     print(text)
     if args.json:
         write_json(args.json, report)
     if args.markdown:
         with open(args.markdown, "w") as fh:
             fh.write(text + "\n")
-    return 0
