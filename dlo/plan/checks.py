@@ -166,12 +166,26 @@ def non_block_tensors(
 def non_block_state(
     pipeline: Any, plan: ResolvedOffloadPlan, block_tensor_ids: set[int]
 ) -> list[tuple[str, torch.Tensor]]:
-    """The tensors the layerwise backend places on the device: those of every streamed
-    component and declared resident module that belong to no selected block, each once."""
+    """The tensors the layerwise backend places on the device: those of every component
+    (streamed or not: the layerwise contract is that encoders, VAEs and non-block modules
+    are device resident unless streamed) and declared resident module that belong to no
+    selected block, each once. On-demand components (the pipeline manages them) are left
+    where they are."""
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
-    for path in (*plan.streamed_components, *plan.resident_modules):
-        for name, t in non_block_tensors(get_by_path(pipeline, path), block_tensor_ids):
+    paths = (
+        *plan.streamed_components,
+        *plan.dits,
+        *plan.encoders,
+        *plan.vaes,
+        *plan.resident_modules,
+    )
+    on_demand = {id(get_by_path(pipeline, p)) for p in plan.on_demand}
+    for path in dict.fromkeys(paths):
+        module = get_by_path(pipeline, path)
+        if id(module) in on_demand:
+            continue
+        for name, t in non_block_tensors(module, block_tensor_ids):
             if id(t) not in seen:
                 seen.add(id(t))
                 out.append((name, t))

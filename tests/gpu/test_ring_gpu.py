@@ -66,6 +66,23 @@ def test_two_dits_and_encoder_ring_parity() -> None:
     b.disable()
 
 
+def test_unstreamed_components_are_placed_on_the_device_and_moved_back() -> None:
+    """The layerwise contract: encoders, VAEs and non-block modules are device resident
+    unless streamed; a pipeline built on the CPU works after enable with no ``.to()``."""
+    pipe = build_pipeline("tiny", device="cpu")
+    ref = build_pipeline("tiny", device=DEV)
+    before = snapshot(pipe)
+    cfg = dlo.OffloadConfig(mode="layer", components=("dit",))  # the encoder is not streamed
+    b = dlo.enable_offload(pipe, cfg, device=DEV)
+    assert b is not None
+    assert all(p.device == DEV for p in pipe.text_encoder.parameters())
+    assert all(p.device == DEV for p in pipe.vae.parameters())
+    ids, lat = make_inputs("tiny", seed=1, device=DEV)
+    assert torch.equal(ref.generate(ids, lat, 3), pipe.generate(ids, lat, 3))
+    b.disable()
+    assert_same(before, pipe)  # every tensor back on the CPU, same objects
+
+
 def test_demo_pipeline_parity_bf16() -> None:
     ref = build_pipeline("tiny", device=DEV)
     pipe = build_pipeline("tiny")

@@ -993,3 +993,24 @@ def test_an_encoder_without_blocks_is_told_once(caplog: pytest.LogCaptureFixture
     told = [r.getMessage() for r in caplog.records if "no blocks dlo can find" in r.getMessage()]
     assert len(told) == 1 and "'text_encoder' (UnstreamedEncoder)" in told[0], told
     assert "encoder_block_attrs={'text_encoder': ['encoder.layers']}" in told[0]
+
+
+def test_every_unstreamed_component_is_placed_but_on_demand_ones() -> None:
+    """The layerwise contract: encoders, VAEs and non-block modules are device resident
+    unless streamed or pipeline-managed (``on_demand_component_paths``)."""
+    from dlo.plan.checks import non_block_state
+
+    pipe = make_pipeline({"transformer": DiT(num_blocks=2)}, {"text_encoder": Encoder()})
+    pipe.vae = Vae()
+    pipe._vae_modules = ["vae"]
+    plan = resolve_offload_plan(pipe, DIT_ONLY)
+    block_ids = {id(t) for p in plan.all_block_paths for t in get_by_path(pipe, p).parameters()}
+    placed = {id(t) for _, t in non_block_state(pipe, plan, block_ids)}
+    for module in (pipe.text_encoder, pipe.vae, pipe.transformer.embed):
+        assert all(id(t) in placed for t in module.parameters())
+    assert not placed & block_ids
+    pipe._offload_plan = OffloadPlan(on_demand_component_paths=["vae"])
+    plan = resolve_offload_plan(pipe, DIT_ONLY)
+    placed = {id(t) for _, t in non_block_state(pipe, plan, block_ids)}
+    assert not any(id(t) in placed for t in pipe.vae.parameters())
+    assert all(id(t) in placed for t in pipe.text_encoder.parameters())
