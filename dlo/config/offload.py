@@ -109,7 +109,8 @@ class OffloadConfig:
     name it is stored under), ``"vae"`` (selects nothing: VAEs stay device resident). With
     ``mode="layer"`` the kinds whose blocks stream; None is the compatibility topology (every
     DiT, plus encoders whose block stacks are declared; declaration problems warn and skip),
-    an explicit tuple turns declaration problems into errors. With ``mode="module"`` the
+    an explicit tuple turns declaration problems into errors; naming ``"encoder"`` also
+    streams encoders found from their ``_no_split_modules``. With ``mode="module"`` the
     kinds that swap (None: DiTs and encoders); the others stay device resident."""
     transfer: str = "rank-local"
     """Default weight transfer: ``"rank-local"`` (each rank holds whole blocks),

@@ -12,8 +12,12 @@ Discovery, in order of preference:
    :mod:`dlo.plan.repeated`): one DiT at path ``""``.
 3. The pipeline class is in the adapter registry: its component attribute names, keeping
    those that hold an ``nn.Module`` (optional components are ``None``), without a warning.
-4. A scan of well-known attribute names, which warns once per pipeline class.
-5. A bare ``nn.Module`` where the scan finds no component is itself the one DiT (its
+4. Any other diffusers ``DiffusionPipeline``: its registered components
+   (``pipeline.components``) by the module that defines their class (diffusers
+   transformers, UNets and ControlNets are DiTs, autoencoders VAEs, ``transformers``
+   models encoders), without a warning.
+5. A scan of well-known attribute names, which warns once per pipeline class.
+6. A bare ``nn.Module`` where the scan finds no component is itself the one DiT (its
    blocks are then found by structure, or the error says what to declare).
 
 A component is a module that is called: a container (``nn.ModuleList``, ``nn.ModuleDict``)
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from dlo.plan.adapters import model_adapter, pipeline_adapter
+from dlo.plan.adapters import class_path, model_adapter, pipeline_adapter
 from dlo.plan.declarations import (
     BLOCKS_ATTR_DEPRECATED,
     BLOCKS_ATTRS,
@@ -199,7 +203,40 @@ def _discovery_paths(
             _scan(pipeline, adapter.vaes),
             [],
         )
-    return None
+    return _diffusers_components(pipeline)
+
+
+_DIFFUSION_PIPELINE = "diffusers.pipelines.pipeline_utils.DiffusionPipeline"
+
+
+# the module prefixes that make a registered component a DiT, an encoder or a VAE (rule 4)
+_KINDS = (
+    ("dit", ("diffusers.models.transformers.", "diffusers.models.unets.")),
+    ("dit", ("diffusers.models.controlnets.",)),
+    ("vae", ("diffusers.models.autoencoders.",)),
+    ("encoder", ("transformers.",)),
+)
+
+
+def _diffusers_components(
+    pipeline: object,
+) -> tuple[list[str], list[str], list[str], list[str]] | None:
+    """Rule 4 of the module docstring; None when ``pipeline`` is no ``DiffusionPipeline``."""
+    if not any(class_path(c) == _DIFFUSION_PIPELINE for c in type(pipeline).__mro__):
+        return None
+    components = getattr(pipeline, "components", None)
+    if not isinstance(components, dict):
+        return None
+    out: dict[str, list[str]] = {"dit": [], "encoder": [], "vae": []}
+    for name, module in components.items():
+        if not isinstance(module, nn.Module) or _is_container(module):
+            continue
+        where = type(module).__module__ + "."
+        for kind, prefixes in _KINDS:
+            if where.startswith(prefixes):
+                out[kind].append(name)
+                break
+    return out["dit"], out["encoder"], out["vae"], []
 
 
 def _scan_paths(

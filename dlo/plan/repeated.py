@@ -64,11 +64,18 @@ def _outermost(
     for path, module in model.named_modules(remove_duplicate=True):
         if id(module) in inside or not path:
             continue
-        if isinstance(module, accept) and keep(module):  # type: ignore[arg-type]
+        if isinstance(module, accept) and _distinct(module, inside) and keep(module):  # type: ignore[arg-type]
             found.append((path, module))
             for child in module.children():
                 inside.update(id(m) for m in child.modules())
     return found
+
+
+def _distinct(container: nn.Module, taken: set[int]) -> bool:
+    """Every child is its own module, listed once and in no container found before (a
+    tied block, ALBERT-style, cannot stream: one module would be two blocks)."""
+    ids = [id(c) for c in container._modules.values()]
+    return len(set(ids)) == len(ids) and not taken.intersection(ids)
 
 
 def _all_of(container: nn.Module, names: set[str]) -> bool:
@@ -94,7 +101,7 @@ def _structural(container: nn.Module) -> bool:
     return (
         all(type(c) is cls for c in children)
         and is_block(children[0])
-        and not cls.__module__.startswith("torch.")
+        and not _builtin(children[0])
         and any(True for _ in children[0].parameters())
     )
 
@@ -127,10 +134,15 @@ def candidate_containers(model: nn.Module) -> list[str]:
         children = list(c.children())
         return bool(children) and all(is_block(x) for x in children)
 
-    out = []
-    for path, c in _outermost(model, (nn.ModuleList, nn.Sequential), any_blocks):
-        out.append(f"{path!r} ({_count(c)})")
-    return out
+    found = _outermost(model, (nn.ModuleList, nn.Sequential), any_blocks)
+    # containers of the model's own block classes first (an nn.Sequential of Linear and
+    # SiLU is an embedder, not a stack)
+    found.sort(key=lambda pc: any(_builtin(x) for x in pc[1].children()))
+    return [f"{path!r} ({_count(c)})" for path, c in found]
+
+
+def _builtin(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.")
 
 
 def _count(container: nn.Module) -> str:

@@ -161,11 +161,12 @@ def _component_stacks(
 def _no_blocks(kind: str, path: str, comp: nn.Module) -> str:
     cls = type(comp).__name__
     field_name = "block_attrs" if kind == "dit" else "encoder_block_attrs"
+    structure = ", and ModuleLists of two or more blocks of one class" if kind == "dit" else ""
     return (
         f"{kind} {path!r} ({cls}) has no blocks dlo can find: it looked for "
         f"OffloadPlan.{field_name}[{path!r}], {cls}.{BLOCKS_ATTRS}, a dlo adapter for {cls}, "
-        f"ModuleLists of the classes in {cls}._repeated_blocks / _no_split_modules, and "
-        f"ModuleLists of two or more blocks of one class. {_offer(kind, path, comp)}"
+        f"ModuleLists of the classes in {cls}._repeated_blocks / _no_split_modules"
+        f"{structure}. {_offer(kind, path, comp)}"
     )
 
 
@@ -196,8 +197,17 @@ def _dit_stacks(
 
 
 def _encoder_stacks(
-    found: _Components, plan: OffloadPlan, on_demand: set[int], problems: _Problems
+    found: _Components,
+    plan: OffloadPlan,
+    on_demand: set[int],
+    problems: _Problems,
+    *,
+    selected: bool,
 ) -> list[_Stack]:
+    """Encoder stacks: declared ones, and (only when ``components`` names ``"encoder"``,
+    ``selected``) those found from the encoder's own ``_no_split_modules``. A found stack is
+    not streamed by default: it would change what an existing ``components=None`` setup
+    streams (slot size, checks an FSDP-wrapped or quantized encoder does not pass)."""
     encoders = dict(found.encoders)
     for field_name in ("encoder_block_attrs", "encoder_dlo_weight_replication"):
         for key in getattr(plan, field_name):
@@ -214,9 +224,19 @@ def _encoder_stacks(
                     f"encoder {path!r} is on-demand (pipeline-managed); it cannot stream"
                 )
             continue
-        attrs, source = _block_attrs("encoder", path, encoder, plan.encoder_block_attrs.get(path))
+        declared = plan.encoder_block_attrs.get(path)
+        if declared == ():  # an explicit opt-out
+            continue
+        attrs, source = _block_attrs("encoder", path, encoder, declared)
         if not attrs:
             _warn_unstreamed_encoder(path, encoder)
+            continue
+        if source != "declared" and not selected:
+            warn_once(
+                f"dlo: encoder {path!r} ({type(encoder).__name__}) has blocks dlo can stream "
+                f"({describe(attrs, encoder)}, from its {source}); it is kept whole on the "
+                "device: pass components=('dit', 'encoder') to stream it"
+            )
             continue
         stacks += _component_stacks("encoder", path, encoder, attrs, source, problems)
     return stacks

@@ -311,11 +311,12 @@ def _layer_stacks(
     if "dit" in selected:
         stacks += _dit_stacks(found, plan, on_demand_ids, problems)
     if "encoder" in selected:
-        encoder_stacks = _encoder_stacks(found, plan, on_demand_ids, problems)
+        encoder_stacks = _encoder_stacks(found, plan, on_demand_ids, problems, selected=explicit)
         if explicit and not encoder_stacks:
             raise ValueError(
-                f"components selects 'encoder' but no encoder of {_owner(pipeline)} declares "
-                "a block stack in OffloadPlan.encoder_block_attrs"
+                f"components selects 'encoder' but no encoder of {_owner(pipeline)} has a "
+                "block stack (OffloadPlan.encoder_block_attrs, or the classes its "
+                "_no_split_modules names)"
             )
         stacks += encoder_stacks
     owner = _check_block_overlap(stacks)

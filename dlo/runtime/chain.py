@@ -10,8 +10,10 @@ temporal blocks), so it is learned: until the first forward of the component has
 prediction after a block is the blocks not seen yet in declared cyclic order, then the ones
 seen; the order is fixed as the sequence of first entries when a block enters a second time
 (the next forward began) or every block has entered. From then on the ring prefetches in
-that order; a block that did not run in the first forward (an optional stack) is off the
-ring, and after it the prediction is its declared successors.
+that order. A block that did not run in the first forward (an optional stack, or a first
+forward cut short by an exception) joins the ring the first time it runs, after the block
+that ran before it, so it costs one demand load once; until then the prediction after it
+is its declared successors.
 
 Every decision depends only on the sequence of block entries, which ranks of an AllGather
 group share (the lock-step check compares every load), so they learn the same order. The
@@ -53,10 +55,14 @@ class ExecutionOrder(Generic[Block]):
         self.learned: list[Block] | None = None
         """The fixed order (None while the first forward runs)."""
         self._learned_at: dict[int, int] = {}
+        self._previous: Block | None = None
 
     def observe(self, block: Block) -> bool:
         """Record that ``block`` entered; True when this entry fixed the order."""
+        previous, self._previous = self._previous, block
         if self.learned is not None:
+            if id(block) not in self._learned_at:
+                self._join(block, previous)
             return False
         if id(block) in self._seen_ids:
             self._fix()
@@ -67,6 +73,15 @@ class ExecutionOrder(Generic[Block]):
             self._fix()
             return True
         return False
+
+    def _join(self, block: Block, previous: Block | None) -> None:
+        """Put a block that was off the ring into it, after the block that ran before it."""
+        assert self.learned is not None
+        at = len(self.learned)
+        if previous is not None and id(previous) in self._learned_at:
+            at = self._learned_at[id(previous)] + 1
+        self.learned.insert(at, block)
+        self._learned_at = {id(b): i for i, b in enumerate(self.learned)}
 
     def _fix(self) -> None:
         self.learned = list(self._seen)
@@ -105,7 +120,7 @@ class ExecutionOrder(Generic[Block]):
 def learn(
     order: ExecutionOrder[Block],
     block: Block,
-    agree: Callable[[int, Callable[[], str]], None],
+    agree: Callable[[int, str], None],
     component: str,
 ) -> None:
     """Record ``block``'s entry in ``order``; the moment the order is fixed, log it when it
@@ -119,4 +134,4 @@ def learn(
             component or "the model",
             order.describe(),
         )
-    agree(order.digest(), order.describe)
+    agree(order.digest(), order.describe())

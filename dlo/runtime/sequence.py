@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ class SequenceCheck:
         self._mine = torch.zeros(2, dtype=torch.int64, device=dev)
         self._free: deque[tuple[torch.Tensor, torch.Tensor, Any]] = deque()
         self._pending: deque[
-            tuple[torch.Tensor, torch.Tensor, Any, tuple[int, int], Callable[[], str] | None]
+            tuple[torch.Tensor, torch.Tensor, Any, tuple[int, int], str | None]
         ] = deque()
         pin = platform.has_streams
         for _ in range(depth if pin else 1):
@@ -64,16 +64,15 @@ class SequenceCheck:
         """Gather ``(index, slot)`` from every rank on ``stream`` (the comm stream)."""
         self._gather((index, slot), stream, None)
 
-    def agree(self, value: int, stream: Any, describe: Callable[[], str]) -> None:
+    def agree(self, value: int, stream: Any, describe: str) -> None:
         """Gather ``value`` (an int64 digest) from every rank on ``stream`` and compare it
         like a block index; a rank that differs raises an ``OffloadError`` with
-        ``describe()`` (what this rank has) in it. Used once per learned execution order
+        ``describe`` (what this rank has; a string, so a pending check references no block)
+        in it. Used once per learned execution order
         (see [Note: prefetch chain] in :mod:`dlo.runtime.chain`)."""
         self._gather((value, -2), stream, describe)
 
-    def _gather(
-        self, expected: tuple[int, int], stream: Any, describe: Callable[[], str] | None
-    ) -> None:
+    def _gather(self, expected: tuple[int, int], stream: Any, describe: str | None) -> None:
         gathered, host, event = self.take()
         with self.platform.stream(stream):
             self._mine[0].fill_(expected[0])
@@ -125,7 +124,7 @@ class SequenceCheck:
                 raise OffloadError(
                     "ranks of an AllGather group ran a component's blocks in different orders "
                     f"on its first forward (ranks {differ} differ from rank {self.group_rank}, "
-                    f"which ran {describe()}); they must run the same block sequence",
+                    f"which ran {describe}); they must run the same block sequence",
                     rank=self.group_rank,
                 )
             if any(v != (index, slot) for v in seen):

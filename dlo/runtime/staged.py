@@ -39,7 +39,6 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +187,7 @@ class StagedTransport:
         self.counters.h2d_nbytes += layout.padded_nbytes
         self.counters.num_loads += 1
 
-    def agree(self, value: int, describe: Callable[[], str]) -> None:
+    def agree(self, value: int, describe: str) -> None:
         """Nothing: the mapped backing streams whole blocks (a group of one)."""
         return None
 

@@ -23,7 +23,6 @@ shard is the whole padded block: one copy, no collective, ``S.ready`` on the cop
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -72,7 +71,7 @@ class Transport(Protocol):
         (see [Note: staged ready] in :mod:`dlo.runtime.staged`)."""
         ...
 
-    def agree(self, value: int, describe: Callable[[], str]) -> None:
+    def agree(self, value: int, describe: str) -> None:
         """Compare ``value`` across the group (a learned order's digest; see [Note:
         prefetch chain] in :mod:`dlo.runtime.chain`); nothing for a group of one."""
         ...
@@ -136,7 +135,7 @@ class BlockTransport:
         transport's is not; see [Note: staged ready])."""
         return None
 
-    def agree(self, value: int, describe: Callable[[], str]) -> None:
+    def agree(self, value: int, describe: str) -> None:
         """Compare ``value`` across the group through the lock-step check, on the comm
         stream (ordered with the gathers); nothing without a check (group of one)."""
         if self.sequence_check is not None:

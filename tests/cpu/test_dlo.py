@@ -400,10 +400,10 @@ def _order_mismatch(rank: int, world: int) -> list[str]:
 
     check = SequenceCheck(CpuPlatform(), dist.group.WORLD, rank, world, ["a", "b"])
     out = []
-    check.agree(7, None, lambda: "a, b (2 blocks)")  # the same digest: nothing to say
+    check.agree(7, None, "a, b (2 blocks)")  # the same digest: nothing to say
     out.append("agreed")
     try:
-        check.agree(100 + rank, None, lambda: f"order {rank} (2 blocks)")
+        check.agree(100 + rank, None, f"order {rank} (2 blocks)")
     except dlo.OffloadError as e:
         out.append(str(e))
     return out

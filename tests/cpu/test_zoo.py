@@ -151,15 +151,21 @@ def test_dit_module_swap_without_declarations(name: str) -> None:
     assert list(st["last"]["components"]) == [""]
 
 
+ENCODERS_SELECTED = dlo.OffloadConfig(mode="layer", components=("encoder",), num_slots=2)
+
+
 @pytest.mark.parametrize("name", sorted(ENCODERS))
 def test_text_encoder_streams_from_its_no_split_modules(name: str) -> None:
+    """Streamed when ``components`` selects encoders; kept whole (and told once) under
+    ``components=None``."""
     case = ENCODERS[name]
     model = _build(case)
     pipe = EncoderPipeline(model)
-    plan = dlo.resolve_offload_plan(pipe, dlo.OffloadConfig(mode="layer"))
+    assert dlo.resolve_offload_plan(pipe, dlo.OffloadConfig(mode="layer")).stacks == ()
+    plan = dlo.resolve_offload_plan(pipe, ENCODERS_SELECTED)
     assert plan.encoders == ("text_encoder",) and plan.stacks, plan
     assert all(s.component == "encoder" for s in plan.stacks)
-    st = _check(case, model, pipe, dlo.OffloadConfig(mode="layer", num_slots=2))
+    st = _check(case, model, pipe, ENCODERS_SELECTED)
     assert st["last"]["num_streamed_blocks"] == len(plan.all_block_paths)
     assert st["last"]["num_demand_loads"] == st["first"]["num_demand_loads"], st
     _check(case, model, pipe, dlo.OffloadConfig(mode="module"))
@@ -202,3 +208,46 @@ def test_the_compatibility_table_is_current() -> None:
     from tests.zoo import table
 
     assert table.current() == table.table(), "regenerate: python -m tests.zoo.table"
+
+
+def test_a_diffusers_pipeline_without_an_adapter_resolves_by_component_classes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A real diffusers pipeline class dlo has no adapter for (LTX-Video): its registered
+    components are classified by their classes, with no fallback-scan warning, and the
+    DiT's and the T5 encoder's blocks stream bit for bit."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4)
+    vae.spatial_compression_ratio, vae.temporal_compression_ratio = 8, 1  # what LTX reads
+    transformer = _build(DITS["LTXVideoTransformer3DModel"])
+    encoder = _build(ENCODERS["T5EncoderModel"])
+    pipe = LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(),
+        vae=vae,
+        text_encoder=encoder,
+        tokenizer=None,
+        transformer=transformer,
+    )
+    both = dlo.OffloadConfig(mode="layer", components=("dit", "encoder"))
+    with caplog.at_level("WARNING", logger="dlo"):
+        plan = dlo.resolve_offload_plan(pipe, both)
+    assert not [r for r in caplog.records if "declares no components" in r.getMessage()]
+    assert (plan.dits, plan.encoders, plan.vaes) == (("transformer",), ("text_encoder",), ("vae",))
+    assert [s.container_path for s in plan.stacks] == [
+        "transformer.transformer_blocks",
+        "text_encoder.encoder.block",
+    ]
+    assert [s.found_by for s in plan.stacks] == ["_repeated_blocks", "_no_split_modules"]
+    ref_dit, ref_encoder = copy.deepcopy(transformer), copy.deepcopy(encoder)
+    backend = dlo.enable_offload(pipe, both, device="cpu")
+    assert backend is not None
+    try:
+        for case, model, ref in (
+            (DITS["LTXVideoTransformer3DModel"], transformer, ref_dit),
+            (ENCODERS["T5EncoderModel"], encoder, ref_encoder),
+        ):
+            assert _same(_forwards(case, ref, 2), _forwards(case, model, 2)), case.name
+    finally:
+        backend.disable()

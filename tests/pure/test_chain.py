@@ -47,6 +47,18 @@ def test_a_block_entering_again_fixes_the_order_and_unrun_blocks_are_off_the_rin
     assert order.learned == ["a0", "a1"]
     assert order.after("a1", 3) == ["a0"]  # the ring is what ran
     assert order.after("v0", 2) == ["v1", "a0"]  # off the ring: declared successors
+    # an off-ring block joins the ring after the block that ran before it, once
+    assert _run(order, ["a1", "v0", "v1"]) == [False, False, False]
+    assert order.learned == ["a0", "a1", "v0", "v1"]
+    assert order.after("a1", 1) == ["v0"] and order.after("v1", 1) == ["a0"]
+
+
+def test_a_first_forward_cut_short_is_completed_by_the_next_one() -> None:
+    order = _order(["b0", "b1", "b2", "b3"])
+    _run(order, ["b0", "b1"])  # an exception before b2
+    assert _run(order, ["b0", "b1", "b2", "b3"]) == [True, False, False, False]
+    assert order.learned == ["b0", "b1", "b2", "b3"]
+    assert order.after("b3", 1) == ["b0"]
 
 
 def test_digest_depends_on_the_order_and_describe_names_it() -> None:

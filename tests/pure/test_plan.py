@@ -794,7 +794,7 @@ def test_encoder_layer_option_overrides_transfer() -> None:
 
 def test_encoder_selected_without_any_stack() -> None:
     pipe = make_pipeline({"transformer": DiT(num_blocks=2)}, {"text_encoder": Encoder()})
-    with pytest.raises(ValueError, match="no encoder of Pipe declares a block stack"):
+    with pytest.raises(ValueError, match="no encoder of Pipe has a block stack"):
         resolve_offload_plan(pipe, OffloadConfig(mode="layer", components=("dit", "encoder")))
     plan = resolve_offload_plan(pipe, LAYER)  # compat: encoders without stacks stay, silently
     assert [s.component for s in plan.stacks] == ["dit"]
@@ -1014,3 +1014,36 @@ def test_every_unstreamed_component_is_placed_but_on_demand_ones() -> None:
     placed = {id(t) for _, t in non_block_state(pipe, plan, block_ids)}
     assert not any(id(t) in placed for t in pipe.vae.parameters())
     assert all(id(t) in placed for t in pipe.text_encoder.parameters())
+
+
+def test_the_offered_declaration_names_the_block_list_not_an_embedder() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.time_embed = nn.Sequential(nn.Linear(4, 4), nn.SiLU(), nn.Linear(4, 4))
+            self.blocks = nn.ModuleList([Block()])
+
+    with pytest.raises(ValueError, match="has no blocks dlo can find") as e:
+        resolve_offload_plan(make_pipeline({"transformer": Model()}), DIT_ONLY)
+    assert (
+        "e.g. pipe._offload_plan = dlo.OffloadPlan(block_attrs={'transformer': ['blocks']})"
+        in str(e.value)
+    )
+
+
+def test_tied_blocks_are_not_a_stack() -> None:
+    """A ModuleList holding one module several times (ALBERT-style) or a block already in
+    another list is never found as a stack: one module cannot be two blocks."""
+
+    class Tied(nn.Module):
+        _repeated_blocks: ClassVar[list[str]] = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            shared = Block()
+            self.blocks = nn.ModuleList([shared] * 3)
+            self.more = nn.ModuleList([Block(), Block()])
+            self.again = nn.ModuleList([self.more[0], Block()])
+
+    plan = resolve_offload_plan(make_pipeline({"transformer": Tied()}), LAYER)
+    assert plan.all_block_paths == ("transformer.more.0", "transformer.more.1")
