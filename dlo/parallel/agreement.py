@@ -203,4 +203,5 @@ def exchange(
         timeout_s=timeout_s,
         topic="agreement",
         what="enable agreement",
+        types=(RankReport,),
     )

@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import pickle
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 
 from dlo.errors import OffloadError
+from dlo.parallel.records import decode, encode
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}
 
@@ -104,13 +105,23 @@ def _refusal(store: Any, *, rank: int, what: str) -> OffloadError | None:
 
 
 def share(
-    obj: Any, *, rank: int, world_size: int, timeout_s: float, topic: str, what: str
+    obj: Any,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    topic: str,
+    what: str,
+    types: Iterable[type] = (),
 ) -> list[Any]:
-    """Publish one picklable ``obj`` through the default store and read every rank's, in
-    rank order. Every rank calls it the same number of times per ``topic``.
+    """Publish one record ``obj`` through the default store and read every rank's, in rank
+    order, as JSON (:mod:`dlo.parallel.records`: plain values, tuples and instances of the
+    dataclasses in ``types``; never pickle). Every rank calls it the same number of times
+    per ``topic``.
 
     Raises:
-        OffloadError: some ranks did not publish within ``timeout_s`` (named, with ``what``).
+        OffloadError: some ranks did not publish within ``timeout_s`` (named, with ``what``),
+            or a record read back is malformed or of a type not in ``types``.
     """
     if world_size == 1:
         return [obj]
@@ -121,28 +132,39 @@ def share(
     if refused is not None:
         raise refused
     try:
-        return _share(
+        records = _share(
             store,
-            obj,
+            encode(obj),
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
             topic=topic,
             what=what,
         )
+        try:
+            return [decode(r, types) for r in records]
+        except ValueError as e:
+            raise OffloadError(f"{what}: {e}", rank=rank) from None
     except BaseException as e:
         startup_failed(describe_failure(e), rank=rank)
         raise
 
 
 def _share(
-    store: Any, obj: Any, *, rank: int, world_size: int, timeout_s: float, topic: str, what: str
-) -> list[Any]:
+    store: Any,
+    record: bytes,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    topic: str,
+    what: str,
+) -> list[bytes]:
     generation = next(_GENERATIONS.setdefault(topic, itertools.count()))
     prefix = f"dlo/{topic}/{generation}"
     keys = [f"{prefix}/{r}" for r in range(world_size)]
     outcome = f"{prefix}/outcome"
-    store.set(keys[rank], pickle.dumps(obj))
+    store.set(keys[rank], record)
     arrived = store.add(f"{prefix}/count", 1)
     if arrived >= _CLOSED:
         raise OffloadError(
@@ -174,7 +196,7 @@ def _share(
         pause = min(pause * 1.5, _POLL_MAX_S)
     if bytes(store.get(outcome)) != b"ok":
         raise OffloadError(f"{what}: a peer gave up this exchange after {timeout_s:g}s", rank=rank)
-    return [pickle.loads(store.get(k)) for k in keys]
+    return [bytes(store.get(k)) for k in keys]
 
 
 def _close(store: Any, prefix: str, world_size: int) -> bool:

@@ -229,6 +229,7 @@ def agree(
         timeout_s=timeout_s,
         topic="policy",
         what="policy measurement exchange",
+        types=(RankMeasurement,),
     )
     failed = [r for r in records if not r.ok]
     if failed:
