@@ -1,5 +1,5 @@
 """The records ranks exchange through the store, as JSON with a schema check: no pickle on a
-path another process feeds (the store has no authentication, and ``pickle.loads`` of a
+path another process feeds (the store has no authentication, and unpickling a
 planted record would run its code on every rank).
 
 A record is a JSON value built from ``None``, ``bool``, ``int``, ``float``, ``str``, lists,
