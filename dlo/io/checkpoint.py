@@ -26,6 +26,7 @@ import logging
 import math
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Mapping
@@ -105,7 +106,10 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     """
     p = Path(path)
     try:
-        size = p.stat().st_size
+        st = p.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block in open, a device never end
+            raise CheckpointError(f"{p}: not a regular file")
+        size = st.st_size
         with open(p, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
@@ -113,7 +117,10 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
             (n,) = struct.unpack("<Q", raw)
             if n > MAX_HEADER_NBYTES or 8 + n > size:
                 raise CheckpointError(f"{p}: header length {n} does not fit the file ({size} B)")
-            header = json.loads(f.read(n))
+            try:
+                header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+            except _DuplicateKey as e:
+                raise CheckpointError(f"{p}: duplicate key {e} in the header") from None
     except OSError as e:
         raise CheckpointError(f"{p}: cannot read: {e}") from e
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -127,8 +134,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
             continue
         try:
             dtype_name, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
-            shape_t = tuple(int(s) for s in shape)
-            begin, end = int(begin), int(end)
+            if not all(_is_int(v) for v in (*shape, begin, end)):
+                raise TypeError("shape and data_offsets must be integers")
+            shape_t = tuple(shape)
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{p}: tensor {name!r}: malformed header entry {info!r}") from e
         if dtype_name not in DTYPES:
@@ -145,7 +153,39 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
         if base + end > size:
             raise CheckpointError(f"{p}: tensor {name!r}: data past the end of the file")
         out[name] = TensorEntry(name, p, dtype, shape_t, base + begin, expected)
+    _check_disjoint(p, out)
     return out
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:  # json keeps the last; the safetensors library refuses
+            raise _DuplicateKey(repr(key))
+        out[key] = value
+    return out
+
+
+def _check_disjoint(path: Path, entries: dict[str, TensorEntry]) -> None:
+    """No two tensors' bytes overlap (one tensor's bytes would be read as another's)."""
+    spans = sorted((e.start, e.end, e.name) for e in entries.values() if e.nbytes)
+    reach, owner = 0, ""
+    for start, end, name in spans:
+        if start < reach:
+            raise CheckpointError(
+                f"{path}: tensors {owner!r} and {name!r} overlap in the file (bytes "
+                f"{start}..{min(end, reach)}); a safetensors file holds each tensor's bytes once"
+            )
+        if end > reach:
+            reach, owner = end, name
 
 
 def _find_files(path: Path) -> tuple[list[Path], Path | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -83,6 +84,38 @@ def _raw(path: Path, header: dict, data: bytes, *, length: int | None = None) ->
         ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4, None, "[0, 4]"),
         ({"x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4, None, "past"),
         ({"x": {"dtype": "F32", "shape": [1]}}, b"\0" * 4, None, "malformed"),
+        # issue 26 (5): what the safetensors library refuses, dlo refuses
+        (
+            {"x": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}},
+            b"\0" * 4,
+            None,
+            "malformed",
+        ),
+        (
+            {"x": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}},
+            b"\0" * 4,
+            None,
+            "malformed",
+        ),
+        (
+            {
+                "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "y": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+            },
+            b"\0" * 8,
+            None,
+            "'x' and 'y' overlap",
+        ),
+        (
+            {
+                "x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                "y": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]},
+                "z": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+            },
+            b"\0" * 16,
+            None,
+            "overlap",
+        ),
     ],
 )
 def test_bad_headers_name_file_and_tensor(
@@ -92,6 +125,19 @@ def test_bad_headers_name_file_and_tensor(
     with pytest.raises(CheckpointError, match=r"bad\.safetensors") as e:
         Checkpoint(path)
     assert needle in str(e.value)
+
+
+def test_duplicate_keys_and_non_regular_files_are_refused(tmp_path: Path) -> None:
+    entry = '{"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    raw = ('{"x": ' + entry + ', "x": ' + entry + "}").encode()
+    path = tmp_path / "dup.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * 4)
+    with pytest.raises(CheckpointError, match=r"dup\.safetensors: duplicate key 'x'"):
+        read_header(path)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)  # open() would block forever
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        read_header(fifo)
 
 
 def test_truncated_and_non_json(tmp_path: Path) -> None:
