@@ -1204,3 +1204,12 @@ def test_hsdp_with_tensor_parallelism_is_refused(sizes: dict[str, int]) -> None:
     gather weights over TP."""
     with _raises(ValueError, "tensor_parallel_size=2", "hsdp_shard_size=", "HSDP"):
         ParallelConfig(**sizes)
+
+
+@pytest.mark.parametrize(
+    "name", ["pin_budget_gb", "device_budget_gb", "collective_timeout_s", "block_compute_ms"]
+)
+def test_numbers_that_would_overflow_later_are_refused_naming_the_field(name: str) -> None:
+    """Issue 26 (6): 1e308 is finite but overflows later (a timeout in ms, GB in bytes)."""
+    with pytest.raises(ValueError, match=rf"{name} must be <= 1e\+07, got 1e\+308"):
+        dlo.OffloadConfig(mode="layer", **{name: 1e308})
