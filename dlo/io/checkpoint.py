@@ -35,6 +35,14 @@ from pathlib import Path
 
 import torch
 
+from dlo.io.header_checks import (
+    CheckpointError,
+    _check_disjoint,
+    _DuplicateKey,
+    _is_int,
+    _unique_keys,
+)
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,13 +73,6 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
 
 
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot serve the model (bad file, missing/extra/mismatched tensors).
-
-    Raised before anything is mutated; the message names the tensors and the files.
-    """
 
 
 @dataclass(frozen=True)
@@ -155,37 +156,6 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
         out[name] = TensorEntry(name, p, dtype, shape_t, base + begin, expected)
     _check_disjoint(p, out)
     return out
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:  # json keeps the last; the safetensors library refuses
-            raise _DuplicateKey(repr(key))
-        out[key] = value
-    return out
-
-
-def _check_disjoint(path: Path, entries: dict[str, TensorEntry]) -> None:
-    """No two tensors' bytes overlap (one tensor's bytes would be read as another's)."""
-    spans = sorted((e.start, e.end, e.name) for e in entries.values() if e.nbytes)
-    reach, owner = 0, ""
-    for start, end, name in spans:
-        if start < reach:
-            raise CheckpointError(
-                f"{path}: tensors {owner!r} and {name!r} overlap in the file (bytes "
-                f"{start}..{min(end, reach)}); a safetensors file holds each tensor's bytes once"
-            )
-        if end > reach:
-            reach, owner = end, name
 
 
 def _find_files(path: Path) -> tuple[list[Path], Path | None]:
