@@ -41,7 +41,7 @@ from dlo.plan.declarations import (
     _path_tuple,
     get_by_path,
 )
-from dlo.plan.repeated import REPEATED_ATTRS, find_containers
+from dlo.plan.repeated import REPEATED_ATTRS, find_containers, is_container
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _resolve_module(
             f"{what} {path!r} of {_owner(pipeline)} is not an nn.Module (got {type(obj).__name__})"
         )
         return None
-    if what != "resident module" and _is_container(obj):
+    if what != "resident module" and is_container(obj):
         # only a declaration gets here (the scan skips containers), and no strategy can
         # serve it: an error under either topology
         raise ValueError(
@@ -174,11 +174,7 @@ def _scan(pipeline: object, names: tuple[str, ...]) -> list[str]:
     """The names whose attribute holds a module that is not a container (see the module
     docstring)."""
     found = [(n, getattr(pipeline, n, None)) for n in names]
-    return [n for n, m in found if isinstance(m, nn.Module) and not _is_container(m)]
-
-
-def _is_container(module: nn.Module) -> bool:
-    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    return [n for n, m in found if isinstance(m, nn.Module) and not is_container(m)]
 
 
 def _discovery_paths(
@@ -229,7 +225,7 @@ def _diffusers_components(
         return None
     out: dict[str, list[str]] = {"dit": [], "encoder": [], "vae": []}
     for name, module in components.items():
-        if not isinstance(module, nn.Module) or _is_container(module):
+        if not isinstance(module, nn.Module) or is_container(module):
             continue
         where = type(module).__module__ + "."
         for kind, prefixes in _KINDS:

@@ -40,12 +40,16 @@ class FoundContainers:
     """``"_repeated_blocks"``, ``"_no_split_modules"`` or ``"structure"``."""
 
 
+def is_container(module: object) -> bool:
+    """A ``ModuleList`` / ``ModuleDict``: never called, so its hooks never fire."""
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
 def is_block(module: object) -> bool:
-    """An executable module: not a container, and with a forward of its own (a container's
-    hooks never fire: it is never called)."""
+    """An executable module: not a container, and with a forward of its own."""
     return (
         isinstance(module, nn.Module)
-        and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and not is_container(module)
         and type(module).forward is not nn.Module.forward
     )
 
@@ -81,16 +85,6 @@ def _distinct(container: nn.Module, taken: set[int]) -> bool:
 def _all_of(container: nn.Module, names: set[str]) -> bool:
     children = list(container.children())
     return bool(children) and all(is_block(c) and _class_names(c) & names for c in children)
-
-
-def declared_repeats(model: nn.Module) -> tuple[str, tuple[str, ...]] | None:
-    """The first non-empty repeated-class declaration of ``model`` (instance, then class):
-    ``(attribute, class names)``, or None."""
-    for attr in REPEATED_ATTRS:
-        names = getattr(model, attr, None)
-        if isinstance(names, (list, tuple, set, frozenset)) and names:
-            return attr, tuple(str(n) for n in names)
-    return None
 
 
 def _structural(container: nn.Module) -> bool:
