@@ -1,5 +1,5 @@
 """The ``dlo`` command: ``dlo run`` (the main job, :mod:`dlo.commands.run`), ``dlo bench``
-(:mod:`dlo.bench`) and ``dlo save-checkpoint`` (:mod:`dlo.commands.save`). ``dlo`` alone
+(:mod:`dlo.bench`), ``dlo save-checkpoint`` and ``dlo save-pipeline`` (:mod:`dlo.commands.save`). ``dlo`` alone
 prints this help; ``dlo --version`` the versions of dlo and torch."""
 
 from __future__ import annotations
@@ -57,13 +57,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
     run_flags.add_arguments(
-        sub.add_parser("run", help="run the embedded demo pipeline under a strategy")
+        sub.add_parser(
+            "run", help="run the demo pipeline, or a pipeline folder (--pipeline), under a strategy"
+        )
     )
     add_bench_arguments(
         sub.add_parser("bench", help="benchmark dlo against peers and the measured limits")
     )
     save_command.add_arguments(
         sub.add_parser("save-checkpoint", help="save the demo pipeline as safetensors")
+    )
+    save_command.add_pipeline_arguments(
+        sub.add_parser(
+            "save-pipeline", help="write a random-weight diffusers pipeline folder (real layout)"
+        )
     )
     return p
 
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             return rc
         if args.command == "save-checkpoint":
             return save_command.save(args)
+        if args.command == "save-pipeline":
+            return save_command.save_pipeline(args)
         return run_command.run(args, _defaults(parser, "run"))
     except _UsageError as e:
         print(str(e), file=sys.stderr)

@@ -12,11 +12,10 @@ the prefetch chain covers every stack seam, see [Note: prefetch chain] in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,8 @@ from dlo.backends.factory import enable_offload
 from dlo.bench.methods import _clean, _peak, time_forward
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
+from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, WAN_14B_TRANSFORMER
+from dlo.pipelines.synth import fill_random, no_init
 from dlo.platform.device import Platform, get_platform
 from dlo.runtime.measure import GB, h2d_limits
 
@@ -111,18 +112,7 @@ LIKE: dict[str, Like] = {
         Like(
             "flux.1-dev",
             _FLUX,
-            {
-                "patch_size": 1,
-                "in_channels": 64,
-                "num_layers": 19,
-                "num_single_layers": 38,
-                "attention_head_dim": 128,
-                "num_attention_heads": 24,
-                "joint_attention_dim": 4096,
-                "pooled_projection_dim": 768,
-                "guidance_embeds": True,
-                "axes_dims_rope": (16, 56, 56),
-            },
+            FLUX_DEV_TRANSFORMER,
             _flux_inputs,
             "image tokens (a square: 4096 is 1024 x 1024 px)",
         ),
@@ -130,21 +120,7 @@ LIKE: dict[str, Like] = {
         Like(
             "wan2.1-t2v-14b",
             "diffusers.models.transformers.transformer_wan:WanTransformer3DModel",
-            {
-                "patch_size": (1, 2, 2),
-                "num_attention_heads": 40,
-                "attention_head_dim": 128,
-                "in_channels": 16,
-                "out_channels": 16,
-                "text_dim": 4096,
-                "freq_dim": 256,
-                "ffn_dim": 13824,
-                "num_layers": 40,
-                "cross_attn_norm": True,
-                "qk_norm": "rms_norm_across_heads",
-                "eps": 1e-6,
-                "rope_max_seq_len": 1024,
-            },
+            WAN_14B_TRANSFORMER,
             _wan_inputs,
             "video tokens at 480p (1560 per latent frame: 1560 is 1 frame, 32760 is 81)",
         ),
@@ -171,46 +147,14 @@ LIKE: dict[str, Like] = {
 }
 
 
-@contextlib.contextmanager
-def _no_init(dtype: torch.dtype) -> Iterator[None]:
-    """Build without torch's initializers (the weights are drawn after), in ``dtype``."""
-    init = torch.nn.init
-    names = [n for n in dir(init) if n.endswith("_") and not n.startswith("_")]
-    saved = {n: getattr(init, n) for n in names}
-    before = torch.get_default_dtype()
-    for n in names:
-        setattr(init, n, lambda t, *a, **k: t)
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
-        for n, f in saved.items():
-            setattr(init, n, f)
-
-
-_POOL = 1 << 24
-"""Random values drawn once per build; every weight is a window of them (drawing 14 B
-normal samples would take minutes of the benchmark's time)."""
-
-
 def build(like: Like, dtype: torch.dtype, *, seed: int = 0) -> nn.Module:
     """``like``'s class on the CPU, weights from a pool of N(0, 0.02) values drawn with
-    ``seed`` (each tensor a window of the pool at its own offset)."""
+    ``seed`` (:func:`~dlo.pipelines.synth.fill_random`)."""
     module, _, name = like.cls.partition(":")
     cls = getattr(importlib.import_module(module), name)
-    with _no_init(dtype):
+    with no_init(dtype):
         model = cls(**like.config)
-    g = torch.Generator().manual_seed(seed)
-    pool = torch.randn(2 * _POOL, generator=g).mul_(0.02).to(dtype)
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            flat = p.view(-1)
-            start = (i * 7919) % _POOL
-            for at in range(0, flat.numel(), _POOL):
-                n = min(_POOL, flat.numel() - at)
-                flat[at : at + n].copy_(pool[start : start + n])
-    return model.eval().requires_grad_(False)
+    return fill_random(model, dtype, seed=seed)
 
 
 def _model_nbytes(model: nn.Module) -> int:

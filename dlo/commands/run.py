@@ -45,6 +45,26 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     from dlo.platform.env import process_peak_rss_bytes, torchrun_env
     from dlo.runtime.measure import device_peak_nbytes
 
+    if args.pipeline is not None:
+        from dlo.commands.run_pipeline import run_pipeline
+
+        return run_pipeline(args, parser_defaults)
+    pipeline_only = [
+        f"--{k.replace('_', '-')}"
+        for k in (
+            "prompt",
+            "negative_prompt",
+            "height",
+            "width",
+            "frames",
+            "guidance",
+            "max_sequence_length",
+            "output",
+        )
+        if getattr(args, k) is not None
+    ]
+    if pipeline_only:
+        raise ValueError(f"{', '.join(pipeline_only)} need --pipeline DIR (the demo takes none)")
     cfg = config_of(args, parser_defaults)  # bad flag values fail here, before any work
     check_minimums(
         (("--steps", args.steps, 1), ("--seed", args.seed, 0), ("--tokens", args.tokens, 1))

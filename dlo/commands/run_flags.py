@@ -31,6 +31,7 @@ OFFLOAD_FLAGS = {
 def add_arguments(r: argparse.ArgumentParser) -> None:
     """The flags of ``dlo run``."""
     r.add_argument("--preset", default="tiny", help=PRESET_HELP)
+    _pipeline_arguments(r)
     r.add_argument(
         "--mode",
         default="layer",
@@ -153,6 +154,34 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         help="region: each rank copies its blocks into its own host memory; mapped: "
         "rank-local blocks are read from the --checkpoint file (page cache shared by the "
         "node's ranks) through two pinned staging buffers",
+    )
+
+
+def _pipeline_arguments(r: argparse.ArgumentParser) -> None:
+    r.add_argument(
+        "--pipeline",
+        default=None,
+        metavar="DIR",
+        help="run this diffusers pipeline folder (model_index.json; see dlo save-pipeline) "
+        "instead of the demo: loaded per rank, then the pipeline's own __call__",
+    )
+    r.add_argument(
+        "--prompt",
+        action="append",
+        default=None,
+        help="--pipeline: the prompt (repeat it: rank r takes prompt r mod the count)",
+    )
+    r.add_argument("--negative-prompt", default=None, help="--pipeline: the negative prompt")
+    r.add_argument("--height", type=int, default=None, help="--pipeline: image height in px")
+    r.add_argument("--width", type=int, default=None, help="--pipeline: image width in px")
+    r.add_argument("--frames", type=int, default=None, help="--pipeline: video frames")
+    r.add_argument("--guidance", type=float, default=None, help="--pipeline: guidance scale")
+    r.add_argument("--max-sequence-length", type=int, default=None, help="--pipeline: text tokens")
+    r.add_argument(
+        "--output",
+        default=None,
+        help="--pipeline: write the result: PATH.png (image), PATH.mp4 (video, needs "
+        "imageio) or a directory (frames as PNG); other ranks add .rankR",
     )
 
 

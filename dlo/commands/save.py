@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import time
 
@@ -37,3 +38,53 @@ def save(args: argparse.Namespace) -> int:
         f"{time.perf_counter() - t0:.1f}s"
     )
     return 0
+
+
+def add_pipeline_arguments(s: argparse.ArgumentParser) -> None:
+    """The flags of ``dlo save-pipeline``."""
+    from dlo.pipelines.layouts import FOLDERS
+
+    s.add_argument(
+        "--like",
+        required=True,
+        choices=sorted(FOLDERS),
+        help="the pipeline's layout and published configs (tiny-*: a size CPU tests run)",
+    )
+    s.add_argument("dir", help="the folder to write (must not exist, or be empty)")
+    s.add_argument(
+        "--dtype", default=None, choices=DTYPES, help="weight dtype (default: the layout's)"
+    )
+    s.add_argument("--seed", type=int, default=0, help="weight seed")
+    s.add_argument("--shard-gb", type=float, default=5.0, help="the most GiB per safetensors file")
+
+
+def save_pipeline(args: argparse.Namespace) -> int:
+    """``dlo save-pipeline``: a random-weight diffusers pipeline folder in a real layout
+    (:mod:`dlo.pipelines.synth`), for ``dlo run --pipeline`` without downloads."""
+    from dlo.pipelines.layouts import FOLDERS
+    from dlo.pipelines.synth import save_folder
+
+    if not math.isfinite(args.shard_gb) or args.shard_gb <= 0:
+        raise ValueError(f"--shard-gb={args.shard_gb} must be a finite number > 0")
+    logging.getLogger("dlo.pipelines.synth").setLevel(logging.INFO)  # build and write times
+    t0 = time.perf_counter()
+    like = FOLDERS[args.like]
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = save_folder(
+        like, args.dir, dtype=dtype, seed=args.seed, max_shard_size=int(args.shard_gb * (1 << 30))
+    )
+    nbytes = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
+    flags = " ".join(f"--{_CALL_FLAGS.get(k, k)} {v}" for k, v in like.call.items())
+    print(
+        f"dlo save-pipeline: {like.name} ({like.pipeline}, random weights) "
+        f"{nbytes / (1 << 30):.2f} GiB -> {out} in {time.perf_counter() - t0:.1f}s; run it "
+        f"with: dlo run --pipeline {out} {flags}"
+    )
+    return 0
+
+
+_CALL_FLAGS = {
+    "guidance_scale": "guidance",
+    "num_frames": "frames",
+    "max_sequence_length": "max-sequence-length",
+}

@@ -33,7 +33,10 @@ in the backend's enable that follows) puts the skeleton back exactly:
   (:meth:`_Mapping.still_aliases`): after a disable gave it private memory, ``.to()`` new
   memory, or an in-place write changed it, a later enable packs it from memory.
 
-Dtypes are the skeleton's: a checkpoint tensor of another dtype is an error, never a cast.
+Dtypes are the skeleton's: a checkpoint tensor of another dtype is an error, unless the
+caller asks for casts (``plan_load(cast=True)``, pipeline folders loaded with a
+``torch_dtype``): a floating tensor stored in another floating dtype is then read and cast
+(copied, never mapped; a streamed block's copy waits on the CPU for its packing).
 Tied tensors need one source, under any of their names.
 """
 
@@ -133,12 +136,14 @@ def _skeleton_targets(
     return targets, non_persistent
 
 
-def plan_load(model: nn.Module, checkpoint: Checkpoint) -> LoadPlan:
+def plan_load(model: nn.Module, checkpoint: Checkpoint, *, cast: bool = False) -> LoadPlan:
     """Check ``checkpoint`` against ``model`` (see [Note: loading from a checkpoint]).
 
     Args:
         model: the skeleton (tensors on ``meta``, or already real: both are served).
         checkpoint: the parsed checkpoint.
+        cast: a floating tensor stored in another floating dtype than the skeleton's is
+            cast on load (read and copied, never mapped) instead of refused.
     Returns:
         The plan for :func:`materialize`.
     Raises:
@@ -172,7 +177,8 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint) -> LoadPlan:
         t.source = names[0]
         e = entries[t.source]
         want = (tuple(t.tensor.shape), t.tensor.dtype)
-        if (e.shape, e.dtype) != want:
+        castable = cast and e.dtype.is_floating_point and t.tensor.dtype.is_floating_point
+        if (e.shape, t.tensor.dtype if castable else e.dtype) != want:
             mismatched.append(
                 f"{t.source} (checkpoint {list(e.shape)} {e.dtype} in {e.file.name}, "
                 f"model {list(want[0])} {want[1]})"
@@ -263,9 +269,11 @@ def mapped_source(t: torch.Tensor) -> tuple[Checkpoint, str] | None:
 
 
 # ----------------------------------------------------------------------------- materialize
-def _copy_reason(target: _Target, mapped: bool) -> str | None:
+def _copy_reason(target: _Target, mapped: bool, stored: torch.dtype) -> str | None:
     if not mapped:
         return "copy requested"
+    if stored != target.tensor.dtype:
+        return f"stored as {stored}, cast to {target.tensor.dtype}"
     if not target.tensor.is_contiguous():
         return f"not contiguous in the model (stride {tuple(target.tensor.stride())})"
     return None
@@ -291,7 +299,7 @@ def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) ->
     host = torch.empty(e.shape, dtype=e.dtype)
     if e.nbytes:
         ckpt.read_into(target.source, 0, bytes_of(host.reshape(-1).view(torch.uint8)))
-    if old.is_contiguous() and torch.device(device).type == "cpu":
+    if old.is_contiguous() and old.dtype == host.dtype and torch.device(device).type == "cpu":
         return host
     data = torch.empty_strided(
         tuple(old.shape), tuple(old.stride()), dtype=old.dtype, device=device
@@ -346,7 +354,7 @@ def materialize(
     for target in plan.targets:
         nbytes = ckpt.entries[target.source].nbytes
         block = mapped(target.name)
-        reason = _copy_reason(target, block)
+        reason = _copy_reason(target, block, ckpt.entries[target.source].dtype)
         if reason is None:
             new = _install(target, _file_served(ckpt, target.source), journal)
             _register(new, ckpt, target.source)

@@ -23,8 +23,9 @@ from dlo.backends.layerwise import LayerwiseBackend
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.io.checkpoint import Checkpoint
-from dlo.io.materialize import materialize, plan_load
+from dlo.io.materialize import LoadPlan, materialize, plan_load
 from dlo.journal import Journal
+from dlo.pipelines import folder
 from dlo.plan.topology import resolve_offload_plan
 from dlo.platform.device import get_platform
 from dlo.platform.env import process_peak_rss_bytes
@@ -37,14 +38,15 @@ CheckpointLike = str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] |
 
 @torch.inference_mode(False)  # [Note: no inference tensors] in dlo.backends.base
 def load_pipeline(
-    factory: Callable[[], Any] | nn.Module,
-    checkpoint: CheckpointLike,
+    factory: Callable[[], Any] | nn.Module | str | os.PathLike[str],
+    checkpoint: CheckpointLike | OffloadConfig | None = None,
     config: OffloadConfig | None = None,
     parallel: ParallelConfig | None = None,
     device: torch.device | str | None = None,
     *,
     copy: bool = False,
     prepare: Callable[[Any], Any] | None = None,
+    torch_dtype: torch.dtype | None = None,
 ) -> tuple[Any, OffloadBackend | None]:
     """Build a pipeline on ``meta``, fill it from safetensors, and enable offload on it.
 
@@ -53,11 +55,14 @@ def load_pipeline(
     ever holds a pageable copy of the model (see [Note: loading from a checkpoint]).
 
     Args:
-        factory: a callable returning the pipeline (an ``nn.Module``); it is called under
-            ``torch.device("meta")``. Or a skeleton module already built on ``meta``.
-        checkpoint: a ``.safetensors`` file, a directory (with or without a
-            ``*.safetensors.index.json``), an index file, a ``{prefix: path}`` mapping, or a
-            :class:`~dlo.io.checkpoint.Checkpoint`.
+        factory: a diffusers pipeline folder (a directory with ``model_index.json``, see
+            [Note: pipeline folders] in :mod:`dlo.pipelines.folder`); or a callable returning
+            the pipeline (an ``nn.Module``), called under ``torch.device("meta")``; or a
+            skeleton module already built on ``meta``.
+        checkpoint: for a factory or skeleton: a ``.safetensors`` file, a directory (with or
+            without a ``*.safetensors.index.json``), an index file, a ``{prefix: path}``
+            mapping, or a :class:`~dlo.io.checkpoint.Checkpoint`. A folder holds its own
+            weights: then this is the offload config, if given positionally.
         config: the offload config; None or ``mode="none"`` returns the model on ``device``
             without offload.
         parallel: the job's parallel layout (as for :func:`get_offload_backend`).
@@ -71,14 +76,16 @@ def load_pipeline(
             streamed blocks' weights: they are served from the file when the backend packs
             them, and a block tensor whose data is not aligned to its dtype in the file
             holds uninitialized memory until then.
+        torch_dtype: folders only: the dtype floating weights run in (cast on load, except
+            the classes' keep-in-fp32 modules); None keeps each tensor's stored dtype.
     Returns:
         ``(pipeline, backend)``; ``backend`` is None when offload is disabled (the model is
         then on ``device``). With ``mode="layer"`` every non-block tensor is copied straight
         to ``device``, including components the backend does not manage (a VAE); with
         ``mode="module"`` they are on the CPU for the swap backend to move.
     Raises:
-        dlo.io.checkpoint.CheckpointError: the checkpoint cannot serve the model (raised
-            before anything is changed).
+        dlo.io.checkpoint.CheckpointError: the checkpoint or folder cannot serve the model
+            (raised before anything is changed), naming the file.
         dlo.OffloadError / ValueError / TypeError: as ``backend.enable``; the skeleton is
             put back on ``meta``.
 
@@ -86,56 +93,117 @@ def load_pipeline(
         >>> pipe, backend = dlo.load_pipeline(
         ...     lambda: build_pipeline("wan14b-like", device="meta"), "ckpt/",
         ...     dlo.OffloadConfig(mode="layer", transfer="allgather"))
+        >>> pipe, backend = dlo.load_pipeline("Wan2.1-T2V-14B-Diffusers/",
+        ...     dlo.OffloadConfig(mode="layer"), torch_dtype=torch.bfloat16)
     """
     t0 = time.perf_counter()
-    if isinstance(factory, nn.Module):
-        skeleton = factory
-    elif callable(factory):
-        with torch.device("meta"):
-            skeleton = factory()
+    if isinstance(factory, (str, os.PathLike)):
+        if isinstance(checkpoint, OffloadConfig):
+            if config is not None:
+                raise TypeError("load_pipeline(folder, config, config=...): config given twice")
+            checkpoint, config = None, checkpoint
+        if checkpoint is not None:
+            raise TypeError(
+                f"load_pipeline({os.fspath(factory)!r}, checkpoint={checkpoint!r}): a pipeline "
+                "folder holds its own weights; pass the offload config second"
+            )
+        index = folder.read_index(factory)
+        ckpt = folder.open_checkpoint(index, list(folder.module_classes(index)))
+        try:
+            modules = folder.build_modules(index, ckpt, torch_dtype)
+            pipe = folder.assemble(index, {**modules, **folder.load_others(index, modules)})
+        except BaseException:
+            ckpt.close()
+            raise
+        loaded: nn.Module = nn.ModuleDict(modules)  # state-dict names = checkpoint names
+        logger.info(
+            "dlo: built %s from %s in %.2fs", type(pipe).__name__, factory, time.perf_counter() - t0
+        )
+        cast = torch_dtype is not None
     else:
-        raise TypeError(f"factory must be a callable or an nn.Module, got {type(factory).__name__}")
-    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
-    plan = plan_load(skeleton, ckpt)  # every check, before any change
-    backend = get_offload_backend(config, parallel, device)
-    target = get_platform(torch.device(device) if device is not None else None).device
-    blocks: set[str] = set()
-    if isinstance(backend, LayerwiseBackend):
-        layout = resolve_offload_plan(skeleton, backend.config, backend.parallel)
-        blocks = {p for s in layout.stacks for p in s.block_paths}
-    if copy:
-        blocks, target = set(), torch.device("cpu")  # the ordinary path
-    elif backend is not None and not isinstance(backend, LayerwiseBackend):
-        target = torch.device("cpu")  # model-level swap moves whole components itself
+        if isinstance(checkpoint, OffloadConfig) or checkpoint is None:
+            raise TypeError("load_pipeline(factory, checkpoint, config): the checkpoint is missing")
+        if torch_dtype is not None:
+            raise TypeError("torch_dtype is for pipeline folders; a factory builds its own dtypes")
+        if isinstance(factory, nn.Module):
+            pipe = factory
+        elif callable(factory):
+            with torch.device("meta"):
+                pipe = factory()
+        else:
+            raise TypeError(
+                f"factory must be a folder, a callable or an nn.Module, got {type(factory).__name__}"
+            )
+        ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        loaded, cast = pipe, False
+    try:
+        plan = plan_load(loaded, ckpt, cast=cast)  # every check, before any change
+    except BaseException:
+        ckpt.close()
+        raise
+    backend = _fill_and_enable(pipe, plan, config, parallel, device, copy, prepare)
+    logger.info(
+        "dlo: loaded %s from %s in %.2fs (peak RSS %.2f GiB)",
+        type(pipe).__name__,
+        ckpt.files[0] if ckpt.files else checkpoint,
+        time.perf_counter() - t0,
+        process_peak_rss_bytes() / (1 << 30),
+    )
+    return pipe, backend
+
+
+def _fill_and_enable(
+    pipe: Any,
+    plan: LoadPlan,
+    config: OffloadConfig | None,
+    parallel: ParallelConfig | None,
+    device: torch.device | str | None,
+    copy: bool,
+    prepare: Callable[[Any], Any] | None,
+) -> OffloadBackend | None:
+    """Give ``plan``'s skeleton its bytes and enable offload on ``pipe`` (whose streamed
+    blocks are in that skeleton under the same names), all or nothing."""
+    ckpt = plan.checkpoint
+    try:
+        backend = get_offload_backend(config, parallel, device)
+        target = get_platform(torch.device(device) if device is not None else None).device
+        blocks: set[str] = set()
+        if isinstance(backend, LayerwiseBackend):
+            layout = resolve_offload_plan(pipe, backend.config, backend.parallel)
+            blocks = {p for s in layout.stacks for p in s.block_paths}
+        if copy:
+            blocks, target = set(), torch.device("cpu")  # the ordinary path
+        elif backend is not None and not isinstance(backend, LayerwiseBackend):
+            target = torch.device("cpu")  # model-level swap moves whole components itself
+    except BaseException:
+        ckpt.close()
+        raise
     journal = Journal()
     try:
+        t0 = time.perf_counter()
         report = materialize(
             plan, journal, mapped=functools.partial(_in_blocks, blocks), device=target
         )
         t_mapped = time.perf_counter()
         if prepare is not None:
-            prepare(skeleton)
+            prepare(pipe)
         if backend is not None:
-            backend.enable(skeleton)
+            backend.enable(pipe)
         else:
-            skeleton.to(target)
+            pipe.to(target)
     except BaseException:
         journal.rollback()
         raise
     finally:
         ckpt.close()
     logger.info(
-        "dlo: loaded %s from %s in %.2fs (%d tensors mapped, %d copied; enable %.2fs; peak "
-        "RSS %.2f GiB)",
-        type(skeleton).__name__,
-        ckpt.files[0] if ckpt.files else checkpoint,
-        time.perf_counter() - t0,
+        "dlo: %d tensors mapped, %d copied in %.2fs; enable %.2fs",
         report.num_mapped,
         report.num_copied,
+        t_mapped - t0,
         time.perf_counter() - t_mapped,
-        process_peak_rss_bytes() / (1 << 30),
     )
-    return skeleton, backend
+    return backend
 
 
 def _in_blocks(blocks: set[str], name: str) -> bool:

@@ -9,7 +9,10 @@ import ctypes
 import os
 import socket
 import tempfile
+import time
 from dataclasses import dataclass
+
+_IMPORTED = time.time()
 
 
 # ----------------------------------------------------------------------------- environment
@@ -148,6 +151,20 @@ def host_available_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def process_start_time() -> float:
+    """When this process started, in ``time.time()`` seconds (Linux ``/proc``; elsewhere
+    the import of this module)."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        ticks = os.sysconf("SC_CLK_TCK")
+        return time.time() - uptime + int(fields[19]) / ticks
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
 
 
 def process_peak_rss_bytes() -> int:

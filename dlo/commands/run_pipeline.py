@@ -1,0 +1,295 @@
+"""``dlo run --pipeline DIR``: a user's diffusers pipeline folder, loaded per rank
+(:func:`dlo.load_pipeline`), then the pipeline's own ``__call__``.
+
+Data-parallel ranks (``torchrun``) run the same shapes in lock step with their own request:
+rank r takes prompt ``r mod len(--prompt)`` and seed ``--seed + r``, and writes
+``--output`` with ``.rankR`` before the suffix (rank 0 the path itself). Rank 0 shows the
+progress (diffusers' bar) and prints a summary: step time, peak HBM, host memory, cold start
+(process start to the first DiT forward). ``--check`` runs the same call on a resident
+pipeline (``DiffusionPipeline.from_pretrained`` on the device) and compares bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import itertools
+import json
+import logging
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlo.commands.args import check_minimums, compile_blocks
+from dlo.commands.run_flags import config_of
+from dlo.config.parallel import ParallelConfig
+from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
+
+_SIZES = ("height", "width", "frames", "max_sequence_length")
+
+_NOT_WITH_PIPELINE = {"preset": "--preset", "tokens": "--tokens", "checkpoint": "--checkpoint"}
+
+
+def _output_path(path: str, rank: int, world: int) -> Path:
+    p = Path(path)
+    return p if rank == 0 or world == 1 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+def check_output(path: str | None) -> None:
+    """Refuse an ``--output`` that cannot be written, before any work."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.suffix.lower() not in ("", ".png", ".mp4"):
+        raise ValueError(f"--output={path!r}: write a .png (image), .mp4 (video) or a directory")
+    if p.suffix.lower() == ".mp4":
+        try:
+            import imageio  # noqa: F401  (diffusers' export_to_video writes with imageio)
+        except ImportError:
+            raise ValueError(
+                f"--output={path!r}: MP4 needs imageio (pip install imageio imageio-ffmpeg); "
+                "or pass a directory to write the frames as PNG files"
+            ) from None
+    parent = p.parent if p.suffix else p
+    if parent.exists() and not parent.is_dir():
+        raise ValueError(f"--output={path!r}: {parent} is not a directory")
+
+
+def save_output(images: torch.Tensor, path: Path) -> list[Path]:
+    """Write a pipeline's ``output_type="pt"`` result: an image ``[B, C, H, W]`` or a
+    video ``[B, F, C, H, W]`` (first of the batch), in [0, 1]."""
+    from PIL import Image
+
+    arr = (images[0].float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+    frames = [arr] if arr.dim() == 3 else list(arr)
+    pil = [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in frames]
+    if path.suffix.lower() == ".png":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pil[0].save(path)
+        return [path]
+    if path.suffix.lower() == ".mp4":
+        from diffusers.utils import export_to_video
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_to_video(pil, str(path), fps=16)
+        return [path]
+    path.mkdir(parents=True, exist_ok=True)
+    out = [path / f"frame_{i:04d}.png" for i in range(len(pil))]
+    for img, p in zip(pil, out):
+        img.save(p)
+    return out
+
+
+def call_kwargs(args: argparse.Namespace, pipe: Any, rank: int, device: torch.device) -> dict:
+    """The ``__call__`` arguments of this rank: its prompt and seed, and the sizes given."""
+    prompts = args.prompt or ["a photo of a cat"]
+    kw: dict[str, Any] = {
+        "prompt": prompts[rank % len(prompts)],
+        "num_inference_steps": args.steps,
+        "generator": torch.Generator("cpu").manual_seed(args.seed + rank),
+        "output_type": "pt",
+    }
+    for flag, name in (
+        ("height", "height"),
+        ("width", "width"),
+        ("frames", "num_frames"),
+        ("guidance", "guidance_scale"),
+        ("negative_prompt", "negative_prompt"),
+        ("max_sequence_length", "max_sequence_length"),
+    ):
+        value = getattr(args, flag, None)
+        if value is not None:
+            kw[name] = value
+    accepted = inspect.signature(type(pipe).__call__).parameters
+    unknown = sorted(k for k in kw if k not in accepted)
+    if unknown:
+        raise ValueError(f"{type(pipe).__name__} takes no {', '.join(unknown)} (drop the flag)")
+    return kw
+
+
+def resident_reference(folder: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The folder through diffusers itself, every weight in its own memory on ``device``
+    (diffusers' CPU tensors alias the file, aligned only to their dtype: copies are what a
+    resident model holds)."""
+    from diffusers import DiffusionPipeline
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch_dtype -> dtype in 0.42
+        ref = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
+    for module in ref.components.values():
+        if isinstance(module, torch.nn.Module):
+            for t in [*module.parameters(), *module.buffers()]:
+                t.data = t.data.to(device, copy=True)
+    ref.set_progress_bar_config(disable=True)
+    return ref
+
+
+def _dits(pipe: Any) -> list[Any]:
+    return [getattr(pipe, n) for n in ("transformer", "transformer_2") if getattr(pipe, n, None)]
+
+
+def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[float], float]:
+    """``pipe(**kw)`` in inference mode: its images (or frames), the wall-clock marks of
+    the first DiT forward and of every step's end (``time.time()``, device synchronized),
+    and the wall seconds of the whole call."""
+    marks: list[float] = []
+
+    def first_forward(*_: Any) -> None:
+        if not marks:
+            platform.synchronize()
+            marks.append(time.time())
+
+    def on_step(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+        platform.synchronize()
+        marks.append(time.time())
+        return kwargs
+
+    handle = _dits(pipe)[0].register_forward_pre_hook(first_forward)
+    try:
+        with torch.inference_mode():
+            wall0 = time.perf_counter()
+            out = pipe(**kw, callback_on_step_end=on_step)
+            platform.synchronize()
+            wall = time.perf_counter() - wall0
+    finally:
+        handle.remove()
+    return (out.images if hasattr(out, "images") else out.frames), marks, wall
+
+
+def step_times(marks: list[float]) -> dict[str, float]:
+    """Median and first step time (ms) and cold start (process start to the first DiT
+    forward, s) from :func:`timed_call`'s marks."""
+    step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    return {
+        "step_ms_median": sorted(step_ms)[len(step_ms) // 2] if step_ms else 0.0,
+        "first_step_ms": step_ms[0] if step_ms else 0.0,
+        "cold_start_s": (marks[0] - process_start_time()) if marks else 0.0,
+    }
+
+
+def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
+    """``dlo run --pipeline``: see the module docstring."""
+    from dlo.parallel.groups import init, shutdown
+    from dlo.pipelines.folder import read_index
+    from dlo.pipelines.load import load_pipeline
+    from dlo.platform.device import default_device, get_platform
+    from dlo.runtime.measure import device_peak_nbytes
+
+    for dest, flag in _NOT_WITH_PIPELINE.items():
+        if getattr(args, dest) != parser_defaults[dest]:
+            raise ValueError(f"{flag} is for the demo pipeline; --pipeline loads the folder's")
+    cfg = config_of(args, parser_defaults)
+    sizes = [(f"--{f.replace('_', '-')}", getattr(args, f), 1) for f in _SIZES]
+    check_minimums(
+        (
+            ("--steps", args.steps, 1),
+            ("--seed", args.seed, 0),
+            *[s for s in sizes if s[1] is not None],
+        )
+    )
+    check_output(args.output)
+    read_index(args.pipeline)  # a bad folder fails here, before the process group
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device) if args.device else default_device()
+    par = ParallelConfig(data_parallel_size=torchrun_env().world_size)
+    world = init(par, device=device)
+    platform = get_platform(device)
+    rank0 = world.rank == 0
+    if rank0:  # the load's phases (build, fill, enable) on stderr
+        logging.getLogger("dlo.pipelines.load").setLevel(logging.INFO)
+    t0 = time.perf_counter()
+    pipe, backend = load_pipeline(
+        args.pipeline, cfg, parallel=par, device=device, torch_dtype=dtype
+    )
+    load_s = time.perf_counter() - t0
+    for dit in _dits(pipe):
+        compile_blocks(dit, args.compile)
+    load_rss = process_peak_rss_bytes()
+    pipe.set_progress_bar_config(disable=not rank0 or args.json)
+    kw = call_kwargs(args, pipe, world.rank, device)
+    platform.reset_peak_memory_stats()
+
+    images, marks, wall = timed_call(pipe, kw, platform)
+    pipeline_class = type(pipe).__name__
+    stats = backend.stats() if backend is not None else {}
+    hbm_peak = device_peak_nbytes(platform, stats)
+    run_rss = process_peak_rss_bytes()
+    written = []
+    if args.output:
+        written = save_output(images, _output_path(args.output, world.rank, world.size))
+    parity: bool | None = None
+    if args.check:
+        if backend is not None:
+            backend.disable()  # host and device memory back before the reference loads
+        pipe = None
+        gc.collect()
+        ref = resident_reference(args.pipeline, dtype, device)
+        for dit in _dits(ref):
+            compile_blocks(dit, args.compile)
+        with torch.inference_mode():
+            expect = ref(**call_kwargs(args, ref, world.rank, device))
+        ref_images = expect.images if hasattr(expect, "images") else expect.frames
+        parity = bool(torch.equal(ref_images, images))
+        del ref
+    report = {
+        "rank": world.rank,
+        "world_size": world.size,
+        "pipeline": args.pipeline,
+        "class": pipeline_class,
+        "mode": cfg.mode,
+        "transfer": stats.get("transfer", "-"),
+        "steps": args.steps,
+        "prompt": kw["prompt"],
+        "seed": args.seed + world.rank,
+        **step_times(marks),
+        "step_ms": [(b - a) * 1e3 for a, b in itertools.pairwise(marks)],
+        "load_s": load_s,
+        "wall_s": wall,
+        "load_peak_rss_nbytes": load_rss,
+        "peak_rss_nbytes": run_rss,
+        "hbm_peak_nbytes": hbm_peak,
+        "host_nbytes": stats.get("host_nbytes", 0),
+        "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
+        "output": [str(p) for p in written],
+        "output_finite": bool(torch.isfinite(images.float()).all()),
+        "parity": parity,
+    }
+    reports = [report]
+    if dist.is_initialized():
+        reports = [None] * world.size  # type: ignore[list-item]
+        dist.all_gather_object(reports, report)
+    if rank0:
+        print(json.dumps(reports, indent=2) if args.json else summary(reports))
+    ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+    # dlo's groups go before the process group; no disable without --check (restoring the
+    # model to pageable memory at exit would only double the peak RSS)
+    del pipe, backend, images
+    gc.collect()
+    shutdown()
+    return 0 if ok else 1
+
+
+def summary(reports: list[dict[str, Any]]) -> str:
+    """One header line and a row per rank."""
+    r0, gib = reports[0], float(1 << 30)
+    lines = [
+        f"dlo run: pipeline={r0['pipeline']} ({r0['class']}) mode={r0['mode']} transfer={r0['transfer']} "
+        f"steps={r0['steps']} ranks={r0['world_size']}",
+        "| rank | seed | step ms (median) | first step ms | cold start s | load s | "
+        "HBM peak GiB | host GiB | pinned GiB | peak RSS GiB | output | parity |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        parity = {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[r["parity"]]
+        lines.append(
+            f"| {r['rank']} | {r['seed']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f}"
+            f" | {r['cold_start_s']:.2f} | {r['load_s']:.2f} | {r['hbm_peak_nbytes'] / gib:.2f}"
+            f" | {r['host_nbytes'] / gib:.3f} | {r['host_pinned_nbytes'] / gib:.3f} | "
+            f"{r['peak_rss_nbytes'] / gib:.2f} | {', '.join(r['output']) or '-'} | {parity} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""Diffusers pipeline folders (issue 21): ``dlo save-pipeline`` writes them with
+``save_pretrained``, ``dlo run --pipeline`` and ``dlo.load_pipeline(DIR, cfg)`` load them per
+rank and run the pipeline's own ``__call__``, bit for bit against diffusers' own
+``from_pretrained`` on the same folder. Tiny real classes: Flux, Wan 2.1, Wan 2.2 (two
+transformers), SD3, Qwen-Image, HunyuanVideo; offline tokenizers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.cli import main
+from dlo.commands.run_pipeline import resident_reference
+from dlo.host.region import LEDGER
+from dlo.io.checkpoint import CheckpointError
+from dlo.pipelines.layouts import FOLDERS
+from dlo.pipelines.synth import save_folder
+from tests.cpu.test_cli import _torchrun
+
+_BUILT: dict[str, Path] = {}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("folders")
+
+
+def _folder(root: Path, name: str) -> Path:
+    """``name`` saved once per module (small shards: the sharded layout with an index)."""
+    path = root / name
+    if not path.exists():
+        save_folder(FOLDERS[name], path, max_shard_size=40_000)
+    return path
+
+
+def _call_flags(name: str) -> list[str]:
+    names = {"guidance_scale": "--guidance", "num_frames": "--frames"}
+    out: list[str] = []
+    for k, v in FOLDERS[name].call.items():
+        out += [names.get(k, "--" + k.replace("_", "-")), str(v)]
+    return out
+
+
+def _reports(stdout: str) -> list[dict[str, Any]]:
+    return json.loads(stdout[stdout.index("[") :])  # type: ignore[no-any-return]
+
+
+_BOTH = '{"mode": "layer", "components": ["dit", "encoder"]}'
+
+CASES = [
+    ("tiny-flux", "float32", []),  # blocks mapped from the file
+    ("tiny-flux", "bfloat16", ["--offload-config", _BOTH]),  # cast on load, encoders stream
+    ("tiny-wan2.1", "bfloat16", ["--mode", "module"]),
+    ("tiny-wan2.1", "float32", ["--mode", "none"]),
+    ("tiny-wan2.2", "float32", ["--offload-config", _BOTH]),
+    ("tiny-sd3", "float32", ["--resident-layers", "1", "--num-slots", "3"]),
+    ("tiny-qwen-image", "bfloat16", ["--offload-config", _BOTH]),
+    ("tiny-hunyuan-video", "float32", ["--mode", "module"]),
+    ("tiny-hunyuan-video", "bfloat16", []),
+]
+
+
+@pytest.mark.parametrize(("name", "dtype", "flags"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_run_pipeline_check_is_bitwise(
+    root: Path, name: str, dtype: str, flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _folder(root, name)
+    video = "num_frames" in FOLDERS[name].call
+    out = root / f"out-{name}-{dtype}" / ("frames" if video else "image.png")
+    argv = ["run", "--pipeline", str(folder), "--steps", "2", "--check", "--json"]
+    argv += ["--device", "cpu", "--dtype", dtype, "--output", str(out), *_call_flags(name)]
+    rc = main([*argv, *flags])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout
+    (r,) = _reports(stdout)
+    assert r["parity"] is True and r["output_finite"], r
+    assert r["class"] == FOLDERS[name].pipeline
+    assert r["step_ms_median"] > 0 and r["cold_start_s"] > 0
+    files = [Path(p) for p in r["output"]]
+    assert files and all(p.is_file() and p.stat().st_size > 0 for p in files)
+    if video:
+        assert len(files) == FOLDERS[name].call["num_frames"]
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_load_pipeline_folder_matches_diffusers_dtypes_and_bits(root: Path) -> None:
+    """The Python face: ``dlo.load_pipeline(DIR, cfg)`` returns the ready pipeline; every
+    tensor has the dtype diffusers' ``from_pretrained`` gives it with the same
+    ``torch_dtype`` (Wan keeps its fp32 modules), and the output is the same bits."""
+    folder = _folder(root, "tiny-wan2.1")
+    ref = resident_reference(str(folder), torch.bfloat16, torch.device("cpu"))
+    pipe, backend = dlo.load_pipeline(
+        folder, dlo.OffloadConfig(mode="layer"), device="cpu", torch_dtype=torch.bfloat16
+    )
+    assert backend is not None
+    try:
+        for name in ("transformer", "text_encoder", "vae"):
+            ours = {n: t.dtype for n, t in getattr(pipe, name).state_dict().items()}
+            theirs = {n: t.dtype for n, t in getattr(ref, name).state_dict().items()}
+            assert ours == theirs, name
+        kept = ref.transformer.condition_embedder.time_embedder.linear_1.weight.dtype
+        assert kept == torch.float32  # the class's keep-in-fp32 module
+        call: dict[str, Any] = {**FOLDERS["tiny-wan2.1"].call, "output_type": "pt"}
+        call.update(prompt="a red fox", num_inference_steps=2)
+        pipe.set_progress_bar_config(disable=True)
+        a = pipe(**call, generator=torch.Generator().manual_seed(3)).frames
+        b = ref(**call, generator=torch.Generator().manual_seed(3)).frames
+        assert torch.equal(a, b)
+        assert backend.stats()["host_nbytes"] > 0
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_load_pipeline_folder_argument_errors(root: Path) -> None:
+    folder = _folder(root, "tiny-flux")
+    with pytest.raises(TypeError, match="holds its own weights"):
+        dlo.load_pipeline(folder, folder / "transformer")
+    with pytest.raises(TypeError, match="config given twice"):
+        dlo.load_pipeline(folder, dlo.OffloadConfig(), dlo.OffloadConfig())
+    with pytest.raises(TypeError, match="torch_dtype is for pipeline folders"):
+        dlo.load_pipeline(torch.nn.Linear(2, 2), folder, torch_dtype=torch.float16)
+
+
+def _broken(root: Path, how: str) -> tuple[Path, str]:
+    """A copy of the tiny Flux folder broken one way, and what the error must name."""
+    dst = root / f"broken-{how}"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(_folder(root, "tiny-flux"), dst)
+    index = dst / "model_index.json"
+    shard = sorted((dst / "transformer").glob("*-00002-of-*.safetensors"))[0]
+    if how == "no-index":
+        index.unlink()
+        return dst, "model_index.json"
+    if how == "bad-json":
+        index.write_text("{not json")
+        return dst, "model_index.json"
+    if how == "missing-component":
+        shutil.rmtree(dst / "vae")
+        return dst, str(dst / "vae")
+    if how == "unknown-library":
+        raw = json.loads(index.read_text())
+        raw["vae"] = ["mylib", "MyVAE"]
+        index.write_text(json.dumps(raw))
+        return dst, "vae"
+    if how == "no-weights":
+        for f in (dst / "vae").glob("*.safetensors*"):
+            f.unlink()
+        return dst, "diffusion_pytorch_model.safetensors"
+    if how == "truncated-shard":
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+        return dst, shard.name
+    if how == "missing-shard":
+        shard.unlink()
+        return dst, shard.name
+    if how == "unknown-class":
+        raw = json.loads(index.read_text())
+        raw["_class_name"] = "NoSuchPipeline"
+        index.write_text(json.dumps(raw))
+        return dst, "NoSuchPipeline"
+    raise AssertionError(how)
+
+
+BROKEN = [
+    "no-index",
+    "bad-json",
+    "missing-component",
+    "unknown-library",
+    "no-weights",
+    "truncated-shard",
+    "missing-shard",
+    "unknown-class",
+]
+
+
+@pytest.mark.parametrize("how", BROKEN)
+def test_a_corrupt_or_incomplete_folder_is_one_clear_error(
+    root: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder, named = _broken(root, how)
+    with pytest.raises(CheckpointError) as err:
+        dlo.load_pipeline(folder, dlo.OffloadConfig(mode="layer"), device="cpu")
+    assert named in str(err.value), str(err.value)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    rc = main(["run", "--pipeline", str(folder), "--steps", "1", "--device", "cpu"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and lines[-1].startswith("dlo: error:") and named in lines[-1], lines[-3:]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "--prompt", "x"], "--prompt need --pipeline"),
+        (["run", "--output", "x.png"], "--output need --pipeline"),
+        (["run", "--pipeline", "DIR", "--preset", "small"], "--preset is for the demo"),
+        (["run", "--pipeline", "DIR", "--output", "x.jpg"], "--output='x.jpg'"),
+        (["run", "--pipeline", "DIR", "--height", "0"], "--height"),
+        (["save-pipeline", "--like", "tiny-flux", "."], "exists and is not empty"),
+    ],
+)
+def test_bad_pipeline_flags_are_one_clear_line(
+    root: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(_folder(root, "tiny-flux")) if a == "DIR" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_save_pipeline_writes_a_folder_diffusers_loads(tmp_path: Path) -> None:
+    from diffusers import DiffusionPipeline
+
+    out = tmp_path / "wan22"
+    assert main(["save-pipeline", "--like", "tiny-wan2.2", str(out), "--shard-gb", "0.0001"]) == 0
+    assert (out / "transformer_2" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    pipe = DiffusionPipeline.from_pretrained(out)
+    assert type(pipe).__name__ == "WanPipeline" and pipe.config.boundary_ratio == 0.875
+    assert pipe.transformer_2 is not None
+
+
+def test_torchrun_two_ranks_allgather_take_their_own_prompts(root: Path) -> None:
+    """Under ``torchrun --nproc-per-node=2`` with AllGather: each rank holds half of every
+    block, runs its own prompt and seed in lock step, writes its own output, and matches
+    the resident pipeline bit for bit."""
+    folder = _folder(root, "tiny-wan2.2")
+    out = root / "dp" / "video"
+    proc = _torchrun(
+        "run", "--pipeline", str(folder), "--steps", "2", "--check", "--json",
+        "--transfer", "allgather", "--dtype", "float32", "--prompt", "a red fox",
+        "--prompt", "a blue bird", "--output", str(out), *_call_flags("tiny-wan2.2"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = _reports(proc.stdout)
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert [r["prompt"] for r in reports] == ["a red fox", "a blue bird"]
+    assert [r["seed"] for r in reports] == [0, 1]
+    assert all(r["parity"] is True and r["transfer"] == "allgather" for r in reports)
+    assert reports[0]["host_nbytes"] == reports[1]["host_nbytes"] > 0
+    assert {Path(r["output"][0]).parent.name for r in reports} == {"video", "video.rank1"}
