@@ -16,6 +16,7 @@ import torch
 from dlo import faults
 from dlo.backends.layer_host import LayerBlock, LayerHost
 from dlo.backends.model_hooks import (
+    install_adapter_refusal,
     install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
@@ -300,6 +301,7 @@ def install_rings(
         registry, pipeline, [sb.name for ring in scheduler.rings for sb in ring.blocks], rank=rank
     )
     install_apply_refusal(registry, pipeline, [b.name for b in blocks], rank=rank)
+    install_adapter_refusal(registry, pipeline, [b.name for b in blocks], journal, rank=rank)
     for b in blocks:
         if not b.resident and b.layout.group_size > 1:  # what restore=True gives back
             b.original_devices = [t.device for t in b.tensors]

@@ -30,6 +30,10 @@ class LayerState:
     placed_nbytes: int = 0
     """Device bytes of the non-block state dlo moved there."""
     enable_time_s: float = 0.0
+    fill_time_s: float = 0.0
+    """Of the enable: filling the host shards (from the model or the checkpoint file)."""
+    pin_time_s: float = 0.0
+    """Of the enable: pinning (registering) them."""
     enable_peak_rss: int = 0
     policy: dict[str, Any] | None = None
     """The automatic policy's record (``stats()["policy"]``), None without one."""
@@ -125,6 +129,8 @@ class LayerState:
             "gather_sync": transports.gather_sync if transports else None,
             "pageable_blocks": list(host.pageable) if host else [],
             "enable_time_s": self.enable_time_s,
+            "fill_time_s": self.fill_time_s,
+            "pin_time_s": self.pin_time_s,
             "enable_peak_rss_nbytes": self.enable_peak_rss,
             "policy": self.policy,
         }

@@ -284,6 +284,7 @@ class LayerwiseBackend(OffloadBackend):
             report.groups = tuple(
                 tuple(tuple(g) for g in axis_groups(par, a)) for a in sorted(group_ranks)
             )
+            t_fill = time.perf_counter()
             host.prepare(
                 layer,
                 journal,
@@ -291,7 +292,9 @@ class LayerwiseBackend(OffloadBackend):
                     group_ranks[axis].index(world.rank) if world.distributed else 0
                 ),
             )
+            t_pin = time.perf_counter()
             pin = host.pin(layer)
+            state.fill_time_s, state.pin_time_s = t_pin - t_fill, time.perf_counter() - t_pin
             if pin is not None:
                 report.unpinned_blocks = tuple(blocks[i].name for i in pin.unpinned_blocks)
             state.pool = allocate_slots(self.platform, layer, cfg.gather_engine, journal)

@@ -19,6 +19,7 @@ from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.host.mapped import MappedBlock
 from dlo.host.shards import shard_view
+from dlo.journal import Journal
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import BlockLayout
 
@@ -218,3 +219,69 @@ def install_apply_refusal(
             seen.add(id(m))
             name = ".".join(p for p in (path, sub) if p) or type(root).__name__
             registry.register_apply_refusal(m, APPLY_REFUSAL, _refuse_apply(name, rank))
+
+
+ADAPTER_METHODS = (
+    "load_lora_adapter",
+    "add_adapter",
+    "load_adapter",
+    "fuse_lora",
+    "unfuse_lora",
+    "unload_lora",
+    "delete_adapters",
+    "delete_adapter",
+)
+"""PEFT adapter methods (diffusers' ``PeftAdapterMixin``, transformers' PEFT integration)
+that add, remove or write block tensors; ``set_adapters`` / ``enable_lora`` /
+``disable_lora`` only change scales and flags, and work while offload is enabled."""
+
+
+def _refuse_adapter(path: str, method: str, rank: int) -> Any:
+    def refuse_adapter(*args: Any, **kwargs: Any) -> None:
+        raise OffloadError(
+            f"{method}() on {path!r} while dlo streams its blocks: the blocks' weights are "
+            "dlo's host shards, and a LoRA loaded, fused or unloaded now would change "
+            "placeholders, not them. Load (and fuse) adapters before enabling: "
+            "pipe.load_lora_weights(...) then dlo.enable_offload(pipe, cfg), or "
+            "dlo.load_pipeline(DIR, cfg, prepare=lambda p: p.load_lora_weights(...)); or "
+            "backend.disable(), change the adapters, enable again. set_adapters(), "
+            "enable_lora() and disable_lora() work while enabled",
+            rank=rank,
+        )
+
+    return refuse_adapter
+
+
+PIPELINE_ADAPTER_METHODS = (
+    "load_lora_weights",
+    "fuse_lora",
+    "unfuse_lora",
+    "unload_lora_weights",
+    "delete_adapters",
+)
+"""A diffusers pipeline's LoRA methods dlo refuses while it streams (they reach the
+components' :data:`ADAPTER_METHODS`, some after reading placeholder shapes)."""
+
+
+def install_adapter_refusal(
+    registry: HookRegistry, root: Any, managed: Sequence[str], journal: Journal, *, rank: int
+) -> None:
+    """Refuse :data:`ADAPTER_METHODS` on every module enclosing a streamed block (the DiT
+    or encoder a user calls ``load_lora_adapter`` on) and, on a pipeline that is not a
+    module, :data:`PIPELINE_ADAPTER_METHODS` (instance attributes, journaled)."""
+    if not isinstance(root, nn.Module):
+        for method in PIPELINE_ADAPTER_METHODS:
+            if callable(getattr(type(root), method, None)) and method not in vars(root):
+                refusal = _refuse_adapter(type(root).__name__, method, rank)
+                vars(root)[method] = refusal
+                journal.record(f"refuse {method}", functools.partial(vars(root).pop, method))
+    for path in sorted(_enclosing_paths(managed)):
+        module = get_by_path(root, path)
+        if not isinstance(module, nn.Module) or foreign_offloader(module) is not None:
+            continue
+        for method in ADAPTER_METHODS:
+            if callable(getattr(type(module), method, None)):
+                name = path or type(root).__name__
+                registry.register_apply_refusal(
+                    module, f"refuse_{method}", _refuse_adapter(name, method, rank), method=method
+                )

@@ -381,23 +381,25 @@ class _Callback(_NotCopyable):
 
 
 class _ApplyHandle:
-    """Installs a refusal of ``module._apply`` as an instance attribute; ``remove`` puts back
-    what was there (normally nothing, so the class method shows through again)."""
+    """Installs a refusal of ``module._apply`` (or another method, ``attr``) as an instance
+    attribute; ``remove`` puts back what was there (normally nothing, so the class method
+    shows through again)."""
 
-    def __init__(self, module: nn.Module, guard: _Callback) -> None:
+    def __init__(self, module: nn.Module, guard: _Callback, attr: str = "_apply") -> None:
         self._module = weakref.ref(module)
         self._guard = guard
-        self._previous = vars(module).get("_apply")
-        vars(module)["_apply"] = guard
+        self._attr = attr
+        self._previous = vars(module).get(attr)
+        vars(module)[attr] = guard
 
     def remove(self) -> None:
         module = self._module()
-        if module is None or vars(module).get("_apply") is not self._guard:
+        if module is None or vars(module).get(self._attr) is not self._guard:
             return
         if self._previous is None:
-            del vars(module)["_apply"]
+            del vars(module)[self._attr]
         else:
-            vars(module)["_apply"] = self._previous
+            vars(module)[self._attr] = self._previous
 
 
 def _remove_dispatchers(state: _ModuleState) -> None:

@@ -250,7 +250,9 @@ class HookRegistry:
             "%s: registered load-state-dict pre-hook %r on %s", self._owner, name, _describe(module)
         )
 
-    def register_apply_refusal(self, module: nn.Module, name: str, fn: Callable[[], None]) -> None:
+    def register_apply_refusal(
+        self, module: nn.Module, name: str, fn: Callable[[], None], *, method: str = "_apply"
+    ) -> None:
         """Make ``module._apply`` (behind ``to``, ``half``, ``float``, ``cuda``, ``type``...)
         call ``fn``, which is expected to raise, before anything is converted.
 
@@ -264,6 +266,8 @@ class HookRegistry:
             module: the module to protect.
             name: unique per (module, owner) across every kind of hook.
             fn: called with no argument; raise from it to refuse.
+            method: the method refused (default ``_apply``; dlo also refuses PEFT's adapter
+                methods on a module whose blocks it streams).
 
         Raises:
             TypeError: ``fn`` is not callable or ``module`` not an ``nn.Module``.
@@ -283,7 +287,7 @@ class HookRegistry:
             raise TypeError(f"apply refusal {name!r} must be callable, got {fn!r}")
         state = self._admit(module, name)
         guard = _Callback(lambda *args, **kwargs: fn())
-        handle = _ApplyHandle(module, guard)
+        handle = _ApplyHandle(module, guard, method)
         state.entries.append(_Entry(self, name, _APPLY, handle=handle))
         self._commit(module, state)
 

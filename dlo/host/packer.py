@@ -13,6 +13,7 @@ from dlo.host.shards import pack_shard, shard_copies, span_bytes
 from dlo.io.checkpoint import Checkpoint, bytes_of
 from dlo.io.materialize import mapped_source
 from dlo.plan.layout import BlockLayout
+from dlo.platform.env import cpu_share
 
 
 def pack_block(
@@ -31,8 +32,9 @@ def pack_block(
     )
 
 
-READERS = 8
-"""Concurrent ``pread`` calls of one fill (a fast disk or the page cache copy in parallel)."""
+READERS = max(8, min(16, cpu_share()))
+"""Concurrent ``pread`` calls of one fill (a fast disk or the page cache copy in parallel):
+this process's share of the node's CPUs, 8 to 16."""
 
 
 READ_PIECE_NBYTES = 8 << 20

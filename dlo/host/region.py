@@ -15,6 +15,7 @@ only their host-to-device copies are slower.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -102,7 +103,7 @@ class HostRegion:
             total += round_up(n, page)
         self.nbytes = total
         self._mmap: mmap.mmap | None = (
-            None if not total else mmap.mmap(-1, total) if path is None else _map_file(path, total)
+            None if not total else _anonymous(total) if path is None else _map_file(path, total)
         )
         self._buffer: torch.Tensor | None = (
             torch.frombuffer(self._mmap, dtype=torch.uint8)
@@ -255,6 +256,19 @@ class HostRegion:
         # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
         # go back to the OS when the last view dies. Closing here would leave views dangling.
         self._mmap = None
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of private anonymous memory, transparent huge pages asked for: filling a
+    region first-touches every page, and a 2 MiB fault zeroes as much as 512 faults of
+    4 KiB (Python's default anonymous mapping is shared: shmem, which takes no huge pages
+    and faults slower). Measured in docs/benchmarks.md (pipeline folders)."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
+            m.madvise(advice)
+    return m
 
 
 def _map_file(path: str, nbytes: int) -> mmap.mmap:

@@ -31,7 +31,9 @@ in the backend's enable that follows) puts the skeleton back exactly:
   the model gets uninitialized memory that nothing reads (:func:`_file_served`).
 - A tensor is served from the file only while it still holds the file's bytes
   (:meth:`_Mapping.still_aliases`): after a disable gave it private memory, ``.to()`` new
-  memory, or an in-place write changed it, a later enable packs it from memory.
+  memory, or an in-place write changed it (its version counter, or, for a write through
+  ``.data`` that counter does not see, a page of the private mapping copied on write), a
+  later enable packs it from memory.
 
 Dtypes are the skeleton's: a checkpoint tensor of another dtype is an error, unless the
 caller asks for casts (``plan_load(cast=True)``, pipeline folders loaded with a
@@ -46,6 +48,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,11 +57,17 @@ from torch import nn
 
 from dlo.io.checkpoint import Checkpoint, CheckpointError, bytes_of
 from dlo.journal import Journal
+from dlo.platform.env import copied_on_write, cpu_share
+from dlo.platform.progress import progress_bar
 
 logger = logging.getLogger(__name__)
 
 
 _MAX_LISTED = 12
+
+COPY_READERS = max(2, min(8, cpu_share()))
+"""Copied tensors read (and moved to the device) at a time: a few hundred MB each at most
+in flight, so the peak RSS grows by little."""
 
 
 @dataclass(eq=False)
@@ -235,6 +244,9 @@ class _Mapping:
             and t._version == self.version
             and t.dtype == self.dtype
             and tuple(t.shape) == self.shape
+            # a write through ``t.data`` (PEFT's fuse_lora) leaves the version as it was:
+            # the private mapping's pages it wrote are copies now, and the page table says so
+            and not copied_on_write(t.data_ptr(), t.numel() * t.element_size())
         )
 
 
@@ -308,6 +320,27 @@ def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) ->
     return data
 
 
+def _read_copies(
+    ckpt: Checkpoint, jobs: list[tuple[_Target, torch.device | str]]
+) -> list[torch.Tensor]:
+    """:func:`_read_copy` of every job, several at a time (``pread`` and the copy to the
+    device release the GIL), in order. Every job has finished, or failed, before this
+    returns or raises: nothing is installed until all are read."""
+    if len(jobs) < 2:
+        return [_read_copy(ckpt, t, d) for t, d in jobs]
+    total = sum(ckpt.entries[t.source].nbytes for t, _ in jobs)
+    bar = progress_bar(total=total, desc="dlo: reading weights", unit="B", unit_scale=True)
+    try:
+        with ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs))) as pool:
+            futures = {pool.submit(_read_copy, ckpt, t, d): t for t, d in jobs}
+            for done in as_completed(futures):
+                bar.update(ckpt.entries[futures[done].source].nbytes)
+            wait(futures)
+    finally:
+        bar.close()
+    return [f.result() for f in futures]
+
+
 def _install(target: _Target, data: torch.Tensor, journal: Journal) -> torch.Tensor:
     """Give ``target`` the bytes of ``data``; returns the tensor now in the model."""
     old = target.tensor
@@ -351,6 +384,7 @@ def materialize(
     """
     report = LoadReport()
     ckpt = plan.checkpoint
+    copies: list[tuple[_Target, bool, str]] = []
     for target in plan.targets:
         nbytes = ckpt.entries[target.source].nbytes
         block = mapped(target.name)
@@ -362,13 +396,16 @@ def materialize(
             report.num_mapped += 1
             report.mapped_nbytes += nbytes
             continue
-        # a streamed block's tensor waits on the host for its packing, never on the device
-        data = _read_copy(ckpt, target, "cpu" if block else device)
-        _install(target, data, journal)
+        copies.append((target, block, reason))
         report.num_copied += 1
         report.copied_nbytes += nbytes
         if reason != "copy requested":
             report.copy_reasons[target.name] = reason
+    # a streamed block's tensor waits on the host for its packing, never on the device
+    for (target, _, _), data in zip(
+        copies, _read_copies(ckpt, [(t, "cpu" if b else device) for t, b, _ in copies])
+    ):
+        _install(target, data, journal)
     modules: list[nn.Module] = []
     for module, local in plan.computed_buffers:
         old = module._buffers[local]

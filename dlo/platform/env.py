@@ -153,6 +153,34 @@ def host_available_bytes() -> int | None:
     return None
 
 
+_PAGEMAP_PRESENT = 1 << 63
+_PAGEMAP_FILE_OR_SHARED = 1 << 61
+
+
+def copied_on_write(address: int, nbytes: int) -> bool | None:
+    """Whether any page of ``[address, address + nbytes)`` in a private file mapping has
+    been written (copied on write: present and anonymous, ``/proc/self/pagemap``), or None
+    where that cannot be read (not Linux). Writes through ``tensor.data`` leave a tensor's
+    version counter as it was; the page table still tells."""
+    if nbytes <= 0:
+        return False
+    size = page_size()
+    first, last = address // size, (address + nbytes - 1) // size
+    try:
+        with open("/proc/self/pagemap", "rb") as f:
+            f.seek(first * 8)
+            raw = f.read((last - first + 1) * 8)
+    except OSError:
+        return None
+    if len(raw) != (last - first + 1) * 8:
+        return None
+    import array
+
+    entries = array.array("Q")
+    entries.frombytes(raw)
+    return any(e & _PAGEMAP_PRESENT and not e & _PAGEMAP_FILE_OR_SHARED for e in entries)
+
+
 def process_start_time() -> float:
     """When this process started, in ``time.time()`` seconds (Linux ``/proc``; elsewhere
     the import of this module)."""

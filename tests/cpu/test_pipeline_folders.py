@@ -245,3 +245,96 @@ def test_torchrun_two_ranks_allgather_take_their_own_prompts(root: Path) -> None
     assert all(r["parity"] is True and r["transfer"] == "allgather" for r in reports)
     assert reports[0]["host_nbytes"] == reports[1]["host_nbytes"] > 0
     assert {Path(r["output"][0]).parent.name for r in reports} == {"video", "video.rank1"}
+
+
+# ----------------------------------------------------------------------------- LoRA
+@pytest.fixture(scope="module")
+def lora(root: Path) -> Path:
+    """A random LoRA (rank 4 on the attention projections) for the tiny Flux transformer,
+    written with diffusers' ``save_lora_weights``."""
+    from diffusers import FluxPipeline
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    ref = resident_reference(str(_folder(root, "tiny-flux")), torch.float32, torch.device("cpu"))
+    torch.manual_seed(0)
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    config = LoraConfig(r=4, lora_alpha=4, target_modules=targets, init_lora_weights=False)
+    ref.transformer.add_adapter(config)
+    path = root / "lora"
+    layers = get_peft_model_state_dict(ref.transformer)
+    FluxPipeline.save_lora_weights(path, transformer_lora_layers=layers)
+    return path
+
+
+def _flux_call(pipe: Any) -> torch.Tensor:
+    pipe.set_progress_bar_config(disable=True)
+    call: dict[str, Any] = {**FOLDERS["tiny-flux"].call, "output_type": "pt"}
+    call.update(prompt="a red fox", num_inference_steps=2)
+    return pipe(**call, generator=torch.Generator().manual_seed(0)).images  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("how", ["prepare", "prepare-fused", "enable_offload"])
+def test_lora_applied_before_enable_gives_the_resident_bits(
+    root: Path, lora: Path, how: str
+) -> None:
+    """The supported order: adapters loaded (and fused) before dlo enables, by
+    ``load_pipeline(prepare=...)`` on the folder or on a diffusers-loaded pipeline before
+    ``enable_offload``; ``set_adapters`` then works while enabled. Same bits as the
+    resident pipeline with the same LoRA and the same calls."""
+    folder = str(_folder(root, "tiny-flux"))
+    fused = how.endswith("fused")
+    ref = resident_reference(folder, torch.float32, torch.device("cpu"))
+    base = _flux_call(ref)
+    ref.load_lora_weights(lora, adapter_name="a")
+    if fused:
+        ref.fuse_lora()
+    want = _flux_call(ref)
+    assert not torch.equal(want, base)  # the LoRA changes the output
+
+    def apply(p: Any) -> None:
+        p.load_lora_weights(lora, adapter_name="a")
+        if fused:
+            p.fuse_lora()
+
+    cfg = dlo.OffloadConfig(mode="layer")
+    if how == "enable_offload":
+        pipe = resident_reference(folder, torch.float32, torch.device("cpu"))
+        apply(pipe)
+        backend = dlo.enable_offload(pipe, cfg, device="cpu")
+    else:
+        pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu", prepare=apply)
+    assert backend is not None
+    try:
+        assert torch.equal(_flux_call(pipe), want)
+        if not fused:  # scales only: allowed while enabled
+            ref.set_adapters(["a"], [0.5])
+            pipe.set_adapters(["a"], [0.5])
+            assert torch.equal(_flux_call(pipe), _flux_call(ref))
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_lora_changes_while_enabled_are_refused_naming_the_order(root: Path, lora: Path) -> None:
+    """Loading, fusing or unloading adapters while dlo streams the blocks is refused before
+    anything changes, naming the supported order; after disable the methods are the
+    pipeline's own again."""
+    pipe, backend = dlo.load_pipeline(_folder(root, "tiny-flux"), dlo.OffloadConfig(), device="cpu")
+    assert backend is not None
+    base = _flux_call(pipe)
+    calls = {
+        "load_lora_weights": lambda: pipe.load_lora_weights(lora, adapter_name="a"),
+        "fuse_lora": pipe.fuse_lora,
+        "unload_lora_weights": pipe.unload_lora_weights,
+        "load_lora_adapter": lambda: pipe.transformer.load_lora_adapter(str(lora), prefix=None),
+        "delete_adapters": lambda: pipe.transformer.delete_adapters("a"),
+    }
+    try:
+        for method, call in calls.items():
+            with pytest.raises(dlo.OffloadError, match=rf"{method}\(\).*before enabling"):
+                call()
+        assert torch.equal(_flux_call(pipe), base)
+    finally:
+        backend.disable()
+    assert "load_lora_weights" not in vars(pipe) and "fuse_lora" not in vars(pipe.transformer)
