@@ -26,7 +26,7 @@ from dlo.backends.factory import enable_offload
 from dlo.bench.methods import _clean, _peak, time_forward
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
-from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, WAN_14B_TRANSFORMER
+from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, TINY_FLUX_TRANSFORMER, WAN_14B_TRANSFORMER
 from dlo.pipelines.synth import fill_random, no_init
 from dlo.platform.device import Platform, get_platform
 from dlo.runtime.measure import GB, h2d_limits
@@ -128,18 +128,7 @@ LIKE: dict[str, Like] = {
         Like(
             "tiny-flux",
             _FLUX,
-            {
-                "patch_size": 1,
-                "in_channels": 64,
-                "num_layers": 2,
-                "num_single_layers": 3,
-                "attention_head_dim": 16,
-                "num_attention_heads": 2,
-                "joint_attention_dim": 32,
-                "pooled_projection_dim": 32,
-                "guidance_embeds": True,
-                "axes_dims_rope": (4, 6, 6),
-            },
+            TINY_FLUX_TRANSFORMER,
             _tiny_flux_inputs,
             "image tokens (a square)",
         ),

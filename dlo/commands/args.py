@@ -46,3 +46,8 @@ def compile_blocks(dit: Any, mode: str | None) -> Any:
     if mode is not None:
         getattr(dit, "compile_repeated_blocks")(mode=None if mode == "default" else mode)  # noqa: B009
     return dit
+
+
+def parity_word(parity: bool | None) -> str:
+    """How a summary row says a ``--check`` result."""
+    return {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[parity]

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.commands.args import check_minimums, compile_blocks
+from dlo.commands.args import check_minimums, compile_blocks, parity_word
 from dlo.commands.run_flags import config_of
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
@@ -267,7 +267,7 @@ def _summary(reports: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
-        parity = {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[r["parity"]]
+        parity = parity_word(r["parity"])
         lines.append(
             f"| {r['rank']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f} | "
             f"{r['hbm_peak_nbytes'] / gib:.2f} | {r['device_slot_nbytes'] / gib:.3f} | "

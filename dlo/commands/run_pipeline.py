@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.commands.args import check_minimums, compile_blocks
+from dlo.commands.args import check_minimums, compile_blocks, parity_word
 from dlo.commands.run_flags import config_of
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
@@ -288,7 +288,7 @@ def summary(reports: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
-        parity = {None: "not checked", True: "bitwise equal", False: "MISMATCH"}[r["parity"]]
+        parity = parity_word(r["parity"])
         lines.append(
             f"| {r['rank']} | {r['seed']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f}"
             f" | {r['cold_start_s']:.2f} | {r['load_s']:.2f} | {r['hbm_peak_nbytes'] / gib:.2f}"

@@ -233,6 +233,9 @@ class _Mapping:
     version: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    file_backed: bool
+    """The tensor is the file's mapping (False: unaligned data, a placeholder nothing reads,
+    see :func:`_file_served`)."""
 
     def still_aliases(self, t: torch.Tensor) -> bool:
         """Whether ``t`` still holds the file's bytes: the same object on the same memory,
@@ -246,7 +249,9 @@ class _Mapping:
             and tuple(t.shape) == self.shape
             # a write through ``t.data`` (PEFT's fuse_lora) leaves the version as it was:
             # the private mapping's pages it wrote are copies now, and the page table says so
-            and not copied_on_write(t.data_ptr(), t.numel() * t.element_size())
+            and not (
+                self.file_backed and copied_on_write(t.data_ptr(), t.numel() * t.element_size())
+            )
         )
 
 
@@ -263,7 +268,14 @@ def _forget(key: int, _ref: object) -> None:
 def _register(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
     ref = weakref.ref(t, functools.partial(_forget, id(t)))
     _MAPPED[id(t)] = _Mapping(
-        ref, checkpoint, name, t.data_ptr(), t._version, t.dtype, tuple(t.shape)
+        ref,
+        checkpoint,
+        name,
+        t.data_ptr(),
+        t._version,
+        t.dtype,
+        tuple(t.shape),
+        checkpoint.is_aligned(name),
     )
 
 

@@ -167,7 +167,7 @@ _TINY_CLIP = {
     "eos_token_id": 2,
     "pad_token_id": 0,
 }
-_TINY_FLUX = {
+TINY_FLUX_TRANSFORMER: dict[str, Any] = {  # FLUX's class at a size CPU tests run
     "patch_size": 1,
     "in_channels": 64,
     "num_layers": 2,
@@ -234,7 +234,7 @@ FOLDERS: dict[str, FolderLike] = {
         ),
         _flux(
             "tiny-flux",
-            _TINY_FLUX,
+            TINY_FLUX_TRANSFORMER,
             Part("transformers", "CLIPTextModel", _TINY_CLIP),
             Part("transformers", "T5EncoderModel", _TINY_T5),
             Part("diffusers", "AutoencoderKL", _TINY_VAE),

@@ -745,3 +745,55 @@ def test_pin_budget_serves_node_shared_blocks_first_across_nodes(tmp_path: Path)
         assert not all(r["pinned"].values())
         assert r["ledger"] == (0, 0)
     assert os.listdir(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- planted files
+_TOKEN = "feedfacecafebeef"
+
+
+def _planted(rank: int, world: int, how: str, target: str) -> dict[str, Any]:
+    """Every rank's token is predictable (as a reader of the store would learn it) and the
+    node-shared path is planted before the enable: a symlink to ``target``, or a file of
+    ``target``'s bytes open to everyone (mode 0666), or owned by another user."""
+    import dlo.backends.layerwise as layerwise
+
+    layerwise.secrets.token_hex = lambda n=8: _TOKEN  # type: ignore[attr-defined]
+    path = os.path.join(os.environ["DLO_SHM_DIR"], f"dlo-{_TOKEN}")
+    if rank == 0:
+        if how == "symlink":
+            os.symlink(target, path)
+        else:
+            Path(path).write_bytes(Path(target).read_bytes())
+            os.chmod(path, 0o666 if how == "mode-0666" else 0o600)
+            if how == "other-owner":
+                os.chown(path, 65534, 65534)
+    import torch.distributed as dist
+
+    dist.barrier()
+    return _outcome(_ns(world, collective_timeout_s=10.0), ToyDiT(3), rank)
+
+
+# a file of another uid can be planted only by root (as CI runs); the mode case covers the
+# same check for an unprivileged run
+_PLANTS = ["symlink", "mode-0666"] + (["other-owner"] if os.geteuid() == 0 else [])
+
+
+@pytest.mark.parametrize("how", _PLANTS)
+def test_a_planted_node_shared_path_is_refused_and_nothing_is_written(
+    tmp_path: Path, how: str
+) -> None:
+    """Issue 26 (1): a local user who learns the token plants the path first. dlo refuses to
+    map it (it would grow and overwrite a symlink's target, or share the weights with the
+    planter), on every rank with one message, writing nothing into the planted file."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    target = tmp_path / "victim"
+    target.write_bytes(b"precious" * 512)
+    res = assert_all_ok(run_ranks(_planted, 2, how, str(target), timeout_s=60, env=_env(shm)))
+    assert not any(r["enabled"] for r in res), res
+    assert len({r["msg"] for r in res}) == 1, res
+    want = "is a symbolic link" if how == "symlink" else "is not dlo's own"
+    assert want in res[0]["msg"] and f"dlo-{_TOKEN}" in res[0]["msg"], res[0]["msg"]
+    assert target.read_bytes() == b"precious" * 512  # nothing written through the link
+    for r in res:
+        assert r["ledger"] == (0, 0)

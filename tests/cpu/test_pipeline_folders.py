@@ -338,3 +338,22 @@ def test_lora_changes_while_enabled_are_refused_naming_the_order(root: Path, lor
     finally:
         backend.disable()
     assert "load_lora_weights" not in vars(pipe) and "fuse_lora" not in vars(pipe.transformer)
+
+
+def test_a_write_through_data_before_enable_is_packed_not_read_from_the_file(root: Path) -> None:
+    """A block tensor still aliasing the checkpoint is packed from the file, unless it was
+    written: a write through ``.data`` leaves the version counter as it was (PEFT's merge
+    does this), so dlo reads the mapping's copy-on-write pages instead."""
+    folder = str(_folder(root, "tiny-flux"))
+
+    def write(p: Any) -> None:
+        p.transformer.transformer_blocks[0].attn.to_q.weight.data.mul_(3.0)
+
+    ref = resident_reference(folder, torch.float32, torch.device("cpu"))
+    write(ref)
+    pipe, backend = dlo.load_pipeline(folder, dlo.OffloadConfig(), device="cpu", prepare=write)
+    assert backend is not None
+    try:
+        assert torch.equal(_flux_call(pipe), _flux_call(ref))
+    finally:
+        backend.disable()
