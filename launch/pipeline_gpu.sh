@@ -3,6 +3,8 @@
 # it with `dlo run --pipeline`, then through diffusers itself (group offloading, resident),
 # one process per method so each cold start is its own. Reports land in OUT as JSON.
 #   bash launch/pipeline_gpu.sh OUT [DIR] [extra flags for every method]
+# LIKE (default wan2.1-t2v-14b) picks the folder save-pipeline writes when DIR is missing,
+# SIZES its call sizes (default Wan's 480p x 81 frames; flux.1-dev: "--height 1024 --width 1024").
 set -uo pipefail
 out=${1:?usage: pipeline_gpu.sh OUT [DIR] [flags]}
 shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
@@ -19,12 +21,13 @@ else
   export PYTHONPATH=.
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-flags=(--height 480 --width 832 --frames 81 --steps 3 "$@")
+read -r -a sizes <<< "${SIZES:---height 480 --width 832 --frames 81}"
+flags=("${sizes[@]}" --steps 3 "$@")
 df -h /dev/shm /tmp > "$out/disk.txt" 2>&1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import torch, diffusers, transformers; print(torch.__version__, diffusers.__version__, transformers.__version__)" > "$out/versions.txt" 2>&1
 if [ ! -f "$dir/model_index.json" ]; then
-  /usr/bin/time -v python3 -m dlo save-pipeline --like wan2.1-t2v-14b "$dir" > "$out/save.log" 2>&1 || { tail -30 "$out/save.log"; exit 1; }
+  /usr/bin/time -v python3 -m dlo save-pipeline --like "${LIKE:-wan2.1-t2v-14b}" "$dir" > "$out/save.log" 2>&1 || { tail -30 "$out/save.log"; exit 1; }
   tail -3 "$out/save.log"
 fi
 rc=0

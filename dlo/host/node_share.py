@@ -10,23 +10,27 @@ host-to-device link, group size 1, no collective) with one host copy per node:
 
 1. after the startup agreement, which carries every rank's host name and a random token, the
    *sharers* are the ranks of this rank's weight group (the AllGather group's axis, never
-   TP) with this rank's host name; the file is ``dlo-<token of the first sharer>`` in
-   :func:`~dlo.platform.env.shared_memory_dir` (``/dev/shm``);
-2. each sharer maps the file (created if missing and sized with ``posix_fallocate``, so a
-   full tmpfs fails here, not with SIGBUS at a write), writes its token into its slot of the
-   file's header page, page-locks its streamed blocks with
-   its own registration (each rank charged 1/L of a block against ``pin_budget_gb``), and
-   packs the blocks at positions ``k % L == its index``;
+   TP) with this rank's host name; the first sharer creates an anonymous shared-memory file
+   (``memfd_create("dlo-<token>")``, mode 0600) and one store exchange carries its
+   ``/proc/<pid>/fd/<n>`` to the others. No directory holds it: no other user can plant or
+   pre-empt a name (the named ``/dev/shm/dlo-<token>`` of before could be planted as a
+   symlink or a file open to all), and nothing survives a kill of any subset of ranks at any
+   moment, since the memory goes with the last process holding it;
+2. each sharer checks the offer (a ``/proc`` path whose link names dlo's memfd: a writer of
+   the store could offer another file) and maps it (owner and mode checked on the open
+   descriptor; sized with ``posix_fallocate``, so a full memory fails here, not with SIGBUS
+   at a write), writes its token into its slot of the header page, page-locks its streamed
+   blocks with its own registration (each rank charged 1/L of a block against
+   ``pin_budget_gb``), and packs the blocks at positions ``k % L == its index``;
 3. one store exchange carries every rank's outcome and unpinned blocks: a failure anywhere is
-   the same error on every rank, each rolling back locally (unregister, unmap, unlink);
+   the same error on every rank, each rolling back locally (unregister, unmap, close);
    blocks left pageable anywhere are kept pageable everywhere (``pin_failure_policy``);
 4. every sharer checks that the header holds every sharer's token, and a second exchange
-   shares the verdicts: ranks with one host name that do not see one file (containers on
-   different machines with one host name, a ``DLO_SHM_DIR`` that differs per rank) would each
-   stream a copy others filled only in part, so the enable fails on every rank instead;
-5. the file is unlinked right away (every sharer has it mapped), so nothing stays in
-   ``/dev/shm`` once the last process unmaps it, even if one is killed; only then are the
-   original tensors released.
+   shares the verdicts: ranks with one host name that do not map one memory (containers on
+   different machines with one host name, other PID namespaces) fail on every rank instead
+   of each streaming a copy others filled only in part;
+5. the first sharer closes its descriptor (every sharer has the memory mapped); only then
+   are the original tensors released.
 
 Trust is the same as AllGather's: the sharers' weights must be equal (the agreement compares
 layouts by digest, not values). A block's in-place write into its streamed tensors is
@@ -36,9 +40,8 @@ Pages live on the NUMA node of the rank that packed them.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +55,6 @@ from dlo.parallel.agreement import RankReport, pin_verdict
 from dlo.parallel.store import share
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
-from dlo.platform.env import shared_memory_dir
 
 
 @dataclass
@@ -99,13 +101,31 @@ def share_host(
             failed under ``pin_failure_policy="fail"``.
     """
     index, count = members.index(rank), len(members)
-    path = os.path.join(shared_memory_dir(), f"dlo-{tokens[0]}")
-    unlink = _unlinker(path)
     region: HostRegion | None = None
     unpinned: tuple[str, ...] = ()
-    error = ""
+    error, offer = "", ""
+    owner = _Descriptor()
     try:
-        journal.record("shared host file", unlink)  # a failure before step 4 removes it
+        if index == 0:  # step 1: the first sharer creates the memory, named by nothing
+            owner.fd = create_memfd(f"dlo-{tokens[0]}")
+            journal.record("shared host memory", owner.close)
+            offer = f"/proc/{os.getpid()}/fd/{owner.fd}"
+    except Exception as e:
+        if world_size == 1:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    offers = share(
+        (error, offer),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic="host-share-memory",
+        what="node-shared host memory",
+    )
+    _raise_failed([(r, e) for r, (e, _) in enumerate(offers) if e], rank)
+    path = offers[members[0] if world_size > 1 else 0][1]  # alone: its own offer
+    try:
+        check_offer(path, f"dlo-{tokens[0]}")
         region = HostRegion(
             [b.layout.shard_nbytes for b in blocks],
             path=path,
@@ -137,13 +157,7 @@ def share_host(
         topic="host-share",
         what="node-shared host copy",
     )
-    failed = [(r, e) for r, (e, _) in enumerate(replies) if e]
-    if failed:
-        raise OffloadError(
-            f"the node-shared host copy failed on rank(s) {[r for r, _ in failed]}: "
-            + "; ".join(f"rank {r}: {e}" for r, e in failed),
-            rank=rank,
-        )
+    _raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
     assert region is not None
     one_file = all(torch.equal(_slot(region, i), _mark(t)) for i, t in enumerate(tokens))
     seen = share(
@@ -156,13 +170,12 @@ def share_host(
     )
     if not all(seen):
         raise OffloadError(
-            f"rank(s) {[r for r, ok in enumerate(seen) if not ok]} do not map one node-shared "
-            "file with the ranks of their host name (containers on different machines with "
-            "one host name, or DLO_SHM_DIR differing per rank): point DLO_SHM_DIR at one "
-            "shared-memory folder of the node, or use transfer='allgather'",
+            f"rank(s) {[r for r, ok in enumerate(seen) if not ok]} do not map the node-shared "
+            "memory of the ranks of their host name (containers on different machines with "
+            "one host name?): use transfer='allgather'",
             rank=rank,
         )
-    unlink()  # every sharer has it mapped (step 5)
+    owner.close()  # every sharer has it mapped (step 5): the mappings keep it
     fallback, refused = pin_verdict(
         [(r, names) for r, (_, names) in enumerate(replies)], pin_failure_policy
     )
@@ -185,9 +198,52 @@ def _mark(token: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _unlinker(path: str) -> Callable[[], None]:
-    def unlink() -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+def _raise_failed(failed: list[tuple[int, str]], rank: int) -> None:
+    if failed:
+        raise OffloadError(
+            f"the node-shared host copy failed on rank(s) {[r for r, _ in failed]}: "
+            + "; ".join(f"rank {r}: {e}" for r, e in failed),
+            rank=rank,
+        )
 
-    return unlink
+
+class _Descriptor:
+    """The first sharer's descriptor of the memory, closed once (a second close, by a
+    rollback after step 5, must not close a descriptor number reused since)."""
+
+    fd: int | None = None
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def create_memfd(name: str) -> int:
+    """An anonymous shared-memory file (``memfd_create``), mode 0600: no directory holds
+    it, so no one can plant or pre-empt it, and it is gone when the last process holding it
+    (an open descriptor or a mapping) exits, however it exits."""
+    make = getattr(os, "memfd_create", None)
+    if make is None:
+        raise OffloadError("transfer='node-shared' needs Linux's memfd_create")
+    fd = int(make(name, getattr(os, "MFD_CLOEXEC", 1)))
+    os.fchmod(fd, 0o600)
+    return fd
+
+
+def check_offer(path: str, name: str) -> None:
+    """Refuse an offered ``/proc/<pid>/fd/<n>`` that is not the first sharer's memory: it
+    must name a memfd called ``name`` (a store writer could offer another process's file).
+    Ownership and mode are checked again when it is opened (``HostRegion``)."""
+    parts = path.split("/")
+    if len(parts) != 5 or parts[:2] != ["", "proc"] or parts[3] != "fd":
+        raise OffloadError(f"node-shared memory offered as {path!r}: not a /proc/PID/fd/N path")
+    try:
+        target = os.readlink(path)
+    except OSError as e:
+        raise OffloadError(
+            f"node-shared memory {path}: {e.strerror} (the first sharer is not in this "
+            "rank's process namespace, or exited)"
+        ) from None
+    if target != f"/memfd:{name} (deleted)":
+        raise OffloadError(f"node-shared memory {path} is {target!r}, not dlo's memfd {name!r}")

@@ -17,7 +17,6 @@ only their host-to-device copies are slower.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -276,30 +275,22 @@ def _anonymous(nbytes: int) -> mmap.mmap:
 
 
 def _map_file(path: str, nbytes: int) -> mmap.mmap:
-    """``nbytes`` of the file at ``path`` (created if missing), mapped shared.
+    """``nbytes`` of the shared-memory file at ``path`` (a node-shared memfd offered as
+    ``/proc/PID/fd/N``, sized here if smaller), mapped shared.
 
     Raises:
-        OffloadError: ``path`` is a symbolic link, not a regular file, not owned by this
-            process's user, or open to its group or others (another local user planted it:
-            mapping it would let them read or rewrite the weights). Nothing is written.
+        OffloadError: ``path`` is not a regular file owned by this process's user with no
+            group or other permission bits (another local user's file: mapping it would let
+            them read or rewrite the weights). Nothing is written.
     """
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise OffloadError(
-                f"node-shared file {path} is a symbolic link: refused (dlo creates its own "
-                "file, mode 0600; another user may have planted it)"
-            ) from None
-        raise
+    fd = os.open(path, os.O_RDWR)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise OffloadError(
-                f"node-shared file {path} is not dlo's own (regular: "
+                f"node-shared memory {path} is not dlo's own (regular: "
                 f"{stat.S_ISREG(st.st_mode)}, owner uid {st.st_uid} against this process's "
-                f"{os.geteuid()}, mode {stat.S_IMODE(st.st_mode):o}, dlo's is 600): refused "
-                "(another user may have planted it)"
+                f"{os.geteuid()}, mode {stat.S_IMODE(st.st_mode):o}, dlo's is 600): refused"
             )
         faults.check("host_share")
         os.posix_fallocate(fd, 0, nbytes)  # idempotent: every sharer sizes it, none truncates

@@ -635,24 +635,30 @@ def test_state_dict_is_a_private_clone(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == []
 
 
-def _own_shm_dir(rank: int, world: int, base: str) -> dict[str, Any]:
-    # one host name, a folder per rank (e.g. DLO_SHM_DIR set per container)
-    os.environ["DLO_SHM_DIR"] = os.path.join(base, f"rank{rank}")
-    os.makedirs(os.environ["DLO_SHM_DIR"])
+def _other_namespace(rank: int, world: int) -> dict[str, Any]:
+    # one host name, two machines (or PID namespaces): rank 1 cannot see rank 0's process,
+    # so the offered /proc/PID/fd/N does not resolve there
+    import dlo.host.node_share as node_share
+
+    if rank == 1:
+
+        def readlink(path: str) -> str:
+            raise FileNotFoundError(2, "No such file or directory", path)
+
+        node_share.os.readlink = readlink  # type: ignore[assignment]
     return _outcome(_ns(world, collective_timeout_s=10.0), ToyDiT(4), rank)
 
 
-def test_ranks_of_one_host_name_that_map_different_files_fail_alike(tmp_path: Path) -> None:
-    res = assert_all_ok(run_ranks(_own_shm_dir, 2, str(tmp_path), timeout_s=60))
+def test_ranks_of_one_host_name_that_cannot_see_one_memory_fail_alike(tmp_path: Path) -> None:
+    res = assert_all_ok(run_ranks(_other_namespace, 2, timeout_s=60, env=_env(tmp_path)))
     assert not any(r["enabled"] for r in res), res
     assert len({r["msg"] for r in res}) == 1, res
     msg = res[0]["msg"]
-    assert "rank(s) [0, 1] do not map one node-shared file" in msg and "DLO_SHM_DIR" in msg, msg
+    assert "node-shared host copy failed on rank(s) [1]" in msg, msg
+    assert "not in this rank's process namespace" in msg, msg
     for r in res:
         assert r["files"] == [] and r["ledger"] == (0, 0)
         assert r["seconds"] < 8, r["seconds"]
-    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
-    assert os.listdir(tmp_path / "rank0") == os.listdir(tmp_path / "rank1") == []
 
 
 def _copy_engine(rank: int, world: int) -> dict[str, Any]:
@@ -751,49 +757,101 @@ def test_pin_budget_serves_node_shared_blocks_first_across_nodes(tmp_path: Path)
 _TOKEN = "feedfacecafebeef"
 
 
-def _planted(rank: int, world: int, how: str, target: str) -> dict[str, Any]:
+def _planted(rank: int, world: int, target: str) -> dict[str, Any]:
     """Every rank's token is predictable (as a reader of the store would learn it) and the
-    node-shared path is planted before the enable: a symlink to ``target``, or a file of
-    ``target``'s bytes open to everyone (mode 0666), or owned by another user."""
+    old named path ``dlo-<token>`` is planted as a symlink to ``target`` before the enable:
+    dlo names no file, so it never opens it."""
     import dlo.backends.layerwise as layerwise
 
     layerwise.secrets.token_hex = lambda n=8: _TOKEN  # type: ignore[attr-defined]
-    path = os.path.join(os.environ["DLO_SHM_DIR"], f"dlo-{_TOKEN}")
     if rank == 0:
-        if how == "symlink":
-            os.symlink(target, path)
-        else:
-            Path(path).write_bytes(Path(target).read_bytes())
-            os.chmod(path, 0o666 if how == "mode-0666" else 0o600)
-            if how == "other-owner":
-                os.chown(path, 65534, 65534)
+        os.symlink(target, os.path.join(os.environ["DLO_SHM_DIR"], f"dlo-{_TOKEN}"))
     import torch.distributed as dist
 
     dist.barrier()
     return _outcome(_ns(world, collective_timeout_s=10.0), ToyDiT(3), rank)
 
 
-# a file of another uid can be planted only by root (as CI runs); the mode case covers the
-# same check for an unprivileged run
-_PLANTS = ["symlink", "mode-0666"] + (["other-owner"] if os.geteuid() == 0 else [])
-
-
-@pytest.mark.parametrize("how", _PLANTS)
-def test_a_planted_node_shared_path_is_refused_and_nothing_is_written(
-    tmp_path: Path, how: str
-) -> None:
-    """Issue 26 (1): a local user who learns the token plants the path first. dlo refuses to
-    map it (it would grow and overwrite a symlink's target, or share the weights with the
-    planter), on every rank with one message, writing nothing into the planted file."""
+def test_a_planted_shared_memory_path_is_never_opened(tmp_path: Path) -> None:
+    """Issue 26 (1): a local user who learns the token plants ``/dev/shm/dlo-<token>`` first
+    (dlo used to grow and overwrite a symlink's target, or share the weights with a planted
+    0666 file). The shared copy is an anonymous memfd now: nothing named can be planted."""
     shm = tmp_path / "shm"
     shm.mkdir()
     target = tmp_path / "victim"
     target.write_bytes(b"precious" * 512)
-    res = assert_all_ok(run_ranks(_planted, 2, how, str(target), timeout_s=60, env=_env(shm)))
+    res = assert_all_ok(run_ranks(_planted, 2, str(target), timeout_s=60, env=_env(shm)))
+    for r in res:
+        assert r["enabled"] and r["same"], r
+        assert r["stats"]["host_share_ranks"] == 2
+    assert target.read_bytes() == b"precious" * 512
+    assert os.listdir(shm) == [f"dlo-{_TOKEN}"]  # only the planted link, untouched
+
+
+def _forged(rank: int, world: int, how: str, victim: str) -> dict[str, Any]:
+    """Rank 0's offer is not dlo's own memory (as a writer of the store could forge it): a
+    regular file, a memfd of another user, a memfd open to everyone."""
+    import dlo.host.node_share as node_share
+
+    real = node_share.create_memfd
+
+    def forged(name: str) -> int:
+        if how == "regular-file":
+            return os.open(victim, os.O_RDWR)
+        fd = real(name)
+        if how == "other-owner":
+            os.fchown(fd, 65534, 65534)
+        else:
+            os.fchmod(fd, 0o666)
+        return fd
+
+    node_share.create_memfd = forged  # type: ignore[assignment]
+    return _outcome(_ns(world, collective_timeout_s=10.0), ToyDiT(3), rank)
+
+
+# a memfd of another uid can be made only by root (as CI runs); the mode case covers the
+# same check for an unprivileged run
+_FORGED = ["regular-file", "open-mode"] + (["other-owner"] if os.geteuid() == 0 else [])
+
+
+@pytest.mark.parametrize("how", _FORGED)
+def test_a_forged_offer_of_the_shared_memory_is_refused_and_nothing_is_written(
+    tmp_path: Path, how: str
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 512)
+    res = assert_all_ok(run_ranks(_forged, 2, how, str(victim), timeout_s=60, env=_env(tmp_path)))
     assert not any(r["enabled"] for r in res), res
     assert len({r["msg"] for r in res}) == 1, res
-    want = "is a symbolic link" if how == "symlink" else "is not dlo's own"
-    assert want in res[0]["msg"] and f"dlo-{_TOKEN}" in res[0]["msg"], res[0]["msg"]
-    assert target.read_bytes() == b"precious" * 512  # nothing written through the link
+    want = "not dlo's memfd" if how == "regular-file" else "is not dlo's own"
+    assert want in res[0]["msg"] and "rank(s) [0, 1]" in res[0]["msg"], res[0]["msg"]
+    assert victim.read_bytes() == b"precious" * 512
     for r in res:
         assert r["ledger"] == (0, 0)
+
+
+def _names_during_fill(rank: int, world: int) -> dict[str, Any]:
+    """What a kill at the worst moment would leave: the shared-memory folders' dlo files
+    while the shared copy is being filled (after every sharer mapped it, before the end)."""
+    import dlo.host.node_share as node_share
+
+    seen: list[list[str]] = []
+    real = node_share.pack_block
+
+    def pack(*args: Any, **kwargs: Any) -> None:
+        seen.append(_shm_files() + [f for f in os.listdir("/dev/shm") if f.startswith("dlo-")])
+        real(*args, **kwargs)
+
+    node_share.pack_block = pack  # type: ignore[assignment]
+    out = _outcome(_ns(world), ToyDiT(4), rank)
+    return {**out, "seen": seen}
+
+
+def test_no_shared_memory_file_exists_at_any_point_of_the_enable(tmp_path: Path) -> None:
+    """Issue 26 (3): SIGTERM to torchrun or a kill of every rank between the file's creation
+    and its unlink left /dev/shm/dlo-<token> (hundreds of MB). The memfd has no name: a kill
+    at any point leaves nothing, since the memory goes with the last process holding it."""
+    res = assert_all_ok(run_ranks(_names_during_fill, 2, timeout_s=60, env=_env(tmp_path)))
+    for r in res:
+        assert r["enabled"] and r["same"], r
+        assert r["seen"] and all(names == [] for names in r["seen"]), r["seen"]
