@@ -271,17 +271,51 @@ def install_adapter_refusal(
     module, :data:`PIPELINE_ADAPTER_METHODS` (instance attributes, journaled)."""
     if not isinstance(root, nn.Module):
         for method in PIPELINE_ADAPTER_METHODS:
-            if callable(getattr(type(root), method, None)) and method not in vars(root):
-                refusal = _refuse_adapter(type(root).__name__, method, rank)
-                vars(root)[method] = refusal
-                journal.record(f"refuse {method}", functools.partial(vars(root).pop, method))
+            if callable(getattr(type(root), method, None)):
+                _PipelineRefusal(root, method, rank).install(journal)
+    seen: set[int] = set()
     for path in sorted(_enclosing_paths(managed)):
         module = get_by_path(root, path)
         if not isinstance(module, nn.Module) or foreign_offloader(module) is not None:
             continue
+        if id(module) in seen:  # one module under two paths
+            continue
+        seen.add(id(module))
         for method in ADAPTER_METHODS:
             if callable(getattr(type(module), method, None)):
                 name = path or type(root).__name__
                 registry.register_apply_refusal(
                     module, f"refuse_{method}", _refuse_adapter(name, method, rank), method=method
                 )
+
+
+class _PipelineRefusal:
+    """A pipeline's LoRA method shadowed by a refusal (an instance attribute) while this
+    backend streams. Two backends on one pipeline stack theirs; a refusal taken off out of
+    order goes inactive (it then calls what it shadowed), so none outlives its backend's
+    effect and none is removed by the other's disable."""
+
+    def __init__(self, root: Any, method: str, rank: int) -> None:
+        self.root, self.method, self.active = root, method, True
+        self.previous = vars(root).get(method)
+        self.refuse = _refuse_adapter(type(root).__name__, method, rank)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.active:
+            self.refuse()
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return getattr(type(self.root), self.method)(self.root, *args, **kwargs)
+
+    def install(self, journal: Journal) -> None:
+        vars(self.root)[self.method] = self
+        journal.record(f"refuse {self.method}", self.remove)
+
+    def remove(self) -> None:
+        self.active = False
+        state = vars(self.root)
+        if state.get(self.method) is self:
+            if self.previous is None:
+                del state[self.method]
+            else:
+                state[self.method] = self.previous

@@ -149,7 +149,10 @@ def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[
         marks.append(time.time())
         return kwargs
 
-    handle = _dits(pipe)[0].register_forward_pre_hook(first_forward)
+    dits = _dits(pipe)  # a pipeline without one (a UNet): timed from the call
+    handle = dits[0].register_forward_pre_hook(first_forward) if dits else None
+    if handle is None:
+        marks.append(time.time())
     try:
         with torch.inference_mode():
             wall0 = time.perf_counter()
@@ -157,7 +160,8 @@ def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[
             platform.synchronize()
             wall = time.perf_counter() - wall0
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
     return (out.images if hasattr(out, "images") else out.frames), marks, wall
 
 

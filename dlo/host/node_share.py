@@ -227,7 +227,11 @@ def create_memfd(name: str) -> int:
     if make is None:
         raise OffloadError("transfer='node-shared' needs Linux's memfd_create")
     fd = int(make(name, getattr(os, "MFD_CLOEXEC", 1)))
-    os.fchmod(fd, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

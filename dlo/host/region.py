@@ -267,10 +267,14 @@ def _anonymous(nbytes: int) -> mmap.mmap:
     4 KiB (Python's default anonymous mapping is shared: shmem, which takes no huge pages
     and faults slower). Measured in docs/benchmarks.md (pipeline folders)."""
     m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        with contextlib.suppress(OSError):  # a kernel without THP: 4 KiB pages
-            m.madvise(advice)
+    # huge pages where the kernel has them; and no copy into a forked child: the kernel
+    # copies pinned private pages eagerly at fork (tens of GB for a DataLoader worker),
+    # so a child does not get the region at all (dlo's host shards are the parent's)
+    for name in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        advice = getattr(mmap, name, None)
+        if advice is not None:
+            with contextlib.suppress(OSError):
+                m.madvise(advice)
     return m
 
 

@@ -48,7 +48,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed, wait
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,8 +249,11 @@ class _Mapping:
             and tuple(t.shape) == self.shape
             # a write through ``t.data`` (PEFT's fuse_lora) leaves the version as it was:
             # the private mapping's pages it wrote are copies now, and the page table says so
+            # (None: the page table cannot be read; then pack from memory, which is right
+            # either way)
             and not (
-                self.file_backed and copied_on_write(t.data_ptr(), t.numel() * t.element_size())
+                self.file_backed
+                and copied_on_write(t.data_ptr(), t.numel() * t.element_size()) is not False
             )
         )
 
@@ -342,13 +345,14 @@ def _read_copies(
         return [_read_copy(ckpt, t, d) for t, d in jobs]
     total = sum(ckpt.entries[t.source].nbytes for t, _ in jobs)
     bar = progress_bar(total=total, desc="dlo: reading weights", unit="B", unit_scale=True)
+    pool = ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs)))
     try:
-        with ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs))) as pool:
-            futures = {pool.submit(_read_copy, ckpt, t, d): t for t, d in jobs}
-            for done in as_completed(futures):
-                bar.update(ckpt.entries[futures[done].source].nbytes)
-            wait(futures)
+        futures = {pool.submit(_read_copy, ckpt, t, d): t for t, d in jobs}
+        for done in as_completed(futures):
+            done.result()  # the first failure stops the rest (cancelled, running ones waited)
+            bar.update(ckpt.entries[futures[done].source].nbytes)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return [f.result() for f in futures]
 

@@ -188,9 +188,14 @@ def params_on_meta(dtype: torch.dtype) -> Iterator[None]:
             param = meta
         original(self, name, param)
 
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        raise ValueError(
+            f"torch_dtype={dtype}: components are built in a float16, bfloat16 or float32 "
+            "default dtype (float8 and integer weights load as stored: torch_dtype=None)"
+        )
     previous = torch.get_default_dtype()
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
     torch.set_default_dtype(dtype)
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -207,16 +212,26 @@ def _stored_dtype(ckpt: Checkpoint, name: str) -> torch.dtype:
     return max(nbytes, key=lambda d: nbytes[d]) if nbytes else torch.float32
 
 
-def _keep_fp32(cls: type, dtype: torch.dtype) -> tuple[str, ...]:
-    """Module names the class keeps in float32 when loaded in ``dtype`` (diffusers: always
+def _keep_fp32(model: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """Module names the model keeps in float32 when loaded in ``dtype`` (diffusers: always
     when a dtype is given; transformers: ``_keep_in_fp32_modules`` for float16, the strict
-    list for float16 and bfloat16)."""
-    keep = set(getattr(cls, "_keep_in_fp32_modules", None) or ())
-    if cls.__module__.startswith("transformers"):
+    list for float16 and bfloat16). Read from the built instance: transformers 5 merges its
+    sub-models' lists into it."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if type(model).__module__.startswith("transformers"):
         keep = keep if dtype == torch.float16 else set()
         if dtype in (torch.float16, torch.bfloat16):
-            keep |= set(getattr(cls, "_keep_in_fp32_modules_strict", None) or ())
+            keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
     return tuple(sorted(keep))
+
+
+def dtype_kwarg() -> str:
+    """transformers' name for the dtype argument: ``dtype`` from 4.56, ``torch_dtype``
+    before."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
 
 
 def _build_one(cls: type, path: Path, dtype: torch.dtype) -> nn.Module:
@@ -227,7 +242,7 @@ def _build_one(cls: type, path: Path, dtype: torch.dtype) -> nn.Module:
             model.register_to_config(_name_or_path=str(path))
         else:
             config = cls.config_class.from_pretrained(path)  # type: ignore[attr-defined]
-            model = cls._from_config(config, dtype=dtype)  # type: ignore[attr-defined]
+            model = cls._from_config(config, **{dtype_kwarg(): dtype})  # type: ignore[attr-defined]
     model.eval()
     return model  # type: ignore[no-any-return]
 
@@ -258,8 +273,6 @@ def _rename_entries(ckpt: Checkpoint, name: str, model: nn.Module) -> None:
             return key, None
     else:
         transforms = get_model_conversion_mapping(model)  # type: ignore[arg-type]
-        if not transforms:
-            return
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         names = model.state_dict(keep_vars=True)
@@ -279,6 +292,11 @@ def _rename_entries(ckpt: Checkpoint, name: str, model: nn.Module) -> None:
                 )
             key = prefix + new
             e = dataclasses.replace(e, name=key)
+        if key in entries:
+            raise CheckpointError(
+                f"{e.file}: two stored tensors load as {key!r} ({entries[key].file.name} and "
+                f"{e.file.name})"
+            )
         entries[key] = e
     ckpt.entries = entries
 
@@ -298,11 +316,11 @@ def _retype(
         for local, t in tensors:
             if t is None or id(t) in seen:
                 continue
-            seen.add(id(t))
             key = ".".join(p for p in (name, mpath, local) if p)
             entry = ckpt.entries.get(key)
             if entry is None:
-                continue  # reported as missing by plan_load
+                continue  # another name of a tied tensor, or reported missing by plan_load
+            seen.add(id(t))
             want = entry.dtype
             if dtype is not None and entry.dtype.is_floating_point:
                 kept = any(m in key.split(".") for m in keep)
@@ -324,6 +342,8 @@ def build_modules(
     out: dict[str, nn.Module] = {}
     for name, cls in module_classes(index).items():
         dtype = torch_dtype if torch_dtype is not None else _stored_dtype(ckpt, name)
+        if torch_dtype is None and dtype.itemsize < 2:
+            dtype = torch.float32  # built in float32; the tensors keep their stored dtypes
         path = next(s.path for s in index.components if s.name == name)
         try:
             model = _build_one(cls, path, dtype)
@@ -333,7 +353,7 @@ def build_modules(
             ) from e
         if spec_library(index, name) == "transformers":
             _rename_entries(ckpt, name, model)
-        _retype(model, name, ckpt, torch_dtype, _keep_fp32(cls, dtype))
+        _retype(model, name, ckpt, torch_dtype, _keep_fp32(model, dtype))
         out[name] = model
     return out
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo.pipelines.folder import params_on_meta
+from dlo.pipelines.folder import dtype_kwarg, params_on_meta
 from dlo.pipelines.layouts import FolderLike, Part
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,8 @@ def build_part(part: Part, dtype: torch.dtype, seed: int) -> nn.Module:
     cls = getattr(importlib.import_module(part.library), part.cls)
     with params_on_meta(dtype):
         if part.library == "transformers":
-            model = cls._from_config(cls.config_class(**part.config), dtype=dtype)
+            config = cls.config_class(**part.config)
+            model = cls._from_config(config, **{dtype_kwarg(): dtype})
         else:
             model = cls(**part.config)
     real: dict[int, nn.Parameter] = {}

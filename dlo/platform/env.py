@@ -154,6 +154,7 @@ def host_available_bytes() -> int | None:
 
 
 _PAGEMAP_PRESENT = 1 << 63
+_PAGEMAP_SWAPPED = 1 << 62
 _PAGEMAP_FILE_OR_SHARED = 1 << 61
 
 
@@ -178,7 +179,12 @@ def copied_on_write(address: int, nbytes: int) -> bool | None:
 
     entries = array.array("Q")
     entries.frombytes(raw)
-    return any(e & _PAGEMAP_PRESENT and not e & _PAGEMAP_FILE_OR_SHARED for e in entries)
+    # a swapped-out page of a private file mapping can only be a copy (the file's own
+    # pages are dropped, never swapped)
+    return any(
+        e & _PAGEMAP_SWAPPED or (e & _PAGEMAP_PRESENT and not e & _PAGEMAP_FILE_OR_SHARED)
+        for e in entries
+    )
 
 
 def process_start_time() -> float:
