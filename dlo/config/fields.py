@@ -45,20 +45,30 @@ def _check_bool(name: str, value: Any) -> None:
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
 
 
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
+def _check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     # bool is an int subclass: True where a count is expected is a bug, not a 1
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
 
 
-def _check_int_or_auto(name: str, value: Any, *, minimum: int) -> None:
+def _check_int_or_auto(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> None:
     if isinstance(value, str):
         if value != "auto":
             raise TypeError(f"{name} must be an int or 'auto', got {value!r} (str)")
         return
-    _check_int(name, value, minimum=minimum)
+    _check_int(name, value, minimum=minimum, maximum=maximum)
+
+
+MAX_SLOTS = 1024
+"""More device slots than any model has streamed blocks (a million once allocated 14 GB
+of host memory and kept going)."""
+
+MAX_CHUNK_MB = 1 << 16
+"""64 GiB: larger than any block."""
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

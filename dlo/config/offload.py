@@ -36,6 +36,8 @@ from dlo.config.fields import (
     GATHER_SYNCS,
     GIB,
     HOST_BACKINGS,
+    MAX_CHUNK_MB,
+    MAX_SLOTS,
     MIB,
     MODES,
     PIN_FAILURE_POLICIES,
@@ -127,8 +129,8 @@ class OffloadConfig:
     pin_memory: bool = True
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
     num_slots: int | str = 2
-    """Device slots shared by every ring; the prefetch depth is ``num_slots - 1``.
-    ``"auto"``: 2 when every streamed stack is rank-local, 3 with AllGather (its copy and
+    """Device slots shared by every ring (1 to 1024); the prefetch depth is
+    ``num_slots - 1``. ``"auto"``: 2 when every streamed stack is rank-local, 3 with AllGather (its copy and
     gather latency outlasts one transfer), fewer when the device budget has no room."""
     chunk_mb: int = 64
     """Transfer chunk in MiB: a block moves as chunks; with AllGather each chunk's gather
@@ -197,8 +199,8 @@ class OffloadConfig:
         _check_choice("transfer", self.transfer, TRANSFERS)
         _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
         _check_bool("pin_memory", self.pin_memory)
-        _check_int_or_auto("num_slots", self.num_slots, minimum=1)
-        _check_int("chunk_mb", self.chunk_mb, minimum=1)
+        _check_int_or_auto("num_slots", self.num_slots, minimum=1, maximum=MAX_SLOTS)
+        _check_int("chunk_mb", self.chunk_mb, minimum=1, maximum=MAX_CHUNK_MB)
         if self.pin_budget_gb is not None:
             _check_positive_number("pin_budget_gb", self.pin_budget_gb)
         if self.device_budget_gb is not None:

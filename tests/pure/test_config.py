@@ -205,10 +205,11 @@ def test_replace_returns_a_validated_copy() -> None:
         cfg.replace(no_such_field=1)
 
 
-@pytest.mark.parametrize("value", [0, 1, 7, 10**6])
+@pytest.mark.parametrize("value", [0, 1, 7, 1023])
 def test_int_fields_accept_valid(value: int) -> None:
     cfg = OffloadConfig(resident_layers=value, num_slots=value + 1, chunk_mb=value + 1)
     assert (cfg.resident_layers, cfg.num_slots, cfg.chunk_mb) == (value, value + 1, value + 1)
+    assert OffloadConfig(resident_layers=10**6).resident_layers == 10**6  # no bound of its own
 
 
 @pytest.mark.parametrize("value", [1, 0.5, 1e-3, 512])
@@ -1213,3 +1214,11 @@ def test_numbers_that_would_overflow_later_are_refused_naming_the_field(name: st
     """Issue 26 (6): 1e308 is finite but overflows later (a timeout in ms, GB in bytes)."""
     with pytest.raises(ValueError, match=rf"{name} must be <= 1e\+07, got 1e\+308"):
         dlo.OffloadConfig(mode="layer", **{name: 1e308})
+
+
+@pytest.mark.parametrize(("name", "bound"), [("num_slots", 1024), ("chunk_mb", 65536)])
+def test_counts_beyond_any_model_are_refused_naming_the_field(name: str, bound: int) -> None:
+    """Issue 26 (6): num_slots=10**6 allocated 14 GB of host memory and kept going."""
+    with pytest.raises(ValueError, match=rf"{name} must be <= {bound}, got 1000000"):
+        dlo.OffloadConfig(mode="layer", **{name: 10**6})
+    assert getattr(dlo.OffloadConfig(mode="layer", **{name: bound}), name) == bound
