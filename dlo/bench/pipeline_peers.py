@@ -16,14 +16,13 @@ import argparse
 import json
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
 
 from dlo.bench.peers import apply_diffusers_group
 from dlo.commands.args import DTYPES
-from dlo.commands.run_pipeline import _dits, call_kwargs, step_times, timed_call
+from dlo.commands.run_pipeline import call_kwargs, diffusers_load, dits_of, step_times, timed_call
 from dlo.platform.device import default_device, get_platform
 from dlo.platform.env import process_peak_rss_bytes
 
@@ -48,17 +47,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """One method on the folder; the report of ``dlo run --pipeline --json`` (its keys)."""
-    from diffusers import DiffusionPipeline
-
     device = torch.device(args.device) if args.device else default_device()
     platform = get_platform(device)
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        pipe = DiffusionPipeline.from_pretrained(
-            args.pipeline, torch_dtype=getattr(torch, args.dtype)
-        )
-    dits = {id(m) for m in _dits(pipe)}
+    pipe = diffusers_load(args.pipeline, getattr(torch, args.dtype))
+    dits = {id(m) for m in dits_of(pipe)}
     for module in pipe.components.values():
         if not isinstance(module, torch.nn.Module):
             continue

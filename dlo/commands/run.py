@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dlo.commands.args import check_minimums, compile_blocks, parity_word
-from dlo.commands.run_flags import config_of
+from dlo.commands.run_flags import PIPELINE_ONLY, config_of
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.progress import progress_bar
@@ -50,18 +50,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
 
         return run_pipeline(args, parser_defaults)
     pipeline_only = [
-        f"--{k.replace('_', '-')}"
-        for k in (
-            "prompt",
-            "negative_prompt",
-            "height",
-            "width",
-            "frames",
-            "guidance",
-            "max_sequence_length",
-            "output",
-        )
-        if getattr(args, k) is not None
+        f"--{k.replace('_', '-')}" for k in PIPELINE_ONLY if getattr(args, k) is not None
     ]
     if pipeline_only:
         raise ValueError(f"{', '.join(pipeline_only)} need --pipeline DIR (the demo takes none)")

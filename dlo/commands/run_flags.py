@@ -157,6 +157,20 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     )
 
 
+PIPELINE_CALL_FLAGS = {
+    "height": "height",
+    "width": "width",
+    "frames": "num_frames",
+    "guidance": "guidance_scale",
+    "negative_prompt": "negative_prompt",
+    "max_sequence_length": "max_sequence_length",
+}
+"""``--pipeline`` flags (argparse dest) -> the pipeline ``__call__`` argument they set."""
+
+PIPELINE_ONLY = ("prompt", *PIPELINE_CALL_FLAGS, "output")
+"""Flags (argparse dest) only ``--pipeline`` takes."""
+
+
 def _pipeline_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--pipeline",

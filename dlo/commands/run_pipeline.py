@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dlo.commands.args import check_minimums, compile_blocks, parity_word
-from dlo.commands.run_flags import config_of
+from dlo.commands.run_flags import PIPELINE_CALL_FLAGS, config_of
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
 
@@ -94,14 +94,7 @@ def call_kwargs(args: argparse.Namespace, pipe: Any, rank: int, device: torch.de
         "generator": torch.Generator("cpu").manual_seed(args.seed + rank),
         "output_type": "pt",
     }
-    for flag, name in (
-        ("height", "height"),
-        ("width", "width"),
-        ("frames", "num_frames"),
-        ("guidance", "guidance_scale"),
-        ("negative_prompt", "negative_prompt"),
-        ("max_sequence_length", "max_sequence_length"),
-    ):
+    for flag, name in PIPELINE_CALL_FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
             kw[name] = value
@@ -112,15 +105,20 @@ def call_kwargs(args: argparse.Namespace, pipe: Any, rank: int, device: torch.de
     return kw
 
 
-def resident_reference(folder: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """The folder through diffusers itself, every weight in its own memory on ``device``
-    (diffusers' CPU tensors alias the file, aligned only to their dtype: copies are what a
-    resident model holds)."""
+def diffusers_load(folder: str, dtype: torch.dtype) -> Any:
+    """``DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)``, on the CPU."""
     from diffusers import DiffusionPipeline
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch_dtype -> dtype in 0.42
-        ref = DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
+        return DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
+
+
+def resident_reference(folder: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The folder through diffusers itself, every weight in its own memory on ``device``
+    (diffusers' CPU tensors alias the file, aligned only to their dtype: copies are what a
+    resident model holds)."""
+    ref = diffusers_load(folder, dtype)
     for module in ref.components.values():
         if isinstance(module, torch.nn.Module):
             for t in [*module.parameters(), *module.buffers()]:
@@ -129,7 +127,13 @@ def resident_reference(folder: str, dtype: torch.dtype, device: torch.device) ->
     return ref
 
 
-def _dits(pipe: Any) -> list[Any]:
+def result_of(out: Any) -> torch.Tensor:
+    """A pipeline output's images, or a video pipeline's frames."""
+    return out.images if hasattr(out, "images") else out.frames  # type: ignore[no-any-return]
+
+
+def dits_of(pipe: Any) -> list[Any]:
+    """The pipeline's DiTs (``transformer``, Wan 2.2's ``transformer_2``)."""
     return [getattr(pipe, n) for n in ("transformer", "transformer_2") if getattr(pipe, n, None)]
 
 
@@ -149,7 +153,7 @@ def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[
         marks.append(time.time())
         return kwargs
 
-    dits = _dits(pipe)  # a pipeline without one (a UNet): timed from the call
+    dits = dits_of(pipe)  # a pipeline without one (a UNet): timed from the call
     handle = dits[0].register_forward_pre_hook(first_forward) if dits else None
     if handle is None:
         marks.append(time.time())
@@ -162,16 +166,17 @@ def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[
     finally:
         if handle is not None:
             handle.remove()
-    return (out.images if hasattr(out, "images") else out.frames), marks, wall
+    return result_of(out), marks, wall
 
 
-def step_times(marks: list[float]) -> dict[str, float]:
-    """Median and first step time (ms) and cold start (process start to the first DiT
-    forward, s) from :func:`timed_call`'s marks."""
+def step_times(marks: list[float]) -> dict[str, Any]:
+    """Every step's time, the median and the first (ms), and the cold start (process start
+    to the first DiT forward, s) from :func:`timed_call`'s marks."""
     step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
     return {
         "step_ms_median": sorted(step_ms)[len(step_ms) // 2] if step_ms else 0.0,
         "first_step_ms": step_ms[0] if step_ms else 0.0,
+        "step_ms": step_ms,
         "cold_start_s": (marks[0] - process_start_time()) if marks else 0.0,
     }
 
@@ -211,7 +216,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         args.pipeline, cfg, parallel=par, device=device, torch_dtype=dtype
     )
     load_s = time.perf_counter() - t0
-    for dit in _dits(pipe):
+    for dit in dits_of(pipe):
         compile_blocks(dit, args.compile)
     load_rss = process_peak_rss_bytes()
     pipe.set_progress_bar_config(disable=not rank0 or args.json)
@@ -233,12 +238,11 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         pipe = None
         gc.collect()
         ref = resident_reference(args.pipeline, dtype, device)
-        for dit in _dits(ref):
+        for dit in dits_of(ref):
             compile_blocks(dit, args.compile)
         with torch.inference_mode():
-            expect = ref(**call_kwargs(args, ref, world.rank, device))
-        ref_images = expect.images if hasattr(expect, "images") else expect.frames
-        parity = bool(torch.equal(ref_images, images))
+            expect = result_of(ref(**call_kwargs(args, ref, world.rank, device)))
+        parity = bool(torch.equal(expect, images))
         del ref
     report = {
         "rank": world.rank,
@@ -251,7 +255,6 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         "prompt": kw["prompt"],
         "seed": args.seed + world.rank,
         **step_times(marks),
-        "step_ms": [(b - a) * 1e3 for a, b in itertools.pairwise(marks)],
         "load_s": load_s,
         "enable_s": stats.get("enable_time_s", 0.0),
         "fill_s": stats.get("fill_time_s", 0.0),
@@ -285,8 +288,8 @@ def summary(reports: list[dict[str, Any]]) -> str:
     """One header line and a row per rank."""
     r0, gib = reports[0], float(1 << 30)
     lines = [
-        f"dlo run: pipeline={r0['pipeline']} ({r0['class']}) mode={r0['mode']} transfer={r0['transfer']} "
-        f"steps={r0['steps']} ranks={r0['world_size']}",
+        f"dlo run: pipeline={r0['pipeline']} ({r0['class']}) mode={r0['mode']} "
+        f"transfer={r0['transfer']} steps={r0['steps']} ranks={r0['world_size']}",
         "| rank | seed | step ms (median) | first step ms | cold start s | load s | "
         "HBM peak GiB | host GiB | pinned GiB | peak RSS GiB | output | parity |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",

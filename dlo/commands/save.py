@@ -61,6 +61,7 @@ def add_pipeline_arguments(s: argparse.ArgumentParser) -> None:
 def save_pipeline(args: argparse.Namespace) -> int:
     """``dlo save-pipeline``: a random-weight diffusers pipeline folder in a real layout
     (:mod:`dlo.pipelines.synth`), for ``dlo run --pipeline`` without downloads."""
+    from dlo.commands.run_flags import PIPELINE_CALL_FLAGS
     from dlo.pipelines.layouts import FOLDERS
     from dlo.pipelines.synth import save_folder
 
@@ -74,17 +75,11 @@ def save_pipeline(args: argparse.Namespace) -> int:
         like, args.dir, dtype=dtype, seed=args.seed, max_shard_size=int(args.shard_gb * (1 << 30))
     )
     nbytes = sum(f.stat().st_size for f in out.rglob("*.safetensors"))
-    flags = " ".join(f"--{_CALL_FLAGS.get(k, k)} {v}" for k, v in like.call.items())
+    flag_of = {name: dest.replace("_", "-") for dest, name in PIPELINE_CALL_FLAGS.items()}
+    flags = " ".join(f"--{flag_of[k]} {v}" for k, v in like.call.items())
     print(
         f"dlo save-pipeline: {like.name} ({like.pipeline}, random weights) "
         f"{nbytes / (1 << 30):.2f} GiB -> {out} in {time.perf_counter() - t0:.1f}s; run it "
         f"with: dlo run --pipeline {out} {flags}"
     )
     return 0
-
-
-_CALL_FLAGS = {
-    "guidance_scale": "guidance",
-    "num_frames": "frames",
-    "max_sequence_length": "max-sequence-length",
-}

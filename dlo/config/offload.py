@@ -130,8 +130,9 @@ class OffloadConfig:
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
     num_slots: int | str = 2
     """Device slots shared by every ring (1 to 1024); the prefetch depth is
-    ``num_slots - 1``. ``"auto"``: 2 when every streamed stack is rank-local, 3 with AllGather (its copy and
-    gather latency outlasts one transfer), fewer when the device budget has no room."""
+    ``num_slots - 1``. ``"auto"``: 2 when every streamed stack is rank-local, 3 with
+    AllGather (its copy and gather latency outlasts one transfer), fewer when the device
+    budget has no room."""
     chunk_mb: int = 64
     """Transfer chunk in MiB: a block moves as chunks; with AllGather each chunk's gather
     starts as soon as this rank's slice of it has landed."""

@@ -5,8 +5,9 @@
 up to a power of two: pinning a 340 MB block costs 512 MB. dlo instead maps one private
 anonymous, page-aligned region sized to the sum of this rank's shards (each block's shard
 starting on a page boundary), with transparent huge pages asked for (filling it touches
-every page first; 2 MiB faults made Wan 14B's 28 GB fill 2.5x faster), and page-locks each block's exact byte range in place with the platform's
-``register_host`` (``cudaHostRegister``). dlo's own :data:`LEDGER` counts registered bytes,
+every page first; 2 MiB faults made Wan 14B's 28 GB fill 2.5x faster), and page-locks each
+block's exact byte range in place with the platform's ``register_host``
+(``cudaHostRegister``). dlo's own :data:`LEDGER` counts registered bytes,
 because ``torch.cuda.host_memory_stats()`` does not see registered memory.
 
 Pinning is per block so that a budget or a failed registration can leave some blocks

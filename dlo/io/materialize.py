@@ -402,9 +402,10 @@ def materialize(
     ckpt = plan.checkpoint
     copies: list[tuple[_Target, bool, str]] = []
     for target in plan.targets:
-        nbytes = ckpt.entries[target.source].nbytes
+        entry = ckpt.entries[target.source]
+        nbytes = entry.nbytes
         block = mapped(target.name)
-        reason = _copy_reason(target, block, ckpt.entries[target.source].dtype)
+        reason = _copy_reason(target, block, entry.dtype)
         if reason is None:
             new = _install(target, _file_served(ckpt, target.source), journal)
             _register(new, ckpt, target.source)

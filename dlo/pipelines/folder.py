@@ -28,7 +28,7 @@ import inspect
 import json
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,20 +156,19 @@ def weights_of(spec: ComponentSpec) -> Path:
     )
 
 
-def module_classes(index: FolderIndex) -> dict[str, type]:
-    """The components of ``index`` that are ``nn.Module`` classes, by name."""
-    out: dict[str, type] = {}
+def module_components(index: FolderIndex) -> dict[str, tuple[ComponentSpec, type]]:
+    """The components of ``index`` whose classes are ``nn.Module`` s, by name, with them."""
+    out: dict[str, tuple[ComponentSpec, type]] = {}
     for spec in index.components:
         cls = import_class(spec.library, spec.class_name, f"{index.root / INDEX}: {spec.name}")
         if isinstance(cls, type) and issubclass(cls, nn.Module):
-            out[spec.name] = cls
+            out[spec.name] = (spec, cls)
     return out
 
 
-def open_checkpoint(index: FolderIndex, names: list[str]) -> Checkpoint:
-    """One :class:`Checkpoint` over the weights of components ``names``, prefixed by name."""
-    by_name = {s.name: s for s in index.components}
-    return Checkpoint({n: weights_of(by_name[n]) for n in names})
+def open_checkpoint(specs: Iterable[ComponentSpec]) -> Checkpoint:
+    """One :class:`Checkpoint` over the weights of ``specs``, each prefixed by its name."""
+    return Checkpoint({s.name: weights_of(s) for s in specs})
 
 
 # ----------------------------------------------------------------------------- building
@@ -329,29 +328,25 @@ def _retype(
                 t.data = torch.empty_like(t.data, dtype=want)
 
 
-def spec_library(index: FolderIndex, name: str) -> str:
-    """The library of component ``name``."""
-    return next(s.library for s in index.components if s.name == name)
-
-
 def build_modules(
-    index: FolderIndex, ckpt: Checkpoint, torch_dtype: torch.dtype | None
+    components: Mapping[str, tuple[ComponentSpec, type]],
+    ckpt: Checkpoint,
+    torch_dtype: torch.dtype | None,
 ) -> dict[str, nn.Module]:
-    """Every ``nn.Module`` component of ``index`` built with its parameters on ``meta``, each
-    tensor in the dtype it will run in (see [Note: pipeline folders])."""
+    """Every ``nn.Module`` component (:func:`module_components`) built with its parameters
+    on ``meta``, each tensor in the dtype it will run in (see [Note: pipeline folders])."""
     out: dict[str, nn.Module] = {}
-    for name, cls in module_classes(index).items():
+    for name, (spec, cls) in components.items():
         dtype = torch_dtype if torch_dtype is not None else _stored_dtype(ckpt, name)
         if torch_dtype is None and dtype.itemsize < 2:
             dtype = torch.float32  # built in float32; the tensors keep their stored dtypes
-        path = next(s.path for s in index.components if s.name == name)
         try:
-            model = _build_one(cls, path, dtype)
+            model = _build_one(cls, spec.path, dtype)
         except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
             raise CheckpointError(
-                f"{path}: cannot build {cls.__name__} from its config: {e}"
+                f"{spec.path}: cannot build {cls.__name__} from its config: {e}"
             ) from e
-        if spec_library(index, name) == "transformers":
+        if spec.library == "transformers":
             _rename_entries(ckpt, name, model)
         _retype(model, name, ckpt, torch_dtype, _keep_fp32(model, dtype))
         out[name] = model

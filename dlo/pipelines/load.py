@@ -108,9 +108,10 @@ def load_pipeline(
                 "folder holds its own weights; pass the offload config second"
             )
         index = folder.read_index(factory)
-        ckpt = folder.open_checkpoint(index, list(folder.module_classes(index)))
+        components = folder.module_components(index)
+        ckpt = folder.open_checkpoint(spec for spec, _ in components.values())
         try:
-            modules = folder.build_modules(index, ckpt, torch_dtype)
+            modules = folder.build_modules(components, ckpt, torch_dtype)
             pipe = folder.assemble(index, {**modules, **folder.load_others(index, modules)})
         except BaseException:
             ckpt.close()
