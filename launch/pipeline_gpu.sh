@@ -13,8 +13,9 @@ default_dir=/tmp/wan14b
 dir=${2:-$default_dir}
 shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
+# the carried wheels are installed with their bytecode, so no method pays its compilation
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=.:/tmp/site
 else

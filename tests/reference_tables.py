@@ -275,8 +275,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "without the copy engine",
         "pageable_blocks": 'blocks kept pageable under `pin_failure_policy="whole_block_fallback"`',
         "enable_time_s": "wall time of `enable`",
-        "fill_time_s": "of the enable: filling the host shards (from the model or the checkpoint file)",
-        "pin_time_s": "of the enable: pinning (registering) the host shards",
+        "fill_time_s": "of the enable: filling the host shards (from the model or the checkpoint file), each filled block pinned behind",
+        "pin_time_s": "of the enable: the pinning left after the last block was filled",
         "enable_peak_rss_nbytes": "the process's peak resident set size (VmHWM) read at the "
         "end of enable: a process-lifetime peak, not a delta",
         "policy": "`None` unless a setting was automatic; else the automatic policy's record "

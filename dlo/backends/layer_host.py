@@ -21,7 +21,7 @@ from dlo.config.parallel import ParallelConfig
 from dlo.host.mapped import MappedBlock
 from dlo.host.node_share import SharedBlock, share_host, sharers
 from dlo.host.packer import pack_block
-from dlo.host.region import HostRegion, PinReport
+from dlo.host.region import HostRegion, PinReport, RegionPins
 from dlo.host.shards import copy_back, unpack_tensor, written_tensors
 from dlo.io.materialize import mapped_source
 from dlo.journal import Journal
@@ -112,6 +112,8 @@ class LayerHost:
         self.shared: HostRegion | None = None
         """The node-shared host copy (see [Note: node-shared host copy] in
         :mod:`dlo.host.node_share`)."""
+        self._pins: RegionPins | None = None
+        """The private region's pinning, started while it is filled."""
         self.pageable: tuple[str, ...] = ()
         """Blocks every rank keeps pageable (``pin_failure_policy="whole_block_fallback"``)."""
 
@@ -133,6 +135,11 @@ class LayerHost:
         region = HostRegion(plan.region_nbytes)
         self.region = region
         journal.record("host region", region.close)
+        if self.config.pin_memory:  # each block pinned once filled, behind the next fills
+            pins = self._pins = region.pin_as_filled(
+                self.platform, budget_nbytes=plan.private_pin_budget_nbytes, blocks=plan.streamed
+            )
+            journal.record("pin behind fill", pins.cancel)
         for i, b in progress(
             enumerate(self.blocks), desc="dlo: host shards", total=len(self.blocks), unit="block"
         ):
@@ -145,6 +152,8 @@ class LayerHost:
             faults.check("host_fill")
             # pack_shard, or straight from the file for checkpoint-mapped tensors
             pack_block(region.view(i), b.layout, group_rank(b.stack.group_axis), b.tensors)
+            if self._pins is not None:
+                self._pins.filled(i)
             if b.layout.group_size == 1:
                 self.release(b, journal)
 
@@ -166,14 +175,12 @@ class LayerHost:
                 "memory, .to() new memory or an in-place write changes it)"
             )
 
-    def pin(self, plan: LayerPlan) -> PinReport | None:
-        """Pin the streamed blocks of the private region within the plan's budget."""
-        if not self.config.pin_memory:
+    def pin(self) -> PinReport | None:
+        """Finish pinning the streamed blocks of the private region within the plan's budget
+        (started by :meth:`prepare`, each block as soon as it was filled)."""
+        if self._pins is None:
             return None
-        assert self.region is not None
-        return self.region.pin(
-            self.platform, budget_nbytes=plan.private_pin_budget_nbytes, blocks=plan.streamed
-        )
+        return self._pins.finish()
 
     def keep_pageable(
         self, region: HostRegion | None, blocks: Sequence[LayerBlock], names: tuple[str, ...]

@@ -31,9 +31,10 @@ class LayerState:
     """Device bytes of the non-block state dlo moved there."""
     enable_time_s: float = 0.0
     fill_time_s: float = 0.0
-    """Of the enable: filling the host shards (from the model or the checkpoint file)."""
+    """Of the enable: filling the host shards (from the model or the checkpoint file), with
+    the pinning of each filled block running behind."""
     pin_time_s: float = 0.0
-    """Of the enable: pinning (registering) them."""
+    """Of the enable: the pinning left after the last block was filled."""
     enable_peak_rss: int = 0
     policy: dict[str, Any] | None = None
     """The automatic policy's record (``stats()["policy"]``), None without one."""

@@ -293,7 +293,7 @@ class LayerwiseBackend(OffloadBackend):
                 ),
             )
             t_pin = time.perf_counter()
-            pin = host.pin(layer)
+            pin = host.pin()
             state.fill_time_s, state.pin_time_s = t_pin - t_fill, time.perf_counter() - t_pin
             if pin is not None:
                 report.unpinned_blocks = tuple(blocks[i].name for i in pin.unpinned_blocks)

@@ -183,6 +183,7 @@ def step_times(marks: list[float]) -> dict[str, Any]:
 
 def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     """``dlo run --pipeline``: see the module docstring."""
+    entered = time.time()
     from dlo.parallel.groups import init, shutdown
     from dlo.pipelines.folder import read_index
     from dlo.pipelines.load import load_pipeline
@@ -208,6 +209,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     par = ParallelConfig(data_parallel_size=torchrun_env().world_size)
     world = init(par, device=device)
     platform = get_platform(device)
+    init_s = time.time() - entered
     rank0 = world.rank == 0
     if rank0:  # the load's phases (build, fill, enable) on stderr
         logging.getLogger("dlo.pipelines.load").setLevel(logging.INFO)
@@ -223,6 +225,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     kw = call_kwargs(args, pipe, world.rank, device)
     platform.reset_peak_memory_stats()
 
+    called = time.time()
     images, marks, wall = timed_call(pipe, kw, platform)
     pipeline_class = type(pipe).__name__
     stats = backend.stats() if backend is not None else {}
@@ -255,7 +258,13 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         "prompt": kw["prompt"],
         "seed": args.seed + world.rank,
         **step_times(marks),
+        # the cold start's phases: process start to dlo's entry (interpreter, imports), the
+        # process group and the device, the load, the call to its first DiT forward (the
+        # text encoders, first kernels)
+        "startup_s": entered - process_start_time(),
+        "init_s": init_s,
         "load_s": load_s,
+        "to_first_forward_s": (marks[0] - called) if marks else 0.0,
         "enable_s": stats.get("enable_time_s", 0.0),
         "fill_s": stats.get("fill_time_s", 0.0),
         "pin_s": stats.get("pin_time_s", 0.0),

@@ -24,7 +24,7 @@ import os
 import stat
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -150,43 +150,26 @@ class HostRegion:
         num_workers: int = 4,
         blocks: Sequence[int] | None = None,
     ) -> PinReport:
-        """Page-lock every block's range (or those of ``blocks``) until the budget is used.
+        """Page-lock every block's range (or those of ``blocks``) until the budget is used:
+        :meth:`pin_as_filled` with every block already filled."""
+        return self.pin_as_filled(
+            platform, budget_nbytes=budget_nbytes, num_workers=num_workers, blocks=blocks
+        ).finish()
 
-        Which blocks fit the budget is decided first, in block order (each block whole);
-        those are registered by ``num_workers`` threads (registration is per block and
-        mostly kernel page walking, which runs in parallel). If a registration fails, the
-        budget it left unused goes to the blocks that did not fit, again in block order.
-        Blocks that do not fit the budget or whose registration fails stay pageable and are
-        listed in the report; the caller decides (alone or group-wide) what that means.
-        """
-        wanted = range(len(self.block_nbytes)) if blocks is None else sorted(blocks)
-        report = PinReport(requested_blocks=len(wanted))
-        if not platform.can_pin:
-            return report
-        self._platform = platform
-        used = self.charged_pinned_nbytes
-        chosen: list[int] = []
-        for i in wanted:
-            n = self._charge(i)
-            if n == 0 or self._pinned[i]:
-                continue
-            if budget_nbytes is not None and used + n > budget_nbytes:
-                report.over_budget_blocks.append(i)
-                continue
-            chosen.append(i)
-            used += n
-        used -= sum(self._charge(i) for i in self._register(chosen, report, num_workers))
-        retry, report.over_budget_blocks = report.over_budget_blocks, []
-        for i in retry:  # only after a failed registration freed some budget
-            n = self._charge(i)
-            if budget_nbytes is not None and used + n > budget_nbytes:
-                report.over_budget_blocks.append(i)
-                continue
-            if not self._register([i], report, 1):
-                used += n
-        report.pinned_blocks.sort()
-        report.failed_blocks.sort()
-        return report
+    def pin_as_filled(
+        self,
+        platform: Platform,
+        *,
+        budget_nbytes: int | None = None,
+        num_workers: int = 4,
+        blocks: Sequence[int] | None = None,
+    ) -> RegionPins:
+        """Start pinning the blocks (all, or ``blocks``) that fit the budget, each as soon as
+        the caller says it is filled (:meth:`RegionPins.filled`), on ``num_workers`` threads:
+        registration is mostly kernel page walking, which overlaps the filling of the next
+        blocks. :meth:`RegionPins.finish` waits and returns the report; the caller must call
+        it, or :meth:`RegionPins.cancel` on failure, before closing the region."""
+        return RegionPins(self, platform, budget_nbytes, num_workers, blocks)
 
     def _charge(self, index: int) -> int:
         """What pinning block ``index`` costs this rank's budget: its share of the bytes."""
@@ -197,35 +180,22 @@ class HostRegion:
         """This rank's share of the pinned bytes (all of them unless the region is shared)."""
         return sum(self._charge(i) for i, p in enumerate(self._pinned) if p)
 
-    def _register(self, blocks: list[int], report: PinReport, num_workers: int) -> list[int]:
-        """Register ``blocks``; returns those that failed."""
+    def _register_one(self, index: int) -> bool:
         assert self._platform is not None
-        platform = self._platform
+        faults.check("pin_allocation")
+        return self._platform.register_host(self.view(index))
 
-        def one(i: int) -> bool:
-            faults.check("pin_allocation")
-            return platform.register_host(self.view(i))
-
-        if num_workers > 1 and len(blocks) > 1:
-            with ThreadPoolExecutor(max_workers=min(num_workers, len(blocks))) as pool:
-                futures = [pool.submit(one, i) for i in blocks]
-                outcomes: list[bool | BaseException] = []
-                for f in futures:  # wait for all, so nothing is registered behind our back
-                    try:
-                        outcomes.append(f.result())
-                    except BaseException as e:
-                        outcomes.append(e)
-        else:
-            outcomes = []
-            for i in blocks:
-                try:
-                    outcomes.append(one(i))
-                except BaseException as e:
-                    outcomes.append(e)
-                    break
+    def _record(
+        self, blocks: Sequence[int], outcomes: dict[int, bool | BaseException], report: PinReport
+    ) -> list[int]:
+        """Record the registrations of ``blocks`` (``outcomes``: True, False for a refusal,
+        or the exception raised; a block without one was not tried); returns those that
+        failed, or raises the first exception once every success is recorded (``close()``
+        unregisters them)."""
         failed: list[int] = []
         error: BaseException | None = None
-        for i, ok in zip(blocks, outcomes):
+        for i in blocks:
+            ok = outcomes.get(i)
             if ok is True:
                 self._pinned[i] = True
                 LEDGER.add(pinned=self.block_nbytes[i])
@@ -233,10 +203,10 @@ class HostRegion:
             elif ok is False:
                 report.failed_blocks.append(i)
                 failed.append(i)
-            elif error is None:
+            elif ok is not None and error is None:
                 error = ok
         if error is not None:
-            raise error  # the registered blocks are recorded: close() unregisters them
+            raise error
         return failed
 
     def unpin(self, blocks: Sequence[int] | None = None) -> None:
@@ -260,6 +230,118 @@ class HostRegion:
         # user) keeps the mapping alive through torch.frombuffer's reference, and the pages
         # go back to the OS when the last view dies. Closing here would leave views dangling.
         self._mmap = None
+
+
+class RegionPins:
+    """Pinning of a region's blocks while the region is filled (see
+    :meth:`HostRegion.pin_as_filled`).
+
+    Which blocks fit the budget is decided first, in block order (each block whole). If a
+    registration fails, the budget it left unused goes, at :meth:`finish`, to the blocks
+    that did not fit, again in block order. Blocks that do not fit the budget or whose
+    registration fails stay pageable and are listed in the report; the caller decides
+    (alone or group-wide) what that means.
+    """
+
+    def __init__(
+        self,
+        region: HostRegion,
+        platform: Platform,
+        budget_nbytes: int | None,
+        num_workers: int,
+        blocks: Sequence[int] | None,
+    ) -> None:
+        wanted = range(len(region.block_nbytes)) if blocks is None else sorted(blocks)
+        self.region = region
+        self.budget_nbytes = budget_nbytes
+        self.report = PinReport(requested_blocks=len(wanted))
+        self.chosen: list[int] = []
+        self._used = region.charged_pinned_nbytes
+        if platform.can_pin:
+            region._platform = platform
+            for i in wanted:
+                n = region._charge(i)
+                if n == 0 or region._pinned[i]:
+                    continue
+                if budget_nbytes is not None and self._used + n > budget_nbytes:
+                    self.report.over_budget_blocks.append(i)
+                    continue
+                self.chosen.append(i)
+                self._used += n
+        self._wanted = set(self.chosen)
+        self._futures: dict[int, Future[bool]] = {}
+        self._outcomes: dict[int, bool | BaseException] = {}
+        self._pool = (
+            ThreadPoolExecutor(max_workers=min(num_workers, len(self.chosen)))
+            if num_workers > 1 and len(self.chosen) > 1
+            else None
+        )
+        self._done = False
+
+    def filled(self, index: int) -> None:
+        """Block ``index`` holds its bytes: register it (on a worker thread, or here with one
+        worker; with one worker nothing more is tried after a registration raised)."""
+        if self._done or index not in self._wanted:
+            return
+        self._wanted.discard(index)
+        if self._pool is not None:
+            self._futures[index] = self._pool.submit(self.region._register_one, index)
+        elif not any(isinstance(o, BaseException) for o in self._outcomes.values()):
+            try:
+                self._outcomes[index] = self.region._register_one(index)
+            except BaseException as e:
+                self._outcomes[index] = e
+
+    def _wait(self) -> None:
+        for i, f in self._futures.items():  # all of them: nothing registered behind our back
+            try:
+                self._outcomes[i] = f.result()
+            except BaseException as e:
+                self._outcomes[i] = e
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def finish(self) -> PinReport:
+        """Register the chosen blocks not yet filled, wait for every registration and return
+        the report (raises the first registration error, with every success recorded)."""
+        assert not self._done, "pinning already finished"
+        for i in list(self.chosen):
+            self.filled(i)
+        self._wait()
+        self._done = True
+        region, report = self.region, self.report
+        self._used -= sum(
+            region._charge(i) for i in region._record(self.chosen, self._outcomes, report)
+        )
+        retry, report.over_budget_blocks = report.over_budget_blocks, []
+        for i in retry:  # only after a failed registration freed some budget
+            n = region._charge(i)
+            if self.budget_nbytes is not None and self._used + n > self.budget_nbytes:
+                report.over_budget_blocks.append(i)
+                continue
+            try:
+                outcome: bool | BaseException = region._register_one(i)
+            except BaseException as e:
+                outcome = e
+            if not region._record([i], {i: outcome}, report):
+                self._used += n
+        report.pinned_blocks.sort()
+        report.failed_blocks.sort()
+        return report
+
+    def cancel(self) -> None:
+        """Stop: registrations not started are dropped, running ones waited for, and every
+        success recorded (so ``close()`` unregisters it). Idempotent; a no-op after
+        :meth:`finish`."""
+        if self._done:
+            return
+        self._done = True
+        for f in self._futures.values():
+            f.cancel()
+        self._wait()
+        with contextlib.suppress(BaseException):
+            self.region._record(self.chosen, self._outcomes, PinReport())
 
 
 def _anonymous(nbytes: int) -> mmap.mmap:

@@ -48,26 +48,21 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from dlo.io.checkpoint import Checkpoint, CheckpointError, bytes_of
+from dlo.io.checkpoint import Checkpoint, CheckpointError
+from dlo.io.reads import read_copies
 from dlo.journal import Journal
-from dlo.platform.env import copied_on_write, cpu_share
-from dlo.platform.progress import progress_bar
+from dlo.platform.env import copied_on_write
 
 logger = logging.getLogger(__name__)
 
 
 _MAX_LISTED = 12
-
-COPY_READERS = max(2, min(8, cpu_share()))
-"""Copied tensors read (and moved to the device) at a time: a few hundred MB each at most
-in flight, so the peak RSS grows by little."""
 
 
 @dataclass(eq=False)
@@ -318,45 +313,6 @@ def _file_served(ckpt: Checkpoint, name: str) -> torch.Tensor:
     return torch.empty(e.shape, dtype=e.dtype)  # pages untouched: no RSS until written
 
 
-def _read_copy(ckpt: Checkpoint, target: _Target, device: torch.device | str) -> torch.Tensor:
-    """``target``'s tensor in its own memory on ``device``, read with ``pread`` (nothing of
-    the file is mapped into the process)."""
-    old = target.tensor
-    e = ckpt.entries[target.source]
-    host = torch.empty(e.shape, dtype=e.dtype)
-    if e.nbytes:
-        ckpt.read_into(target.source, 0, bytes_of(host.reshape(-1).view(torch.uint8)))
-    if old.is_contiguous() and old.dtype == host.dtype and torch.device(device).type == "cpu":
-        return host
-    data = torch.empty_strided(
-        tuple(old.shape), tuple(old.stride()), dtype=old.dtype, device=device
-    )
-    data.copy_(host)
-    return data
-
-
-def _read_copies(
-    ckpt: Checkpoint, jobs: list[tuple[_Target, torch.device | str]]
-) -> list[torch.Tensor]:
-    """:func:`_read_copy` of every job, several at a time (``pread`` and the copy to the
-    device release the GIL), in order. Every job has finished, or failed, before this
-    returns or raises: nothing is installed until all are read."""
-    if len(jobs) < 2:
-        return [_read_copy(ckpt, t, d) for t, d in jobs]
-    total = sum(ckpt.entries[t.source].nbytes for t, _ in jobs)
-    bar = progress_bar(total=total, desc="dlo: reading weights", unit="B", unit_scale=True)
-    pool = ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs)))
-    try:
-        futures = {pool.submit(_read_copy, ckpt, t, d): t for t, d in jobs}
-        for done in as_completed(futures):
-            done.result()  # the first failure stops the rest (cancelled, running ones waited)
-            bar.update(ckpt.entries[futures[done].source].nbytes)
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
-    return [f.result() for f in futures]
-
-
 def _install(target: _Target, data: torch.Tensor, journal: Journal) -> torch.Tensor:
     """Give ``target`` the bytes of ``data``; returns the tensor now in the model."""
     old = target.tensor
@@ -420,7 +376,8 @@ def materialize(
             report.copy_reasons[target.name] = reason
     # a streamed block's tensor waits on the host for its packing, never on the device
     for (target, _, _), data in zip(
-        copies, _read_copies(ckpt, [(t, "cpu" if b else device) for t, b, _ in copies])
+        copies,
+        read_copies(ckpt, [(t.source, t.tensor, "cpu" if b else device) for t, b, _ in copies]),
     ):
         _install(target, data, journal)
     modules: list[nn.Module] = []

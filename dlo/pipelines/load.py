@@ -146,7 +146,7 @@ def load_pipeline(
     logger.info(
         "dlo: loaded %s from %s in %.2fs (peak RSS %.2f GiB)",
         type(pipe).__name__,
-        ckpt.files[0] if ckpt.files else checkpoint,
+        os.fspath(factory) if isinstance(factory, (str, os.PathLike)) else ckpt.files[0],
         time.perf_counter() - t0,
         process_peak_rss_bytes() / (1 << 30),
     )

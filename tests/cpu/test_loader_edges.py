@@ -244,3 +244,36 @@ def test_a_meta_skeletons_parameter_class_and_attributes_are_kept(ckpt: str) -> 
     assert type(pipe.head.weight) is _TaggedParameter
     assert getattr(pipe.embed.weight, "no_weight_decay", False) is True
     assert torch.equal(pipe.head.weight, _model().head.weight)
+
+
+@pytest.mark.parametrize("stage_nbytes", [7, 64, 1 << 20])
+def test_a_staged_read_gives_the_stored_bytes_cast_and_strided(
+    tmp_path: Path, stage_nbytes: int
+) -> None:
+    """The staged device read (its CPU twin: same code, a host stage): pieces smaller than,
+    not dividing, and larger than the tensor; the skeleton's dtype and strides applied."""
+    from dlo.io.reads import read_copy
+
+    g = torch.Generator().manual_seed(0)
+    stored = {
+        "w": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4, dtype=torch.bfloat16),
+    }
+    from safetensors.torch import save_file
+
+    path = tmp_path / "m.safetensors"
+    save_file(stored, str(path))
+    ck = Checkpoint(str(path))
+    stage = torch.empty(stage_nbytes, dtype=torch.uint8)
+    try:
+        for name, ref in stored.items():
+            same = read_copy(ck, (name, torch.empty_like(ref), "cpu"), stage)
+            assert same.dtype == ref.dtype and torch.equal(same, ref)
+            cast = read_copy(ck, (name, torch.empty(ref.shape, dtype=torch.float32), "cpu"), stage)
+            assert cast.dtype == torch.float32 and torch.equal(cast, ref.float())
+        strided = torch.empty(17, 33, dtype=torch.float32).t()  # column-major in the model
+        got = read_copy(ck, ("w", strided, "cpu"), stage)
+        assert got.stride() == strided.stride() and torch.equal(got, stored["w"].float())
+    finally:
+        ck.close()

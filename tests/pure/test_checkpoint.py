@@ -391,3 +391,69 @@ def test_failed_registration_frees_budget_for_skipped_blocks() -> None:
     assert region.pinned_nbytes <= 8192
     region.close()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+class _Watching(_Pins):
+    """Records the first byte of each block when it is registered."""
+
+    def __init__(self, fail: set[int], sizes: list[int]) -> None:
+        super().__init__(fail, sizes)
+        self.seen: dict[int, int] = {}
+
+    def register_host(self, tensor: torch.Tensor) -> bool:
+        self.seen[tensor.numel()] = int(tensor[0])
+        return super().register_host(tensor)
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_pinning_as_filled_registers_each_block_after_its_fill(workers: int) -> None:
+    sizes = [4096, 8192, 12288, 16384]
+    region = HostRegion(sizes)
+    platform = _Watching(set(), sizes)
+    pins = region.pin_as_filled(platform, budget_nbytes=4096 + 8192 + 12288, num_workers=workers)
+    assert pins.chosen == [0, 1, 2]  # block 3 does not fit the budget
+    for i in range(len(sizes)):
+        assert sizes[i] not in platform.seen  # nothing registered before its fill
+        region.view(i).fill_(i + 1)
+        pins.filled(i)
+    report = pins.finish()
+    assert report.pinned_blocks == [0, 1, 2] and report.over_budget_blocks == [3]
+    assert platform.seen == {4096: 1, 8192: 2, 12288: 3}  # each saw its own bytes
+    assert LEDGER.pinned_nbytes == region.pinned_nbytes == 4096 + 8192 + 12288
+    pins.cancel()  # a no-op after finish (the journal's undo may still run it)
+    assert region.pinned_nbytes == 4096 + 8192 + 12288
+    region.close()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_cancelled_pinning_records_what_was_registered() -> None:
+    sizes = [4096, 8192, 12288]
+    region = HostRegion(sizes)
+    pins = region.pin_as_filled(_Pins(set(), sizes), num_workers=4)
+    pins.filled(1)  # the fill of block 2 failed: the rollback cancels
+    pins.cancel()
+    assert region.pinned_nbytes == 8192 and LEDGER.pinned_nbytes == 8192
+    with pytest.raises(AssertionError, match="already finished"):
+        pins.finish()
+    region.close()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_a_registration_error_is_raised_at_finish_with_the_successes_recorded() -> None:
+    sizes = [4096, 8192, 12288]
+
+    class Raising(_Pins):
+        def register_host(self, tensor: torch.Tensor) -> bool:
+            if tensor.numel() == 8192:
+                raise RuntimeError("driver gone")
+            return True
+
+    region = HostRegion(sizes)
+    pins = region.pin_as_filled(Raising(set(), sizes), num_workers=4)
+    for i in range(3):
+        pins.filled(i)
+    with pytest.raises(RuntimeError, match="driver gone"):
+        pins.finish()
+    assert region.pinned_nbytes == 4096 + 12288
+    region.close()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
