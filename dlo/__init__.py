@@ -13,7 +13,8 @@ from dlo.config.parallel import ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.registry import HookRegistry
-from dlo.io.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from dlo.io.checkpoint import Checkpoint, CheckpointError
+from dlo.io.writer import save_checkpoint
 from dlo.pipelines.load import load_pipeline
 from dlo.plan.declarations import OffloadPlan, SupportsComponentDiscovery, SupportsModelOffload
 from dlo.plan.topology import BlockStack, ResolvedOffloadPlan, resolve_offload_plan

@@ -4,7 +4,8 @@
 # one process per method so each cold start is its own. Reports land in OUT as JSON.
 #   bash launch/pipeline_gpu.sh OUT [DIR] [extra flags for every method]
 # LIKE (default wan2.1-t2v-14b) picks the folder save-pipeline writes when DIR is missing,
-# SIZES its call sizes (default Wan's 480p x 81 frames; flux.1-dev: "--height 1024 --width 1024").
+# SIZES its call sizes (default Wan's 480p x 81 frames; flux.1-dev: "--height 1024 --width 1024"),
+# DLO_RUNS how many times dlo runs (dlo.json, dlo2.json, ...), ONLY_DLO=1 skips the peers.
 set -uo pipefail
 out=${1:?usage: pipeline_gpu.sh OUT [DIR] [flags]}
 shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
@@ -37,7 +38,10 @@ run() {  # name, limit_s, command...
   timeout "$limit" /usr/bin/time -v "$@" > "$out/$name.json" 2> "$out/$name.err" || { rc=1; tail -25 "$out/$name.err"; }
   grep -E '"(step_ms_median|first_step_ms|cold_start_s|load_s|peak_rss_nbytes|hbm_peak_nbytes|parity)"' "$out/$name.json" | tr -d '\n '; echo " <- $name"
 }
-run dlo "${DLO_LIMIT_S:-170}" python3 -m dlo run --pipeline "$dir" "${flags[@]}" --json --output /tmp/frames
+for i in $(seq 1 "${DLO_RUNS:-1}"); do  # dlo, dlo2, ...: run-to-run spread
+  run "dlo${i#1}" "${DLO_LIMIT_S:-170}" python3 -m dlo run --pipeline "$dir" "${flags[@]}" --json --output /tmp/frames
+done
+[ -n "${ONLY_DLO:-}" ] && exit $rc
 run diffusers-group "${GROUP_LIMIT_S:-220}" python3 -m dlo.bench.pipeline_peers "$dir" --method diffusers-group "${flags[@]}"
 run resident "${RESIDENT_LIMIT_S:-170}" python3 -m dlo.bench.pipeline_peers "$dir" --method resident "${flags[@]}"
 exit $rc

@@ -76,6 +76,8 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
             "--host-backing mapped reads blocks from the checkpoint: it needs --checkpoint "
             "(with --checkpoint-load mapped)"
         )
+    if args.verify_checksum and args.checkpoint is None:
+        raise ValueError("--verify-checksum checks what is read from --checkpoint: give one")
     world = init(par, device=device)
     platform = get_platform(device)
     rank0 = world.rank == 0
@@ -95,6 +97,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
             par,
             device,
             copy=args.checkpoint_load == "copy",
+            verify_checksum=args.verify_checksum,
             prepare=(
                 (lambda p: shard_non_block(p, cfg, par, device_type=device.type))
                 if par.use_hsdp and cfg.mode == "layer"

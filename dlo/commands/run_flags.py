@@ -148,6 +148,13 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         "pageable copy first (for comparison)",
     )
     r.add_argument(
+        "--verify-checksum",
+        action="store_true",
+        help="check every byte read from --checkpoint or --pipeline against the checksums "
+        "dlo save-checkpoint wrote with it (corrupted data is refused; files without "
+        "checksums too)",
+    )
+    r.add_argument(
         "--host-backing",
         default="region",
         choices=HOST_BACKINGS,

@@ -215,7 +215,12 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         logging.getLogger("dlo.pipelines.load").setLevel(logging.INFO)
     t0 = time.perf_counter()
     pipe, backend = load_pipeline(
-        args.pipeline, cfg, parallel=par, device=device, torch_dtype=dtype
+        args.pipeline,
+        cfg,
+        parallel=par,
+        device=device,
+        torch_dtype=dtype,
+        verify_checksum=args.verify_checksum,
     )
     load_s = time.perf_counter() - t0
     for dit in dits_of(pipe):

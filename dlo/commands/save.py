@@ -24,7 +24,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
 
 def save(args: argparse.Namespace) -> int:
     """``dlo save-checkpoint``: the embedded pipeline's weights as safetensors."""
-    from dlo.io.checkpoint import save_checkpoint
+    from dlo.io.writer import save_checkpoint
     from dlo.models import build_pipeline
 
     if not math.isfinite(args.shard_gb) or args.shard_gb <= 0:

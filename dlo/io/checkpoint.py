@@ -30,11 +30,12 @@ import stat
 import struct
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from dlo.io import checksums
 from dlo.io.header_checks import (
     CheckpointError,
     _check_disjoint,
@@ -87,6 +88,9 @@ class TensorEntry:
     start: int
     """Absolute byte offset of the tensor's data in ``file``."""
     nbytes: int
+    checksums: tuple[int, tuple[str, ...]] | None = None
+    """``(piece_nbytes, digests)`` written with the data (see [Note: checkpoint checksums]
+    in :mod:`dlo.io.checksums`), or None."""
 
     @property
     def end(self) -> int:
@@ -155,6 +159,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{p}: tensor {name!r}: data past the end of the file")
         out[name] = TensorEntry(name, p, dtype, shape_t, base + begin, expected)
     _check_disjoint(p, out)
+    sums = checksums.parse(p, header.get("__metadata__"), {n: e.nbytes for n, e in out.items()})
+    if sums:
+        out = {n: replace(e, checksums=(sums[n][0], tuple(sums[n][1]))) for n, e in out.items()}
     return out
 
 
@@ -205,10 +212,14 @@ class Checkpoint:
             ``*.safetensors.index.json``), or a mapping ``{prefix: path}`` whose tensors are
             named ``prefix + "." + name`` (a diffusers-style folder per component); the
             prefix ``""`` adds nothing.
+        verify_checksum: check every byte read with :meth:`read_into` against the checksums
+            dlo's writer stored with it (see [Note: checkpoint checksums]); every file must
+            have them.
 
     Raises:
-        CheckpointError: a bad file, a tensor in two files, or an index that disagrees with
-            the headers (see [Note: safetensors format]).
+        CheckpointError: a bad file, a tensor in two files, an index that disagrees with
+            the headers (see [Note: safetensors format]), or, with ``verify_checksum``, a
+            file without checksums.
 
     Example:
         >>> ckpt = Checkpoint("out/model.safetensors.index.json")
@@ -217,7 +228,10 @@ class Checkpoint:
     """
 
     def __init__(
-        self, sources: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]]
+        self,
+        sources: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
+        *,
+        verify_checksum: bool = False,
     ) -> None:
         if isinstance(sources, Mapping):
             items = [(str(k), Path(v)) for k, v in sources.items()]
@@ -233,9 +247,16 @@ class Checkpoint:
                     raise CheckpointError(
                         f"tensor {full!r} is stored twice: in {other.file} and in {entry.file}"
                     )
-                self.entries[full] = TensorEntry(
-                    full, entry.file, entry.dtype, entry.shape, entry.start, entry.nbytes
-                )
+                self.entries[full] = replace(entry, name=full)
+        self.verify_checksum = verify_checksum
+        unchecked = sorted({str(e.file) for e in self.entries.values() if e.checksums is None})
+        if verify_checksum and unchecked:
+            raise CheckpointError(
+                f"verify_checksum=True, but {', '.join(unchecked[:4])} "
+                f"{'has' if len(unchecked) == 1 else 'have'} no dlo checksums (files written "
+                "by dlo save-checkpoint have them); load without verify_checksum"
+            )
+        self._verified = checksums.Verified()
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
@@ -310,14 +331,26 @@ class Checkpoint:
             fd = self._fds.get(e.file)
             if fd is None:
                 fd = self._fds[e.file] = os.open(e.file, os.O_RDONLY)
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], e.start + offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{e.file}: short read of tensor {name!r} (file changed?)")
-            done += n
-        with self._lock:
-            self.read_nbytes += done
+
+        def pread(at: int, buf: memoryview) -> None:
+            done = 0
+            while done < len(buf):
+                n = os.preadv(fd, [buf[done:]], e.start + at + done)
+                if n <= 0:
+                    raise CheckpointError(
+                        f"{e.file}: short read of tensor {name!r} (file changed?)"
+                    )
+                done += n
+            with self._lock:
+                self.read_nbytes += done
+
+        if self.verify_checksum:
+            assert e.checksums is not None
+            checksums.read_verified(
+                pread, str(e.file), name, e.nbytes, e.checksums, offset, out, self._verified
+            )
+        else:
+            pread(offset, out)
 
     def is_aligned(self, name: str) -> bool:
         e = self.entries[name]
@@ -349,86 +382,6 @@ class Checkpoint:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)
-
-
-# ----------------------------------------------------------------------------- writing
-def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
-    # largest itemsize first: every data offset is aligned to its dtype (as safetensors does)
-    tensors = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for _name, t in tensors:
-            if t.numel():
-                data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(bytes_of(data))
-    os.replace(tmp, path)
-
-
-def save_checkpoint(
-    module: torch.nn.Module,
-    out_dir: str | os.PathLike[str],
-    *,
-    max_shard_nbytes: int = 4 << 30,
-    basename: str = "model",
-) -> Path:
-    """Write ``module``'s state dict as safetensors, one tensor at a time (no second copy).
-
-    Tied tensors are written once, under their first name; non-persistent buffers are not
-    written. With more than ``max_shard_nbytes`` of tensors the checkpoint is sharded
-    (``{basename}-00001-of-0000N.safetensors`` and ``{basename}.safetensors.index.json``).
-
-    Returns:
-        The path to pass to :class:`Checkpoint` (the file, or the index).
-
-    Example:
-        >>> save_checkpoint(build_pipeline("tiny"), "/tmp/tiny")
-        PosixPath('/tmp/tiny/model.safetensors')
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    seen: set[int] = set()
-    items: list[tuple[str, torch.Tensor]] = []
-    for name, t in module.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        items.append((name, t))
-    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
-    used = 0
-    for name, t in items:
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and used + nbytes > max_shard_nbytes:
-            shards.append([])
-            used = 0
-        shards[-1].append((name, t))
-        used += nbytes
-    if len(shards) == 1:
-        path = out / f"{basename}.safetensors"
-        _write_file(path, shards[0])
-        return path
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        fname = f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_file(out / fname, shard)
-        weight_map.update((n, fname) for n, _ in shard)
-    index = out / f"{basename}.safetensors.index.json"
-    total = sum(t.numel() * t.element_size() for _, t in items)
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return index
 
 
 def bytes_of(t: torch.Tensor) -> memoryview:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from dlo.io.checkpoint import Checkpoint, CheckpointError
-from dlo.io.reads import read_copies
+from dlo.io.reads import PendingReads, read_copies
 from dlo.journal import Journal
 from dlo.platform.env import copied_on_write
 
@@ -101,6 +101,10 @@ class LoadReport:
     copied_nbytes: int = 0
     copy_reasons: dict[str, str] = field(default_factory=dict)
     """Tensor name -> why it was copied instead of mapped."""
+    pending: PendingReads | None = None
+    """With ``materialize(defer_reads=True)``: the reads of the copied tensors that are not
+    block tensors, still running into the tensors already in the model; wait before anything
+    reads them."""
 
 
 def _join(names: list[str]) -> str:
@@ -344,6 +348,7 @@ def materialize(
     *,
     mapped: Callable[[str], bool] = lambda name: False,
     device: torch.device | str = "cpu",
+    defer_reads: bool = False,
 ) -> LoadReport:
     """Give every tensor of the skeleton its bytes (see [Note: loading from a checkpoint]).
 
@@ -353,6 +358,12 @@ def materialize(
         mapped: which tensors (by state-dict name) alias the checkpoint mapping: the ones a
             backend packs into host shards. The others are copied to ``device``.
         device: where copied tensors are allocated.
+        defer_reads: return while the copied tensors other than block tensors (those go to
+            ``device``) are still being read into the tensors installed for them
+            (``report.pending``): the caller overlaps them with work that does not read
+            them (the layerwise enable, filling the host shards from the file) and waits
+            before anything does; the journal cancels them on a rollback. Block tensors are
+            always read before this returns (the backend packs them).
     """
     report = LoadReport()
     ckpt = plan.checkpoint
@@ -375,10 +386,15 @@ def materialize(
         if reason != "copy requested":
             report.copy_reasons[target.name] = reason
     # a streamed block's tensor waits on the host for its packing, never on the device
-    for (target, _, _), data in zip(
-        copies,
-        read_copies(ckpt, [(t.source, t.tensor, "cpu" if b else device) for t, b, _ in copies]),
-    ):
+    jobs = [(t, b, (t.source, t.tensor, "cpu" if b else device)) for t, b, _ in copies]
+    later = [(t, j) for t, b, j in jobs if defer_reads and not b]
+    if later:  # started first: they run behind the block tensors' reads and the caller's work
+        report.pending = PendingReads(ckpt, [j for _, j in later])
+        journal.record("deferred reads", report.pending.cancel)
+        for (target, _), data in zip(later, report.pending.tensors):
+            _install(target, data, journal)
+    now = [(t, j) for t, b, j in jobs if not (defer_reads and not b)]
+    for (target, _), data in zip(now, read_copies(ckpt, [j for _, j in now])):
         _install(target, data, journal)
     modules: list[nn.Module] = []
     for module, local in plan.computed_buffers:

@@ -13,9 +13,11 @@ staging buffer the platform will not pin) the tensor is read into host memory an
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
@@ -78,55 +80,121 @@ def read_through(ckpt: Checkpoint, name: str, dst: torch.Tensor, stage: torch.Te
         dst[off : off + m].copy_(stage[:m])  # synchronous: the buffer is read again next
 
 
-def read_copy(ckpt: Checkpoint, job: ReadJob, stage: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor of ``job``, read with ``pread`` (through ``stage``, page-locked, for a
-    device; see [Note: staged device reads])."""
-    name, like, device = job
+def read_into_tensor(
+    ckpt: Checkpoint, name: str, dst: torch.Tensor, stage: torch.Tensor | None = None
+) -> None:
+    """Read entry ``name`` into ``dst`` (its shape; any dtype, strides and device), with
+    ``pread`` (through ``stage``, page-locked, for a device; see [Note: staged device
+    reads]); a cast or strided copy is made from the stored bytes where ``dst`` lives."""
     e = ckpt.entries[name]
-    on_cpu = torch.device(device).type == "cpu"
-    raw = torch.empty(e.shape, dtype=e.dtype, device="cpu" if stage is None else device)
+    on_cpu = dst.device.type == "cpu"
+    direct = dst.is_contiguous() and dst.dtype == e.dtype and (on_cpu or stage is not None)
+    raw = (
+        dst
+        if direct
+        else torch.empty(e.shape, dtype=e.dtype, device="cpu" if stage is None else dst.device)
+    )
     if e.nbytes:
         flat = raw.reshape(-1).view(torch.uint8)
         if stage is None:
             ckpt.read_into(name, 0, bytes_of(flat))
         else:
             read_through(ckpt, name, flat, stage)
-    if like.is_contiguous() and like.dtype == raw.dtype and (on_cpu or stage is not None):
-        return raw
+    if not direct:
+        dst.copy_(raw)
+
+
+def read_copy(ckpt: Checkpoint, job: ReadJob, stage: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor of ``job``, read into new memory (:func:`read_into_tensor`)."""
+    name, like, device = job
     data = torch.empty_strided(
         tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device=device
     )
-    data.copy_(raw)
+    read_into_tensor(ckpt, name, data, stage)
     return data
+
+
+class PendingReads:
+    """Copied tensors being read into their destinations, allocated up front
+    (:attr:`tensors`, in job order), on a pool of :data:`COPY_READERS` threads.
+
+    :meth:`wait` returns once every read has finished and raises the first failure (the
+    reads not started are then cancelled and the running ones waited for); :meth:`cancel`
+    stops them without raising. Either leaves no read running; both are idempotent.
+    """
+
+    def __init__(self, ckpt: Checkpoint, jobs: Sequence[ReadJob]) -> None:
+        self.ckpt = ckpt
+        self.tensors = [
+            torch.empty_strided(tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device=d)
+            for _, like, d in jobs
+        ]
+        platforms = {
+            t.device: get_platform(t.device) for t in self.tensors if t.device.type != "cpu"
+        }
+        self._stages = {d: _Stages(p) for d, p in platforms.items() if p.can_pin}
+        self._names = [name for name, _, _ in jobs]
+        self._futures: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self._bar: Any = None
+        self._done = False
+        if len(jobs) < 2:
+            return
+        total = sum(ckpt.entries[n].nbytes for n in self._names)
+        self._bar = progress_bar(
+            total=total, desc="dlo: reading weights", unit="B", unit_scale=True
+        )
+        self._pool = ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs)))
+        bar = self._bar
+        for n, t in zip(self._names, self.tensors):
+            f = self._pool.submit(self._read, n, t)
+            f.add_done_callback(functools.partial(_advance, bar, ckpt.entries[n].nbytes))
+            self._futures.append(f)
+
+    def _read(self, name: str, dst: torch.Tensor) -> None:
+        s = self._stages.get(dst.device)
+        read_into_tensor(self.ckpt, name, dst, s.get() if s is not None else None)
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        try:
+            if self._pool is None:
+                for n, t in zip(self._names, self.tensors):
+                    self._read(n, t)
+            for f in self._futures:
+                f.result()  # the first failure stops the rest (cancelled, running ones waited)
+        finally:
+            self._finish()
+
+    def cancel(self) -> None:
+        if self._done:
+            return
+        for f in self._futures:
+            f.cancel()
+        self._finish()
+
+    def _finish(self) -> None:
+        self._done = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._bar is not None:
+            self._bar.close()
+        for s in self._stages.values():
+            s.close()
+        self._futures, self._pool, self._bar, self._stages = [], None, None, {}
+
+
+def _advance(bar: Any, nbytes: int, _: Future[None]) -> None:
+    """A read's done-callback: the progress bar advances (no reference to the reads, so no
+    cycle through the futures)."""
+    bar.update(nbytes)
 
 
 def read_copies(ckpt: Checkpoint, jobs: Sequence[ReadJob]) -> list[torch.Tensor]:
     """:func:`read_copy` of every job, several at a time (``pread`` and the copy to the
     device release the GIL), in order. Every job has finished, or failed, before this
     returns or raises: nothing is installed until all are read."""
-    devices = {torch.device(d) for _, _, d in jobs if torch.device(d).type != "cpu"}
-    platforms = {d: get_platform(d) for d in devices}
-    stages = {d: _Stages(p) for d, p in platforms.items() if p.can_pin}
-
-    def one(job: ReadJob) -> torch.Tensor:
-        s = stages.get(torch.device(job[2]))
-        return read_copy(ckpt, job, s.get() if s is not None else None)
-
-    try:
-        if len(jobs) < 2:
-            return [one(j) for j in jobs]
-        total = sum(ckpt.entries[name].nbytes for name, _, _ in jobs)
-        bar = progress_bar(total=total, desc="dlo: reading weights", unit="B", unit_scale=True)
-        pool = ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs)))
-        try:
-            futures = {pool.submit(one, j): j for j in jobs}
-            for done in as_completed(futures):
-                done.result()  # the first failure stops the rest (cancelled, running ones waited)
-                bar.update(ckpt.entries[futures[done][0]].nbytes)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
-            bar.close()
-        return [f.result() for f in futures]
-    finally:
-        for s in stages.values():
-            s.close()
+    pending = PendingReads(ckpt, jobs)
+    pending.wait()
+    return pending.tensors

@@ -166,9 +166,9 @@ def module_components(index: FolderIndex) -> dict[str, tuple[ComponentSpec, type
     return out
 
 
-def open_checkpoint(specs: Iterable[ComponentSpec]) -> Checkpoint:
+def open_checkpoint(specs: Iterable[ComponentSpec], *, verify_checksum: bool = False) -> Checkpoint:
     """One :class:`Checkpoint` over the weights of ``specs``, each prefixed by its name."""
-    return Checkpoint({s.name: weights_of(s) for s in specs})
+    return Checkpoint({s.name: weights_of(s) for s in specs}, verify_checksum=verify_checksum)
 
 
 # ----------------------------------------------------------------------------- building

@@ -27,7 +27,7 @@ from dlo.io.materialize import LoadPlan, materialize, plan_load
 from dlo.journal import Journal
 from dlo.pipelines import folder
 from dlo.plan.topology import resolve_offload_plan
-from dlo.platform.device import get_platform
+from dlo.platform.device import get_platform, warm_up
 from dlo.platform.env import process_peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def load_pipeline(
     copy: bool = False,
     prepare: Callable[[Any], Any] | None = None,
     torch_dtype: torch.dtype | None = None,
+    verify_checksum: bool = False,
 ) -> tuple[Any, OffloadBackend | None]:
     """Build a pipeline on ``meta``, fill it from safetensors, and enable offload on it.
 
@@ -78,6 +79,11 @@ def load_pipeline(
             holds uninitialized memory until then.
         torch_dtype: folders only: the dtype floating weights run in (cast on load, except
             the classes' keep-in-fp32 modules); None keeps each tensor's stored dtype.
+        verify_checksum: check every byte read from the checkpoint against the checksums
+            ``dlo save-checkpoint`` wrote with it (see [Note: checkpoint checksums] in
+            :mod:`dlo.io.checksums`): corrupted data fails the load, which rolls back. Files
+            without checksums are refused. For a :class:`Checkpoint` given here, set it on
+            the checkpoint.
     Returns:
         ``(pipeline, backend)``; ``backend`` is None when offload is disabled (the model is
         then on ``device``). With ``mode="layer"`` every non-block tensor is copied straight
@@ -97,6 +103,39 @@ def load_pipeline(
         ...     dlo.OffloadConfig(mode="layer"), torch_dtype=torch.bfloat16)
     """
     t0 = time.perf_counter()
+    warmed = warm_up(device)  # the device's context is made while the skeleton is built
+    try:
+        pipe, loaded, ckpt, cast, config = _skeleton(
+            factory, checkpoint, config, torch_dtype, verify_checksum, t0
+        )
+        try:
+            plan = plan_load(loaded, ckpt, cast=cast)  # every check, before any change
+        except BaseException:
+            ckpt.close()
+            raise
+    finally:
+        warmed()
+    backend = _fill_and_enable(pipe, plan, config, parallel, device, copy, prepare)
+    logger.info(
+        "dlo: loaded %s from %s in %.2fs (peak RSS %.2f GiB)",
+        type(pipe).__name__,
+        os.fspath(factory) if isinstance(factory, (str, os.PathLike)) else ckpt.files[0],
+        time.perf_counter() - t0,
+        process_peak_rss_bytes() / (1 << 30),
+    )
+    return pipe, backend
+
+
+def _skeleton(
+    factory: Callable[[], Any] | nn.Module | str | os.PathLike[str],
+    checkpoint: CheckpointLike | OffloadConfig | None,
+    config: OffloadConfig | None,
+    torch_dtype: torch.dtype | None,
+    verify_checksum: bool,
+    t0: float,
+) -> tuple[Any, nn.Module, Checkpoint, bool, OffloadConfig | None]:
+    """:func:`load_pipeline`'s pipeline on ``meta``, the module whose state-dict names are
+    the checkpoint's, the checkpoint, whether to cast, and the offload config."""
     if isinstance(factory, (str, os.PathLike)):
         if isinstance(checkpoint, OffloadConfig):
             if config is not None:
@@ -109,7 +148,9 @@ def load_pipeline(
             )
         index = folder.read_index(factory)
         components = folder.module_components(index)
-        ckpt = folder.open_checkpoint(spec for spec, _ in components.values())
+        ckpt = folder.open_checkpoint(
+            (spec for spec, _ in components.values()), verify_checksum=verify_checksum
+        )
         try:
             modules = folder.build_modules(components, ckpt, torch_dtype)
             pipe = folder.assemble(index, {**modules, **folder.load_others(index, modules)})
@@ -135,22 +176,17 @@ def load_pipeline(
             raise TypeError(
                 f"factory must be a folder, a callable or an nn.Module, got {type(factory).__name__}"
             )
-        ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+        if isinstance(checkpoint, Checkpoint):
+            if verify_checksum and not checkpoint.verify_checksum:
+                raise ValueError(
+                    "verify_checksum=True with a Checkpoint opened without it: pass "
+                    "Checkpoint(..., verify_checksum=True)"
+                )
+            ckpt = checkpoint
+        else:
+            ckpt = Checkpoint(checkpoint, verify_checksum=verify_checksum)
         loaded, cast = pipe, False
-    try:
-        plan = plan_load(loaded, ckpt, cast=cast)  # every check, before any change
-    except BaseException:
-        ckpt.close()
-        raise
-    backend = _fill_and_enable(pipe, plan, config, parallel, device, copy, prepare)
-    logger.info(
-        "dlo: loaded %s from %s in %.2fs (peak RSS %.2f GiB)",
-        type(pipe).__name__,
-        os.fspath(factory) if isinstance(factory, (str, os.PathLike)) else ckpt.files[0],
-        time.perf_counter() - t0,
-        process_peak_rss_bytes() / (1 << 30),
-    )
-    return pipe, backend
+    return pipe, loaded, ckpt, cast, config
 
 
 def _fill_and_enable(
@@ -180,29 +216,49 @@ def _fill_and_enable(
         ckpt.close()
         raise
     journal = Journal()
+    enabled = False
     try:
         t0 = time.perf_counter()
+        # the non-block weights arrive behind the layerwise enable, which reads none of
+        # them (it fills the host shards from the file); prepare may read them, the swap
+        # backend packs them, and the ordinary path (copy) packs the blocks from them
         report = materialize(
-            plan, journal, mapped=functools.partial(_in_blocks, blocks), device=target
+            plan,
+            journal,
+            mapped=functools.partial(_in_blocks, blocks),
+            device=target,
+            defer_reads=prepare is None
+            and not copy
+            and (backend is None or isinstance(backend, LayerwiseBackend)),
         )
         t_mapped = time.perf_counter()
         if prepare is not None:
             prepare(pipe)
         if backend is not None:
             backend.enable(pipe)
+            enabled = True
         else:
             pipe.to(target)
+        t_enabled = time.perf_counter()
+        if report.pending is not None:
+            report.pending.wait()
     except BaseException:
+        if enabled:
+            assert backend is not None
+            backend.disable()
         journal.rollback()
         raise
     finally:
         ckpt.close()
     logger.info(
-        "dlo: %d tensors mapped, %d copied in %.2fs; enable %.2fs",
+        "dlo: %d tensors mapped, %d copied (%.2f GB; %.2fs before the enable, %.2fs after "
+        "it); enable %.2fs",
         report.num_mapped,
         report.num_copied,
+        report.copied_nbytes / 1e9,
         t_mapped - t0,
-        time.perf_counter() - t_mapped,
+        time.perf_counter() - t_enabled,
+        t_enabled - t_mapped,
     )
     return backend
 

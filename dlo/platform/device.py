@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -339,6 +341,25 @@ def default_device(local_rank: int | None = None) -> torch.device:
             raise ValueError(f"LOCAL_RANK={index} but only {count} CUDA devices are visible")
         return torch.device("cuda", index)
     return torch.device("cpu")
+
+
+def warm_up(device: torch.device | str | None = None) -> Callable[[], None]:
+    """Start creating ``device``'s CUDA context and its cuBLAS handles on a thread, while
+    the caller does host work (building a pipeline on ``meta`` holds the GIL, context
+    creation mostly does not); returns the join. Nothing for a CPU device. A failure is
+    left for the caller's first real use of the device to report."""
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return lambda: None
+
+    def warm() -> None:
+        with contextlib.suppress(Exception):
+            a = torch.zeros(64, 64, device=dev, dtype=torch.bfloat16)
+            (a @ a).float().sum().item()  # cuBLAS(Lt) handle and workspace, a reduction
+
+    thread = threading.Thread(target=warm, name="dlo-warm-up", daemon=True)
+    thread.start()
+    return thread.join
 
 
 def get_platform(device: torch.device | str | None = None) -> Platform:

@@ -84,7 +84,8 @@ def test_allgather_enabled_inside_inference_mode() -> None:
 
 def test_mapped_backing_loaded_inside_inference_mode(tmp_path: Path) -> None:
     # the staging thread is never in inference mode: its buffers must not be inference tensors
-    from dlo.io.checkpoint import Checkpoint, save_checkpoint
+    from dlo.io.checkpoint import Checkpoint
+    from dlo.io.writer import save_checkpoint
     from dlo.models import build_pipeline, make_inputs
     from dlo.pipelines.load import load_pipeline
     from tests.cpu.test_loader import DTYPE, PRESET

@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 import dlo
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.host.region import LEDGER
-from dlo.io.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from dlo.io.checkpoint import Checkpoint, CheckpointError
+from dlo.io.writer import save_checkpoint
 from dlo.models import Preset, build_pipeline, make_inputs
 from dlo.pipelines.load import load_pipeline
 from dlo.platform.device import CpuPlatform

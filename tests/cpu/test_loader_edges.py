@@ -18,8 +18,9 @@ from torch import nn
 import dlo
 from dlo.host.packer import fill_ranges
 from dlo.host.region import LEDGER
-from dlo.io.checkpoint import Checkpoint, CheckpointError, save_checkpoint
+from dlo.io.checkpoint import Checkpoint, CheckpointError
 from dlo.io.materialize import mapped_source
+from dlo.io.writer import save_checkpoint
 from dlo.pipelines.load import load_pipeline
 from tests.harness import assert_all_ok, run_ranks
 

@@ -22,7 +22,8 @@ from dlo.backends.layerwise import LayerwiseBackend
 from dlo.errors import InjectedFault, OffloadError
 from dlo.hooks.registry import HookRegistry
 from dlo.host.region import LEDGER
-from dlo.io.checkpoint import Checkpoint, save_checkpoint
+from dlo.io.checkpoint import Checkpoint
+from dlo.io.writer import save_checkpoint
 from dlo.models import build_pipeline, make_inputs
 from dlo.pipelines.load import load_pipeline
 from dlo.plan.layout import round_up

@@ -112,7 +112,8 @@ def test_hsdp_two_ranks_leaves_no_cycle() -> None:
 
 
 def test_mapped_host_backing_leaves_no_cycle(tmp_path: Path) -> None:
-    from dlo.io.checkpoint import Checkpoint, save_checkpoint
+    from dlo.io.checkpoint import Checkpoint
+    from dlo.io.writer import save_checkpoint
     from dlo.models import build_pipeline, make_inputs
     from dlo.pipelines.load import load_pipeline
     from tests.cpu.test_loader import DTYPE, PRESET

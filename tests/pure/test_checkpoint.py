@@ -17,8 +17,9 @@ from torch import nn
 
 from dlo.host.region import LEDGER, HostRegion, PinReport
 from dlo.host.shards import shard_copies
-from dlo.io.checkpoint import Checkpoint, CheckpointError, read_header, save_checkpoint
+from dlo.io.checkpoint import Checkpoint, CheckpointError, read_header
 from dlo.io.materialize import materialize, plan_load
+from dlo.io.writer import save_checkpoint
 from dlo.journal import Journal
 from dlo.plan.layout import plan_block_layout
 from dlo.platform.device import CpuPlatform
