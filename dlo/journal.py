@@ -12,15 +12,55 @@ test, instead of a second "teardown" path that could drift from the install.
 
 An undo must not raise in normal operation; if one does, the remaining undos still run and
 the first error is re-raised at the end (after everything possible was restored).
+
+[Note: interrupts during enable]
+A KeyboardInterrupt can arrive between any two statements. A side effect and the record of
+its undo are therefore one step: either the undo is recorded first and does nothing when
+the effect did not happen, or both run inside :func:`atomic`, which defers SIGINT (in the
+main thread, where Python delivers it, while Python's own handler is installed; a handler
+of the application's is left to run) to the end of the outermost block. A tracer that
+injects interrupts at every line (``launch/interrupt_probe.py``) asks :func:`masked`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
-from typing import TypeVar
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
+
+_MASK = threading.local()
+
+
+def masked() -> bool:
+    """True inside :func:`atomic` on this thread."""
+    return getattr(_MASK, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def atomic() -> Iterator[None]:
+    """Run the block to its end before a SIGINT takes effect (see [Note: interrupts during
+    enable]): keep it to a side effect and the record of its undo."""
+    depth = getattr(_MASK, "depth", 0)
+    pending: list[int] = []
+    previous: Any = None
+    if depth == 0 and threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError):  # not the interpreter's main thread
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+                previous = signal.signal(signal.SIGINT, lambda sig, _: pending.append(sig))
+    _MASK.depth = depth + 1
+    try:
+        yield
+    finally:
+        _MASK.depth = depth
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+            if pending:
+                raise KeyboardInterrupt
 
 
 T = TypeVar("T")

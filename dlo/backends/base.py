@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dlo.errors import OffloadError
-from dlo.journal import Journal
+from dlo.journal import Journal, atomic
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ def claim_components(
                 rank=rank,
             )
     for path, module in components:
-        _CLAIMS[module] = (owner, path)
-        journal.record(f"claim {path}", functools.partial(_CLAIMS.pop, module, None))
+        with atomic():  # [Note: interrupts during enable] in dlo.journal
+            _CLAIMS[module] = (owner, path)
+            journal.record(f"claim {path}", functools.partial(_CLAIMS.pop, module, None))
 
 
 class OffloadBackend:
@@ -108,14 +109,16 @@ class OffloadBackend:
         with torch.inference_mode(False):
             try:
                 self._install(pipeline, journal)
+                with atomic():  # enabled exactly when installed
+                    self._journal = journal
+                    self._pipeline_ref = pipeline
             except BaseException:
+                self._journal = self._pipeline_ref = None
                 try:
                     journal.rollback()
                 finally:
                     self._after_failed_enable()
                 raise
-        self._journal = journal
-        self._pipeline_ref = pipeline
 
     def disable(self, *, restore: bool = False) -> None:
         """Remove everything enable installed; a no-op when not enabled.

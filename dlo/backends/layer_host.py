@@ -24,7 +24,7 @@ from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
 from dlo.host.shards import copy_back, unpack_tensor, written_tensors
 from dlo.io.materialize import mapped_source
-from dlo.journal import Journal
+from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
 from dlo.parallel.groups import World, group_of
 from dlo.plan.layers import BlockPlan, LayerPlan
@@ -132,14 +132,18 @@ class LayerHost:
             }.values():
                 ckpt.retain()
                 journal.record("checkpoint files", ckpt.release)
-        region = HostRegion(plan.region_nbytes)
-        self.region = region
-        journal.record("host region", region.close)
+        with atomic():  # [Note: interrupts during enable] in dlo.journal
+            region = HostRegion(plan.region_nbytes)
+            self.region = region
+            journal.record("host region", region.close)
         if self.config.pin_memory:  # each block pinned once filled, behind the next fills
-            pins = self._pins = region.pin_as_filled(
-                self.platform, budget_nbytes=plan.private_pin_budget_nbytes, blocks=plan.streamed
-            )
-            journal.record("pin behind fill", pins.cancel)
+            with atomic():
+                pins = self._pins = region.pin_as_filled(
+                    self.platform,
+                    budget_nbytes=plan.private_pin_budget_nbytes,
+                    blocks=plan.streamed,
+                )
+                journal.record("pin behind fill", pins.cancel)
         for i, b in progress(
             enumerate(self.blocks), desc="dlo: host shards", total=len(self.blocks), unit="block"
         ):
@@ -250,8 +254,9 @@ class LayerHost:
     def release(self, b: LayerBlock, journal: Journal) -> None:
         """Release the model's originals of ``b`` (its host copy holds them), journaling the
         rebuild from the host copy."""
-        self.release_originals(b)
-        journal.record(f"release {b.name}", functools.partial(self.restore, b))
+        with atomic():
+            self.release_originals(b)
+            journal.record(f"release {b.name}", functools.partial(self.restore, b))
 
     def release_originals(self, b: LayerBlock) -> None:
         b.original_devices = [t.device for t in b.tensors]

@@ -52,7 +52,7 @@ from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.registry import HookRegistry
 from dlo.host.region import HostRegion
 from dlo.host.shards import copy_back, pack_shard, shard_view, unpack_tensor, written_tensors
-from dlo.journal import Journal
+from dlo.journal import Journal, atomic
 from dlo.plan.checks import check_blocks
 from dlo.plan.declarations import SupportsModelOffload, get_by_path
 from dlo.plan.layers import plan_units
@@ -194,8 +194,9 @@ class ModelSwapBackend(OffloadBackend):
         for (path, kind), (_, module) in zip(units_paths, comps):
             tensors = [t for _, _, t in entries[path]]
             self._units.append(_Unit(path, kind, module, layouts[path], tensors))
-        self._region = HostRegion([u.layout.shard_nbytes for u in self._units])
-        journal.record("host region", self._region.close)
+        with atomic():  # [Note: interrupts during enable] in dlo.journal
+            self._region = HostRegion([u.layout.shard_nbytes for u in self._units])
+            journal.record("host region", self._region.close)
         for i, u in enumerate(self._units):
             u.region_index = i
             faults.check("host_fill")
@@ -204,8 +205,9 @@ class ModelSwapBackend(OffloadBackend):
             u.placeholders = [
                 torch.empty(0, dtype=t.dtype, device=self.platform.device) for t in u.tensors
             ]
-            self._rebind(u, u.placeholders)
-            journal.record(f"release {u.path}", functools.partial(self._restore, u))
+            with atomic():
+                self._rebind(u, u.placeholders)
+                journal.record(f"release {u.path}", functools.partial(self._restore, u))
         if self.config.pin_memory:
             report = self._region.pin(self.platform, budget_nbytes=self.config.pin_budget_nbytes)
             if report.unpinned_blocks and self.config.pin_failure_policy == "fail":

@@ -54,6 +54,7 @@ from dlo.hooks.dispatch import (
     _remove_dispatchers,
 )
 from dlo.hooks.foreign import foreign_offloader
+from dlo.journal import atomic
 
 logger = logging.getLogger(__name__)
 
@@ -144,23 +145,24 @@ class HookRegistry:
                 f"{type(hook).__qualname__} instance is already registered on a module "
                 f"(as {_names_of_hook(home, hook)}); one ModelHook instance serves one module"
             )
-        if state.pre_handle is None:
-            state.pre_handle = module.register_forward_pre_hook(
-                state.dispatch_pre, prepend=True, with_kwargs=True
-            )
-            try:
-                state.post_handle = module.register_forward_hook(
-                    state.dispatch_post, with_kwargs=True, always_call=True
+        with atomic():  # registered and known to remove_all, or neither
+            if state.pre_handle is None:
+                state.pre_handle = module.register_forward_pre_hook(
+                    state.dispatch_pre, prepend=True, with_kwargs=True
                 )
-                # [Note: hooks outside compiled frames] in dlo.hooks.compiled
-                state.compiled = CompiledCall(module, state)
-            except BaseException:
-                _remove_dispatchers(state)
-                raise
-        state.entries.append(_Entry(self, name, _FORWARD, hook=hook))
-        state.hooks = (*state.hooks, hook)
-        _HOOK_HOMES[id(hook)] = state
-        self._commit(module, state)
+                try:
+                    state.post_handle = module.register_forward_hook(
+                        state.dispatch_post, with_kwargs=True, always_call=True
+                    )
+                    # [Note: hooks outside compiled frames] in dlo.hooks.compiled
+                    state.compiled = CompiledCall(module, state)
+                except BaseException:
+                    _remove_dispatchers(state)
+                    raise
+            state.entries.append(_Entry(self, name, _FORWARD, hook=hook))
+            state.hooks = (*state.hooks, hook)
+            _HOOK_HOMES[id(hook)] = state
+            self._commit(module, state)
         logger.debug("%s: registered forward hook %r on %s", self._owner, name, _describe(module))
 
     def register_state_dict_hook(
@@ -199,12 +201,13 @@ class HookRegistry:
         # API with an attribute, and the same callable may serve several modules.
         state_dict_post_hook = _Callback(lambda mod, sd, prefix, _metadata: fn(mod, sd, prefix))
         public = getattr(module, "register_state_dict_post_hook", None)
-        if public is not None:
-            handle = public(state_dict_post_hook)
-        else:
-            handle = module._register_state_dict_hook(state_dict_post_hook)
-        state.entries.append(_Entry(self, name, _STATE_DICT, handle=handle))
-        self._commit(module, state)
+        with atomic():
+            if public is not None:
+                handle = public(state_dict_post_hook)
+            else:
+                handle = module._register_state_dict_hook(state_dict_post_hook)
+            state.entries.append(_Entry(self, name, _STATE_DICT, handle=handle))
+            self._commit(module, state)
         logger.debug(
             "%s: registered state-dict hook %r on %s", self._owner, name, _describe(module)
         )
@@ -240,12 +243,13 @@ class HookRegistry:
         state = self._admit(module, name)
         hook = _Callback(fn)
         public = getattr(module, "register_load_state_dict_pre_hook", None)
-        if public is not None:
-            handle = public(hook)
-        else:
-            handle = module._register_load_state_dict_pre_hook(hook, with_module=True)
-        state.entries.append(_Entry(self, name, _LOAD_STATE_DICT_PRE, handle=handle))
-        self._commit(module, state)
+        with atomic():
+            if public is not None:
+                handle = public(hook)
+            else:
+                handle = module._register_load_state_dict_pre_hook(hook, with_module=True)
+            state.entries.append(_Entry(self, name, _LOAD_STATE_DICT_PRE, handle=handle))
+            self._commit(module, state)
         logger.debug(
             "%s: registered load-state-dict pre-hook %r on %s", self._owner, name, _describe(module)
         )

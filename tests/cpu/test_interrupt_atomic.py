@@ -1,0 +1,167 @@
+"""Issue 26 item 4: a KeyboardInterrupt at any line of ``enable`` leaves the model exactly as
+before (tensors, hooks, dlo's ledger, no claim left) and a fresh enable gives the same bits
+(see [Note: interrupts during enable] in :mod:`dlo.journal`). CI interrupts every
+``STRIDE``-th distinct line of dlo's code that enable runs; ``launch/interrupt_probe.py``
+runs every one (about 3 minutes per mode on 2 cores)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.host.region import LEDGER
+from dlo.journal import masked
+from dlo.models import build_pipeline, make_inputs
+
+logger = logging.getLogger(__name__)
+ROOT = os.path.dirname(dlo.__file__)
+Line = tuple[str, int]
+
+
+def _snapshot(model: Any) -> tuple[dict[str, Any], int]:
+    sd = model.state_dict(keep_vars=True)
+    tensors = {k: (v.device, v.dtype, tuple(v.shape), v.detach().clone()) for k, v in sd.items()}
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return tensors, hooks
+
+
+def _difference(model: Any, before: tuple[dict[str, Any], int], ledger: tuple[int, int]) -> str:
+    tensors, hooks = _snapshot(model)
+    if hooks != before[1]:
+        return f"hooks {hooks} != {before[1]}"
+    for k, (device, dtype, shape, value) in before[0].items():
+        d2, t2, s2, v2 = tensors[k]
+        if (device, dtype, shape) != (d2, t2, s2):
+            return f"{k}: {s2} {d2} {t2}"
+        if not torch.equal(value, v2):
+            return f"{k}: values"
+    now = (LEDGER.host_nbytes, LEDGER.pinned_nbytes)
+    return f"ledger +{now[0] - ledger[0]} host bytes" if now != ledger else ""
+
+
+def _lines(cfg: dlo.OffloadConfig, model: Any) -> list[Line]:
+    """Every distinct dlo line one enable executes, in first-execution order."""
+    seen: dict[Line, None] = {}
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            seen.setdefault((frame.f_code.co_filename, frame.f_lineno))
+        return local
+
+    backend = dlo.get_offload_backend(cfg, None, "cpu")
+    sys.settrace(lambda f, e, a: local if f.f_code.co_filename.startswith(ROOT) else None)
+    try:
+        backend.enable(model)
+    finally:
+        sys.settrace(None)
+    backend.disable()
+    return list(seen)
+
+
+def _interrupted_enable(cfg: dlo.OffloadConfig, model: Any, target: Line) -> tuple[bool, Any]:
+    """Enable with a KeyboardInterrupt at ``target``'s first execution."""
+    hit = [False]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        here = (frame.f_code.co_filename, frame.f_lineno)
+        if event == "line" and not hit[0] and here == target and not masked():
+            hit[0] = True  # inside dlo.journal.atomic a real SIGINT is deferred: none here
+            raise KeyboardInterrupt
+        return local
+
+    backend = dlo.get_offload_backend(cfg, None, "cpu")
+    sys.settrace(lambda f, e, a: local if f.f_code.co_filename.startswith(ROOT) else None)
+    try:
+        backend.enable(model)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return hit[0], backend
+
+
+def probe(mode: str, stride: int = 1, limit: int = 10**9) -> tuple[int, dict[Line, str]]:
+    """Interrupt every ``stride``-th distinct line (up to ``limit`` of them); returns how
+    many were tried and the ones that broke, with why."""
+    cfg = (
+        dlo.OffloadConfig(mode="module")
+        if mode == "module"
+        else dlo.OffloadConfig(mode="layer", components=("dit", "encoder"))
+    )
+    model = build_pipeline("tiny", dtype=torch.float32)
+    ids, latents = make_inputs("tiny", tokens=None, seed=0, device="cpu", dtype=torch.float32)
+    ref = model.generate(ids, latents, 1)
+    before = _snapshot(model)
+    lines = _lines(cfg, model)[:limit:stride]
+    bad: dict[Line, str] = {}
+    t0 = time.time()
+    for target in lines:
+        ledger = (LEDGER.host_nbytes, LEDGER.pinned_nbytes)
+        try:
+            hit, backend = _interrupted_enable(cfg, model, target)
+        except Exception as e:
+            bad[target] = f"raised {type(e).__name__}: {e}"[:200]
+            continue
+        if not hit:
+            backend.disable()
+            continue
+        why = "is_enabled after interrupt" if backend.is_enabled() else ""
+        why = why or _difference(model, before, ledger)
+        if not why:
+            try:
+                again = dlo.get_offload_backend(cfg, None, "cpu")
+                again.enable(model)
+                same = torch.equal(model.generate(ids, latents, 1), ref)
+                again.disable()
+                why = "" if same else "re-enable not bitwise"
+            except Exception as e:
+                why = f"re-enable: {type(e).__name__}: {e}"[:200]
+        if why:
+            bad[target] = why
+            try:
+                backend.disable()
+            except Exception as e:
+                logger.info("disable after %s: %s", target, type(e).__name__)
+            model = build_pipeline("tiny", dtype=torch.float32)
+            before = _snapshot(model)
+    logger.info("%s: %d bad of %d in %.1fs", mode, len(bad), len(lines), time.time() - t0)
+    return len(lines), bad
+
+
+STRIDE = 5
+
+
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_an_interrupt_at_any_line_of_enable_leaves_the_model_as_before(mode: str) -> None:
+    tried, bad = probe(mode, stride=STRIDE)
+    assert tried > 80, tried  # the probe reached enable's code
+    listed = [f"{os.path.relpath(p, ROOT)}:{n}: {why}" for (p, n), why in bad.items()]
+    assert not bad, "\n".join(listed)
+
+
+def test_atomic_defers_a_real_sigint_to_its_end() -> None:
+    import signal
+
+    from dlo.journal import atomic
+
+    done: list[str] = []
+    # Python's own handler (another test of this worker may have installed its own)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), atomic():
+            with atomic():  # nested: only the outermost block delivers it
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)  # the handler has run by now
+                done.append("inner")
+            done.append("outer")
+        assert done == ["inner", "outer"] and not masked()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
