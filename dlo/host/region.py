@@ -31,6 +31,7 @@ import torch
 
 from dlo import faults
 from dlo.errors import OffloadError
+from dlo.journal import atomic
 from dlo.plan.layers import charged_nbytes
 from dlo.plan.layout import round_up
 from dlo.platform.device import Platform
@@ -308,24 +309,29 @@ class RegionPins:
         assert not self._done, "pinning already finished"
         for i in list(self.chosen):
             self.filled(i)
-        self._wait()
-        self._done = True
         region, report = self.region, self.report
-        self._used -= sum(
-            region._charge(i) for i in region._record(self.chosen, self._outcomes, report)
-        )
+        # waited for and recorded as one step: an interrupt can neither be taken for a
+        # registration's outcome nor leave a registration unrecorded (close() would miss it)
+        with atomic():
+            self._wait()
+            try:
+                failed = region._record(self.chosen, self._outcomes, report)
+            finally:
+                self._done = True
+        self._used -= sum(region._charge(i) for i in failed)
         retry, report.over_budget_blocks = report.over_budget_blocks, []
         for i in retry:  # only after a failed registration freed some budget
             n = region._charge(i)
             if self.budget_nbytes is not None and self._used + n > self.budget_nbytes:
                 report.over_budget_blocks.append(i)
                 continue
-            try:
-                outcome: bool | BaseException = region._register_one(i)
-            except BaseException as e:
-                outcome = e
-            if not region._record([i], {i: outcome}, report):
-                self._used += n
+            with atomic():
+                try:
+                    outcome: bool | BaseException = region._register_one(i)
+                except BaseException as e:
+                    outcome = e
+                if not region._record([i], {i: outcome}, report):
+                    self._used += n
         report.pinned_blocks.sort()
         report.failed_blocks.sort()
         return report
@@ -336,12 +342,13 @@ class RegionPins:
         :meth:`finish`."""
         if self._done:
             return
-        self._done = True
-        for f in self._futures.values():
-            f.cancel()
-        self._wait()
-        with contextlib.suppress(BaseException):
-            self.region._record(self.chosen, self._outcomes, PinReport())
+        with atomic():
+            for f in self._futures.values():
+                f.cancel()
+            self._wait()
+            with contextlib.suppress(BaseException):
+                self.region._record(self.chosen, self._outcomes, PinReport())
+            self._done = True
 
 
 def _anonymous(nbytes: int) -> mmap.mmap:

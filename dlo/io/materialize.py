@@ -56,7 +56,7 @@ from torch import nn
 
 from dlo.io.checkpoint import Checkpoint, CheckpointError
 from dlo.io.reads import PendingReads, read_copies
-from dlo.journal import Journal
+from dlo.journal import Journal, atomic
 from dlo.platform.env import copied_on_write
 
 logger = logging.getLogger(__name__)
@@ -389,9 +389,12 @@ def materialize(
     jobs = [(t, b, (t.source, t.tensor, "cpu" if b else device)) for t, b, _ in copies]
     later = [(t, j) for t, b, j in jobs if defer_reads and not b]
     if later:  # started first: they run behind the block tensors' reads and the caller's work
-        report.pending = PendingReads(ckpt, [j for _, j in later])
-        journal.record("deferred reads", report.pending.cancel)
-        for (target, _), data in zip(later, report.pending.tensors):
+        pending = PendingReads(ckpt, [j for _, j in later])
+        with atomic():  # [Note: interrupts during enable] in dlo.journal
+            journal.record("deferred reads", pending.cancel)
+            report.pending = pending
+        pending.start()
+        for (target, _), data in zip(later, pending.tensors):
             _install(target, data, journal)
     now = [(t, j) for t, b, j in jobs if not (defer_reads and not b)]
     for (target, _), data in zip(now, read_copies(ckpt, [j for _, j in now])):

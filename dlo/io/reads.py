@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from dlo.io.checkpoint import Checkpoint, bytes_of
+from dlo.journal import atomic
 from dlo.platform.device import Platform, get_platform
 from dlo.platform.env import cpu_share
 from dlo.platform.progress import progress_bar
@@ -118,6 +119,7 @@ class PendingReads:
     """Copied tensors being read into their destinations, allocated up front
     (:attr:`tensors`, in job order), on a pool of :data:`COPY_READERS` threads.
 
+    Nothing runs until :meth:`start` (so a caller can record :meth:`cancel` first).
     :meth:`wait` returns once every read has finished and raises the first failure (the
     reads not started are then cancelled and the running ones waited for); :meth:`cancel`
     stops them without raising. Either leaves no read running; both are idempotent.
@@ -133,18 +135,23 @@ class PendingReads:
             t.device: get_platform(t.device) for t in self.tensors if t.device.type != "cpu"
         }
         self._stages = {d: _Stages(p) for d, p in platforms.items() if p.can_pin}
+        self._platforms = list(platforms.values())
         self._names = [name for name, _, _ in jobs]
         self._futures: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
         self._bar: Any = None
         self._done = False
-        if len(jobs) < 2:
+
+    def start(self) -> None:
+        """Start the reads on the pool (one job is read by :meth:`wait` itself)."""
+        if self._done or self._pool is not None or len(self._names) < 2:
             return
+        ckpt = self.ckpt
         total = sum(ckpt.entries[n].nbytes for n in self._names)
         self._bar = progress_bar(
             total=total, desc="dlo: reading weights", unit="B", unit_scale=True
         )
-        self._pool = ThreadPoolExecutor(max_workers=min(COPY_READERS, len(jobs)))
+        self._pool = ThreadPoolExecutor(max_workers=min(COPY_READERS, len(self._names)))
         bar = self._bar
         for n, t in zip(self._names, self.tensors):
             f = self._pool.submit(self._read, n, t)
@@ -175,14 +182,17 @@ class PendingReads:
         self._finish()
 
     def _finish(self) -> None:
-        self._done = True
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._bar is not None:
-            self._bar.close()
-        for s in self._stages.values():
-            s.close()
-        self._futures, self._pool, self._bar, self._stages = [], None, None, {}
+        with atomic():  # no read left running behind a second interrupt
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+            if self._bar is not None:
+                self._bar.close()
+            for s in self._stages.values():
+                s.close()
+            for p in self._platforms:
+                p.synchronize()  # a cast or strided copy is an asynchronous kernel
+            self._futures, self._pool, self._bar, self._stages = [], None, None, {}
+            self._done = True
 
 
 def _advance(bar: Any, nbytes: int, _: Future[None]) -> None:
@@ -196,5 +206,9 @@ def read_copies(ckpt: Checkpoint, jobs: Sequence[ReadJob]) -> list[torch.Tensor]
     device release the GIL), in order. Every job has finished, or failed, before this
     returns or raises: nothing is installed until all are read."""
     pending = PendingReads(ckpt, jobs)
-    pending.wait()
+    try:
+        pending.start()
+        pending.wait()
+    finally:
+        pending.cancel()  # a no-op once waited for
     return pending.tensors

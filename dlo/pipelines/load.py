@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dlo.backends.base import OffloadBackend
@@ -216,7 +217,17 @@ def _fill_and_enable(
         ckpt.close()
         raise
     journal = Journal()
-    enabled = False
+    # a failed read behind the enable would fail this rank alone, after its peers passed
+    # the enable's agreement: multi-rank jobs read everything first
+    defer = (
+        prepare is None
+        and not copy
+        and (backend is None or isinstance(backend, LayerwiseBackend))
+        and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    )
+    if defer:
+        ckpt.retain()  # open until the deferred reads have stopped (a failed enable's
+        # rollback may release the files a mapped backing retained)
     try:
         t0 = time.perf_counter()
         # the non-block weights arrive behind the layerwise enable, which reads none of
@@ -227,28 +238,28 @@ def _fill_and_enable(
             journal,
             mapped=functools.partial(_in_blocks, blocks),
             device=target,
-            defer_reads=prepare is None
-            and not copy
-            and (backend is None or isinstance(backend, LayerwiseBackend)),
+            defer_reads=defer,
         )
         t_mapped = time.perf_counter()
         if prepare is not None:
             prepare(pipe)
         if backend is not None:
             backend.enable(pipe)
-            enabled = True
         else:
             pipe.to(target)
         t_enabled = time.perf_counter()
         if report.pending is not None:
             report.pending.wait()
     except BaseException:
-        if enabled:
-            assert backend is not None
-            backend.disable()
-        journal.rollback()
+        try:
+            if backend is not None and backend.is_enabled():
+                backend.disable()
+        finally:
+            journal.rollback()
         raise
     finally:
+        if defer:
+            ckpt.release()
         ckpt.close()
     logger.info(
         "dlo: %d tensors mapped, %d copied (%.2f GB; %.2fs before the enable, %.2fs after "

@@ -458,3 +458,61 @@ def test_a_registration_error_is_raised_at_finish_with_the_successes_recorded() 
     assert region.pinned_nbytes == 4096 + 12288
     region.close()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+class _Counting(_Pins):
+    def __init__(self, sizes: list[int]) -> None:
+        super().__init__(set(), sizes)
+        self.live = 0
+
+    def register_host(self, tensor: torch.Tensor) -> bool:
+        self.live += 1
+        return True
+
+    def unregister_host(self, tensor: torch.Tensor) -> None:
+        self.live -= 1
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_an_interrupt_while_pinning_finishes_leaves_no_registration(workers: int) -> None:
+    """A KeyboardInterrupt at any line of finish (outside dlo.journal.atomic, where a real
+    SIGINT waits): the journal's cancel and close() still unregister every block."""
+    import sys
+
+    from dlo.host import region as region_module
+    from dlo.journal import masked
+
+    sizes = [4096] * 4
+    path = region_module.__file__
+    for target in range(1, 500):
+        seen = [0]
+
+        def local(
+            frame: object, event: str, arg: object, seen: list[int] = seen, target: int = target
+        ) -> object:
+            if event == "line" and not masked():
+                seen[0] += 1
+                if seen[0] == target:
+                    raise KeyboardInterrupt
+            return local
+
+        platform = _Counting(sizes)
+        region = HostRegion(sizes)
+        pins = region.pin_as_filled(platform, num_workers=workers)
+        for i in range(4):
+            pins.filled(i)
+        sys.settrace(lambda f, e, a: local if f.f_code.co_filename == path else None)
+        try:
+            pins.finish()
+            hit = False
+        except KeyboardInterrupt:
+            hit = True
+        finally:
+            sys.settrace(None)
+        pins.cancel()
+        region.close()
+        assert platform.live == 0, (target, platform.live)
+        assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0), target
+        if not hit:
+            break
+    assert target > 5  # the interrupts landed inside finish
