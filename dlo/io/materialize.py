@@ -386,8 +386,11 @@ def materialize(
         if reason != "copy requested":
             report.copy_reasons[target.name] = reason
     # a streamed block's tensor waits on the host for its packing, never on the device
-    jobs = [(t, b, (t.source, t.tensor, "cpu" if b else device)) for t, b, _ in copies]
-    later = [(t, j) for t, b, j in jobs if defer_reads and not b]
+    jobs = [
+        (t, defer_reads and not b, (t.source, t.tensor, "cpu" if b else device))
+        for t, b, _ in copies
+    ]
+    later = [(t, j) for t, deferred, j in jobs if deferred]
     if later:  # started first: they run behind the block tensors' reads and the caller's work
         pending = PendingReads(ckpt, [j for _, j in later])
         with atomic():  # [Note: interrupts during enable] in dlo.journal
@@ -396,7 +399,7 @@ def materialize(
         pending.start()
         for (target, _), data in zip(later, pending.tensors):
             _install(target, data, journal)
-    now = [(t, j) for t, b, j in jobs if not (defer_reads and not b)]
+    now = [(t, j) for t, deferred, j in jobs if not deferred]
     for (target, _), data in zip(now, read_copies(ckpt, [j for _, j in now])):
         _install(target, data, journal)
     modules: list[nn.Module] = []

@@ -51,14 +51,12 @@ class _Stages:
     def get(self) -> torch.Tensor | None:
         """This thread's buffer; None when the platform will not pin it."""
         if not hasattr(self._local, "stage"):
-            buf: torch.Tensor | None = torch.empty(STAGE_NBYTES, dtype=torch.uint8)
-            assert buf is not None
-            if self.platform.register_host(buf):
+            buf = torch.empty(STAGE_NBYTES, dtype=torch.uint8)
+            pinned = self.platform.register_host(buf)
+            if pinned:
                 with self._lock:
                     self._registered.append(buf)
-            else:
-                buf = None
-            self._local.stage = buf
+            self._local.stage = buf if pinned else None
         stage: torch.Tensor | None = self._local.stage
         return stage
 
@@ -105,13 +103,18 @@ def read_into_tensor(
         dst.copy_(raw)
 
 
-def read_copy(ckpt: Checkpoint, job: ReadJob, stage: torch.Tensor | None = None) -> torch.Tensor:
-    """The tensor of ``job``, read into new memory (:func:`read_into_tensor`)."""
-    name, like, device = job
-    data = torch.empty_strided(
+def _destination(job: ReadJob) -> torch.Tensor:
+    """New memory for ``job``: the skeleton tensor's shape, strides and dtype on its device."""
+    _, like, device = job
+    return torch.empty_strided(
         tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device=device
     )
-    read_into_tensor(ckpt, name, data, stage)
+
+
+def read_copy(ckpt: Checkpoint, job: ReadJob, stage: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor of ``job``, read into new memory (:func:`read_into_tensor`)."""
+    data = _destination(job)
+    read_into_tensor(ckpt, job[0], data, stage)
     return data
 
 
@@ -127,10 +130,7 @@ class PendingReads:
 
     def __init__(self, ckpt: Checkpoint, jobs: Sequence[ReadJob]) -> None:
         self.ckpt = ckpt
-        self.tensors = [
-            torch.empty_strided(tuple(like.shape), tuple(like.stride()), dtype=like.dtype, device=d)
-            for _, like, d in jobs
-        ]
+        self.tensors = [_destination(j) for j in jobs]
         platforms = {
             t.device: get_platform(t.device) for t in self.tensors if t.device.type != "cpu"
         }

@@ -15,7 +15,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dlo.backends.base import OffloadBackend
@@ -26,6 +25,7 @@ from dlo.config.parallel import ParallelConfig
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.materialize import LoadPlan, materialize, plan_load
 from dlo.journal import Journal
+from dlo.parallel.groups import current_world
 from dlo.pipelines import folder
 from dlo.plan.topology import resolve_offload_plan
 from dlo.platform.device import get_platform, warm_up
@@ -223,7 +223,7 @@ def _fill_and_enable(
         prepare is None
         and not copy
         and (backend is None or isinstance(backend, LayerwiseBackend))
-        and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        and not current_world().distributed
     )
     if defer:
         ckpt.retain()  # open until the deferred reads have stopped (a failed enable's
