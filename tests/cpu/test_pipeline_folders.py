@@ -210,6 +210,7 @@ def test_bad_pipeline_flags_are_one_clear_line(
     root: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = [str(_folder(root, "tiny-flux")) if a == "DIR" else a for a in argv]
+    capsys.readouterr()  # what writing the folder printed (the first test to need it writes it)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
