@@ -20,6 +20,15 @@ the effect did not happen, or both run inside :func:`atomic`, which defers SIGIN
 main thread, where Python delivers it, while Python's own handler is installed; a handler
 of the application's is left to run) to the end of the outermost block. A tracer that
 injects interrupts at every line (``launch/interrupt_probe.py``) asks :func:`masked`.
+
+[Note: interrupts during disable]
+``disable`` is the journal's rollback, and an interrupt during it is delivered between two
+undos, never inside one: each undo is atomic and leaves the journal only once it has run.
+The interrupted backend therefore stays enabled (``is_enabled()`` is True, every forward is
+refused) with exactly the remaining undos recorded, and calling ``disable()`` again finishes
+it, after which the model is bitwise as before enable. Masking the whole rollback instead
+would make Ctrl-C wait for every undo of a large model; the cleanup of a failed enable, which
+no later call would resume, does run masked (:meth:`Journal.unwind`).
 """
 
 from __future__ import annotations
@@ -86,19 +95,31 @@ class Journal:
         return result
 
     def rollback(self) -> None:
-        """Undo every recorded step in reverse order; idempotent.
+        """Undo every recorded step in reverse order; idempotent and resumable.
+
+        Each undo runs in :func:`atomic` and is forgotten only once it returned, so an
+        interrupt between two undos propagates with the rest still recorded, and rolling back
+        again finishes (see [Note: interrupts during disable]).
 
         Raises:
             The first exception an undo raised, after all undos ran.
         """
         first: BaseException | None = None
         while self._undos:
-            what, undo = self._undos.pop()
-            try:
-                undo()
-            except BaseException as e:  # keep undoing; report the first failure
-                logger.error("dlo: undo of %r failed: %r", what, e)
-                if first is None:
-                    first = e
+            with atomic():
+                what, undo = self._undos[-1]
+                try:
+                    undo()
+                except BaseException as e:  # keep undoing; report the first failure
+                    logger.error("dlo: undo of %r failed: %r", what, e)
+                    if first is None:
+                        first = e
+                self._undos.pop()
         if first is not None:
             raise first
+
+    def unwind(self) -> None:
+        """:meth:`rollback` to its end even under repeated interrupts (delivered after it):
+        the cleanup of a failed enable, which has nothing to resume it."""
+        with atomic():
+            self.rollback()

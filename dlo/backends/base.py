@@ -115,7 +115,7 @@ class OffloadBackend:
             except BaseException:
                 self._journal = self._pipeline_ref = None
                 try:
-                    journal.rollback()
+                    journal.unwind()
                 finally:
                     self._after_failed_enable()
                 raise
@@ -125,12 +125,19 @@ class OffloadBackend:
 
         ``restore=True`` also rebuilds weights that only a collective can rebuild (the
         layerwise backend's AllGather blocks); backends that keep whole copies always
-        restore them."""
-        journal, self._journal = self._journal, None
-        self._pipeline_ref = None
-        if journal is not None:
+        restore them. An interrupt leaves it enabled with what is left to undo: call it
+        again to finish ([Note: interrupts during disable] in :mod:`dlo.journal`)."""
+        journal = self._journal
+        if journal is None:
+            return
+        try:
             with torch.inference_mode(False):  # [Note: no inference tensors]
                 journal.rollback()
+        finally:
+            if not len(journal):  # else interrupted: [Note: interrupts during disable]
+                with atomic():
+                    self._journal = self._pipeline_ref = None
+                    self._forget()
 
     def stats(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -145,4 +152,9 @@ class OffloadBackend:
 
     def _after_failed_enable(self) -> None:
         """Hook for multi-rank backends to poison themselves after a failed startup."""
+        return None
+
+    def _forget(self) -> None:
+        """Hook: drop what the install built once its rollback has finished (runs in
+        :func:`~dlo.journal.atomic`, with the journal's own release)."""
         return None

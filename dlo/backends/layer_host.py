@@ -11,13 +11,16 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 from torch import nn
 
 from dlo import faults
+from dlo.backends.model_hooks import mark_released, refuse_released_forward
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
+from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
 from dlo.host.node_share import SharedBlock, share_host, sharers
 from dlo.host.packer import pack_block
@@ -26,7 +29,7 @@ from dlo.host.shards import copy_back, unpack_tensor, written_tensors
 from dlo.io.materialize import mapped_source
 from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
-from dlo.parallel.groups import World, group_of
+from dlo.parallel.groups import World, current_world, group_of
 from dlo.plan.layers import BlockPlan, LayerPlan
 from dlo.plan.layout import BlockLayout
 from dlo.plan.topology import BlockStack
@@ -272,12 +275,31 @@ class LayerHost:
     def restore(self, b: LayerBlock) -> None:
         """Rebuild the model's tensors of ``b`` from its whole-block host copy."""
         if b.mapped is not None:
-            for i, (t, dev) in enumerate(zip(b.tensors, b.original_devices)):
-                t.data = b.mapped.rebuild(i).to(dev)
+            try:  # every tensor read before any is bound: a block is whole or released
+                data = [b.mapped.rebuild(i).to(dev) for i, dev in enumerate(b.original_devices)]
+            except Exception as e:
+                self._lose_mapped(b, e)
+            for t, d in zip(b.tensors, data):
+                t.data = d
             return
         shard = b.host_view()
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
             t.data = unpack_tensor(shard, spec, dev)
+
+    def _lose_mapped(self, b: LayerBlock, e: Exception) -> NoReturn:
+        """A mapped block whose checkpoint can no longer be read (truncated, rewritten, a disk
+        gone) stays released: enable refuses the model and its forward says to reload it
+        (see [Note: what disable restores])."""
+        why = f"when offload was disabled: its checkpoint could not be read back ({e})"
+        rank = current_world().rank
+        mark_released(b.tensors, why)
+        refuse_released_forward([(b.name, b.module, why)], rank=rank)
+        raise OffloadError(
+            f"disable could not restore block {b.name!r} from its checkpoint ({e}); the file "
+            "changed while dlo served it: the block stays empty, reload the model",
+            rank=rank,
+            block=b.name,
+        ) from e
 
     def keep_resident_writes(self, b: LayerBlock, versions: list[int]) -> None:
         """Before a resident block (group size 1) is restored from its host copy, copy the

@@ -16,6 +16,7 @@ import torch
 from dlo import faults
 from dlo.backends.layer_host import LayerBlock, LayerHost
 from dlo.backends.model_hooks import (
+    gathered_loss,
     install_adapter_refusal,
     install_apply_refusal,
     install_load_refusal_on_ancestors,
@@ -56,7 +57,9 @@ def allocate_slots(
     fails)."""
 
     def allocate(symmetric: bool) -> SlotPool:
-        return SlotPool.allocate(platform, plan.num_slots, plan.slot_nbytes, symmetric=symmetric)
+        return SlotPool.allocate(
+            platform, plan.allocated_slots, plan.slot_nbytes, symmetric=symmetric
+        )
 
     pool: SlotPool | None = None
     if plan.gathers and gather_engine == "auto" and platform.has_streams:
@@ -257,8 +260,11 @@ def install_rings(
         scheduler.unbind_all()
         scheduler.close()
         gone = [b for b in blocks if b.layout.group_size > 1 and not b.restored]
-        mark_released([t for b in gone for t in b.tensors])
-        refuse_released_forward([(b.name, b.module, b.layout.group_size) for b in gone], rank=rank)
+        for b in gone:
+            mark_released(b.tensors, gathered_loss(b.layout.group_size))
+        refuse_released_forward(
+            [(b.name, b.module, gathered_loss(b.layout.group_size)) for b in gone], rank=rank
+        )
 
     journal.record("rings", unbind)
     # one ring per component, across its stacks (see [Note: prefetch chain])

@@ -37,7 +37,10 @@ the collective way back: every rank of the group calls it, each AllGather block 
 once more (the resident ones are already whole on the device) and unpacked into ordinary
 tensors on the device the originals came from, then the same rollback runs; the model runs
 without dlo and can be enabled again. A restore that fails (a peer gone, a timeout) still
-disables locally, releases what it did not gather, and poisons the backend.
+disables locally, releases what it did not gather, and poisons the backend. A block of the
+mapped host backing whose checkpoint can no longer be read back (truncated or rewritten while
+dlo served it) is released the same way, whole (every tensor is read before any is bound),
+and disable raises an error naming it once the rest of the rollback ran.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from dlo.host.region import HostRegion
 from dlo.journal import Journal
 from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
 from dlo.parallel.groups import World, axis_groups, current_world, group_of, init
-from dlo.parallel.store import describe_failure, exchanges_started, startup_failed
+from dlo.parallel.store import announce, describe_failure, exchanges_started, startup_failed
 from dlo.plan.checks import check_blocks
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layers import LayerPlan, TensorDescription, check_stacks, plan_layers
@@ -101,6 +104,8 @@ class LayerwiseBackend(OffloadBackend):
         self.parallel = parallel
         self.platform = platform
         self.world: World = current_world()
+        if self.world.size > 1:
+            announce(self.world.rank)  # [Note: naming a missing rank]
         self.plan: ResolvedOffloadPlan | None = None
         self.layer_plan: LayerPlan | None = None
         self._poisoned: str | None = None
@@ -160,7 +165,6 @@ class LayerwiseBackend(OffloadBackend):
         if sched is not None and sched.poisoned is not None:
             self._poisoned = sched.poisoned  # the group may be misaligned: no re-enable
         super().disable()
-        self._state = LayerState()
         if failed is not None:
             raise failed
 
@@ -184,6 +188,8 @@ class LayerwiseBackend(OffloadBackend):
 
     def _after_failed_enable(self) -> None:
         self._state = LayerState()
+
+    _forget = _after_failed_enable
 
     def _install(self, pipeline: Any, journal: Journal) -> None:
         started = exchanges_started()

@@ -23,15 +23,25 @@ from dlo.journal import Journal
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import BlockLayout
 
-# id -> weak reference of tensors whose bytes an AllGather disable could not restore (each
-# rank held 1/G of them). Keyed by id because tensors compare elementwise, not by identity.
-_RELEASED: dict[int, weakref.ref[torch.Tensor]] = {}
+# id -> (weak reference, why) of tensors whose bytes a disable could not restore (an
+# AllGather rank held 1/G of them; a mapped block's checkpoint changed). Keyed by id because
+# tensors compare elementwise, not by identity.
+_RELEASED: dict[int, tuple[weakref.ref[torch.Tensor], str]] = {}
 
 
-def mark_released(tensors: list[torch.Tensor]) -> None:
-    """Remember that these tensors lost their bytes (see [Note: what disable restores])."""
+def gathered_loss(group_size: int) -> str:
+    """Why an AllGather block's weights are gone after a plain disable."""
+    return (
+        "when AllGather offload of the model was disabled (each rank held only its "
+        f"1/{group_size} shard); disable with backend.disable(restore=True) gathers them back"
+    )
+
+
+def mark_released(tensors: list[torch.Tensor], why: str) -> None:
+    """Remember that these tensors lost their bytes, and ``why`` (a clause after "lost their
+    weights"; see [Note: what disable restores])."""
     for t in tensors:
-        _RELEASED[id(t)] = weakref.ref(t, functools.partial(_forget, id(t)))
+        _RELEASED[id(t)] = (weakref.ref(t, functools.partial(_forget, id(t))), why)
 
 
 RELEASED_OWNER = "dlo.released"
@@ -41,44 +51,41 @@ not usable without dlo any more, so its forward says so (the hook dies with the 
 
 
 class _ReleasedBlock(ModelHook):
-    def __init__(self, name: str, group_size: int, rank: int) -> None:
-        self.name, self.group_size, self.rank = name, group_size, rank
+    def __init__(self, name: str, why: str, rank: int) -> None:
+        self.name, self.why, self.rank = name, why, rank
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         raise OffloadError(
-            "this block's weights were released when AllGather offload of the model was "
-            f"disabled (each rank held 1/{self.group_size} of them): reload the model, or "
-            "disable with backend.disable(restore=True), which gathers them back",
+            f"this block lost its weights {self.why}: reload the model",
             rank=self.rank,
             block=self.name,
         )
 
 
-def refuse_released_forward(blocks: list[tuple[str, nn.Module, int]], *, rank: int) -> None:
-    """After a disable that released ``(name, module, group_size)`` blocks, their forward
-    raises a dlo error instead of failing inside torch on an empty tensor."""
-    for name, module, group_size in blocks:
+def refuse_released_forward(blocks: list[tuple[str, nn.Module, str]], *, rank: int) -> None:
+    """After a disable that released ``(name, module, why)`` blocks, their forward raises a
+    dlo error instead of failing inside torch on an empty tensor."""
+    for name, module, why in blocks:
         if RELEASED_OWNER not in {o for o, _ in HookRegistry.owners_on(module)}:
-            _RELEASED_HOOKS.register(module, "released", _ReleasedBlock(name, group_size, rank))
+            _RELEASED_HOOKS.register(module, "released", _ReleasedBlock(name, why, rank))
 
 
 def _forget(key: int, _ref: object) -> None:
     _RELEASED.pop(key, None)
 
 
-def _is_released(t: torch.Tensor) -> bool:
-    ref = _RELEASED.get(id(t))
-    return ref is not None and ref() is t
+def _released_why(t: torch.Tensor) -> str | None:
+    entry = _RELEASED.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
 
 
 def check_not_released(named: list[tuple[str, torch.Tensor]], *, rank: int) -> None:
-    """Refuse a model whose tensors a previous AllGather enable released."""
-    gone = [name for name, t in named if _is_released(t)]
+    """Refuse a model whose tensors a previous disable could not restore."""
+    gone = [(name, why) for name, t in named if (why := _released_why(t)) is not None]
     if gone:
         raise OffloadError(
-            f"{len(gone)} tensors (first: {', '.join(gone[:4])}) lost their weights when an "
-            "earlier AllGather offload of this model was disabled (each rank held only its "
-            "1/G shard); reload the model before enabling again",
+            f"{len(gone)} tensors (first: {', '.join(n for n, _ in gone[:4])}) lost their "
+            f"weights {gone[0][1]}; reload the model before enabling again",
             rank=rank,
         )
 

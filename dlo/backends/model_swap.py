@@ -152,10 +152,11 @@ class ModelSwapBackend(OffloadBackend):
         if self.is_enabled():
             self._guard.begin_disable()
         super().disable()
-        self._reset()
 
     def _after_failed_enable(self) -> None:
         self._reset()
+
+    _forget = _after_failed_enable
 
     # ------------------------------------------------------------------ install
     def _install(self, pipeline: Any, journal: Journal) -> None:

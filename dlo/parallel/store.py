@@ -19,12 +19,24 @@ failure after the agreement) marks the process (:func:`startup_failed`) and the 
 or in a peer, refuses at once with an error naming what failed, and a peer waiting in an
 exchange stops waiting. Ranks have no way to re-pair their numbering short of a new store,
 so the worker must be recreated.
+
+[Note: naming a missing rank]
+A rank that never arrives may have exited (killed, crashed), hang, or simply not call
+enable. Every rank records its process (pid and host) in the store when it creates a
+multi-rank backend and when it enters its first exchange (:func:`announce`); a rank that gave
+up waiting reads the missing ranks' records, and for a rank of its own host asks the kernel
+whether that process still runs, so the timeout says "exited" or "running but not in
+enable" instead of guessing. A store that cannot be reached (its host, rank 0, exited) is
+named as such rather than surfacing torch's ``DistNetworkError``.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import json
+import os
+import socket
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -56,9 +68,62 @@ rank count)."""
 _POLL_S = 0.02
 
 
+_announced = False
+
+
 _POLL_MAX_S = 0.25
 """A waiting rank polls the store at 20 ms, backing off to 250 ms: quick startups stay quick,
 a long wait (a peer loading a checkpoint) costs rank 0's store a few requests a second."""
+
+
+def announce(rank: int) -> None:
+    """Record this process (pid, host) under ``dlo/process/<rank>`` once (see [Note: naming a
+    missing rank]); a store that cannot be reached now is left for the exchange to name."""
+    global _announced
+    if _announced:
+        return
+    try:
+        record = {"pid": os.getpid(), "host": socket.gethostname()}
+        _default_store().set(f"dlo/process/{rank}", json.dumps(record).encode())
+        _announced = True
+    except Exception:
+        pass
+
+
+def whereabouts(store: Any, ranks: list[int]) -> str:
+    """What is known of each missing rank's process (see [Note: naming a missing rank])."""
+    here, parts = socket.gethostname(), []
+    for r in ranks:
+        key = f"dlo/process/{r}"
+        try:  # a record of another shape is as good as none
+            record: Any = json.loads(bytes(store.get(key))) if _has_key(store, key) else None
+            pid, host = int(record["pid"]), str(record["host"])
+        except (TypeError, ValueError, KeyError):
+            parts.append(f"rank {r} never created a dlo backend (it failed or exited before)")
+            continue
+        if host != here:
+            parts.append(f"rank {r} (pid {pid} on {host}) exited, hangs or is not in enable")
+        elif _running(pid):
+            parts.append(f"rank {r} (pid {pid}, this host) is running but not in enable")
+        else:
+            parts.append(f"rank {r} (pid {pid}, this host) has exited: killed or crashed")
+    return "; ".join(parts)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")  # not a zombie
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel directly
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
 
 
 def exchanges_started() -> int:
@@ -128,10 +193,11 @@ def share(
     global _exchanges_started
     _exchanges_started += 1
     store = _default_store()
-    refused = _refusal(store, rank=rank, what=what)
-    if refused is not None:
-        raise refused
+    announce(rank)
     try:
+        refused = _refusal(store, rank=rank, what=what)
+        if refused is not None:
+            raise refused
         records = _share(
             store,
             encode(obj),
@@ -145,6 +211,16 @@ def share(
             return [decode(r, types) for r in records]
         except ValueError as e:
             raise OffloadError(f"{what}: {e}", rank=rank) from None
+    except dist.DistNetworkError as e:
+        err = OffloadError(
+            f"{what}: the job's key-value store cannot be reached ({e}); it is served by rank "
+            f"0's process at MASTER_ADDR:MASTER_PORT "
+            f"({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}), "
+            "which has probably exited: see its log",
+            rank=rank,
+        )
+        startup_failed(describe_failure(err), rank=rank)
+        raise err from e
     except BaseException as e:
         startup_failed(describe_failure(e), rank=rank)
         raise
@@ -187,8 +263,8 @@ def _share(
                 missing = [r for r, k in enumerate(keys) if not _has_key(store, k)]
                 raise OffloadError(
                     f"{what} timed out after {timeout_s:g}s: rank(s) {missing} never "
-                    "reached enable (every rank of the job must call enable with the same "
-                    "model)",
+                    f"reached enable ({whereabouts(store, missing)}; every rank of the job "
+                    "must call enable with the same model)",
                     rank=rank,
                 )
             break
@@ -221,5 +297,7 @@ def _default_store() -> Any:
 def _has_key(store: Any, key: str) -> bool:
     try:
         return bool(store.check([key]))
+    except dist.DistNetworkError:
+        raise  # the store is gone: named by share
     except Exception:
         return False

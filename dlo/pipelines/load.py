@@ -24,7 +24,7 @@ from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.materialize import LoadPlan, materialize, plan_load
-from dlo.journal import Journal
+from dlo.journal import Journal, atomic
 from dlo.parallel.groups import current_world
 from dlo.pipelines import folder
 from dlo.plan.topology import resolve_offload_plan
@@ -251,11 +251,12 @@ def _fill_and_enable(
         if report.pending is not None:
             report.pending.wait()
     except BaseException:
-        try:
-            if backend is not None and backend.is_enabled():
-                backend.disable()
-        finally:
-            journal.rollback()
+        with atomic():  # nothing would resume an interrupted cleanup: it runs to its end
+            try:
+                if backend is not None and backend.is_enabled():
+                    backend.disable()
+            finally:
+                journal.rollback()
         raise
     finally:
         if defer:

@@ -79,6 +79,13 @@ class LayerPlan:
         return [i for i, b in enumerate(self.blocks) if not b.resident]
 
     @property
+    def allocated_slots(self) -> int:
+        """Slots the ring allocates: ``num_slots``, but never more than the streamed blocks
+        (a slot beyond one per block could never be filled; ``num_slots`` stays what the
+        config asked for, and the explanation and ``stats()`` say what was allocated)."""
+        return max(1, min(self.num_slots, len(self.streamed)))
+
+    @property
     def region_nbytes(self) -> list[int]:
         """Bytes of each block in this rank's private host region."""
         return [0 if self.mapped or b.node_shared else b.layout.shard_nbytes for b in self.blocks]

@@ -216,7 +216,8 @@ def _weights(
     num_slots: int,
     chunk: int,
 ) -> tuple[int, int]:
-    """``(slot_nbytes, slots + resident bytes)`` for one candidate."""
+    """``(slot_nbytes, slots + resident bytes)`` for one candidate (the ring allocates at
+    most one slot per streamed block: :attr:`~dlo.plan.layers.LayerPlan.allocated_slots`)."""
     slot, resident_nbytes = 0, 0
     for s, c, r in zip(stacks, choices, resident):
         for i, b in enumerate(s.block_nbytes):
@@ -225,7 +226,12 @@ def _weights(
                 resident_nbytes += p
             else:
                 slot = max(slot, p)
-    return slot, num_slots * slot + resident_nbytes
+    return slot, _allocated(stacks, resident, num_slots) * slot + resident_nbytes
+
+
+def _allocated(stacks: tuple[StackSpec, ...], resident: list[int], num_slots: int) -> int:
+    streamed = sum(len(s.block_nbytes) - r for s, r in zip(stacks, resident))
+    return max(1, min(num_slots, streamed))
 
 
 def decide(inp: PolicyInput) -> PolicyDecision:
@@ -333,6 +339,9 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     choices = [dataclasses.replace(c, num_resident=r) for c, r in zip(choices, resident)]
     slot_nbytes, dlo_nbytes = _weights(inp.stacks, choices, resident, num_slots, chunk)
     device_nbytes = dlo_nbytes + inp.non_block_nbytes
+    allocated = _allocated(inp.stacks, resident, num_slots)
+    if allocated < num_slots:
+        slot_note += f"; {allocated} allocated, one per streamed block"
     lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
     if budget is not None:
         bound = f" (device_budget_gb: {_size(budget)})"
@@ -342,8 +351,8 @@ def decide(inp: PolicyInput) -> PolicyDecision:
         bound = ""
     lines.append(
         f"  device weights: {_size(device_nbytes)} = non-block {_size(inp.non_block_nbytes)}"
-        f" + {num_slots} slot(s) x {_size(slot_nbytes)} + resident "
-        f"{_size(dlo_nbytes - num_slots * slot_nbytes)}{bound}"
+        f" + {allocated} slot(s) x {_size(slot_nbytes)} + resident "
+        f"{_size(dlo_nbytes - allocated * slot_nbytes)}{bound}"
     )
     return PolicyDecision(
         stacks=tuple(choices),

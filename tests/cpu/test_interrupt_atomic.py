@@ -1,6 +1,8 @@
 """Issue 26 item 4: a KeyboardInterrupt at any line of ``enable`` leaves the model exactly as
 before (tensors, hooks, dlo's ledger, no claim left) and a fresh enable gives the same bits
-(see [Note: interrupts during enable] in :mod:`dlo.journal`). CI interrupts every
+(see [Note: interrupts during enable] in :mod:`dlo.journal`); one at any line of ``disable``
+leaves the backend enabled or not, and a second ``disable`` leaves the model as before
+([Note: interrupts during disable]). CI interrupts every
 ``STRIDE``-th distinct line of dlo's code that enable runs; ``launch/interrupt_probe.py``
 runs every one (about 3 minutes per mode on 2 cores)."""
 
@@ -46,8 +48,16 @@ def _difference(model: Any, before: tuple[dict[str, Any], int], ledger: tuple[in
     return f"ledger +{now[0] - ledger[0]} host bytes" if now != ledger else ""
 
 
-def _lines(cfg: dlo.OffloadConfig, model: Any) -> list[Line]:
-    """Every distinct dlo line one enable executes, in first-execution order."""
+def _traced(call: Any, local: Any) -> None:
+    sys.settrace(lambda f, e, a: local if f.f_code.co_filename.startswith(ROOT) else None)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+
+
+def _lines(cfg: dlo.OffloadConfig, model: Any, phase: str) -> list[Line]:
+    """Every distinct dlo line one enable (or disable) executes, in first-execution order."""
     seen: dict[Line, None] = {}
 
     def local(frame: Any, event: str, arg: Any) -> Any:
@@ -56,17 +66,16 @@ def _lines(cfg: dlo.OffloadConfig, model: Any) -> list[Line]:
         return local
 
     backend = dlo.get_offload_backend(cfg, None, "cpu")
-    sys.settrace(lambda f, e, a: local if f.f_code.co_filename.startswith(ROOT) else None)
-    try:
+    if phase == "disable":
         backend.enable(model)
-    finally:
-        sys.settrace(None)
+    _traced(lambda: backend.enable(model) if phase == "enable" else backend.disable(), local)
     backend.disable()
     return list(seen)
 
 
-def _interrupted_enable(cfg: dlo.OffloadConfig, model: Any, target: Line) -> tuple[bool, Any]:
-    """Enable with a KeyboardInterrupt at ``target``'s first execution."""
+def _interrupted(cfg: dlo.OffloadConfig, model: Any, target: Line, phase: str) -> tuple[bool, Any]:
+    """Enable (or enable, then disable) with a KeyboardInterrupt at ``target``'s first
+    execution in that phase."""
     hit = [False]
 
     def local(frame: Any, event: str, arg: Any) -> Any:
@@ -77,19 +86,23 @@ def _interrupted_enable(cfg: dlo.OffloadConfig, model: Any, target: Line) -> tup
         return local
 
     backend = dlo.get_offload_backend(cfg, None, "cpu")
-    sys.settrace(lambda f, e, a: local if f.f_code.co_filename.startswith(ROOT) else None)
-    try:
+    if phase == "disable":
         backend.enable(model)
+    try:
+        _traced(lambda: backend.enable(model) if phase == "enable" else backend.disable(), local)
     except KeyboardInterrupt:
         pass
-    finally:
-        sys.settrace(None)
     return hit[0], backend
 
 
-def probe(mode: str, stride: int = 1, limit: int = 10**9) -> tuple[int, dict[Line, str]]:
-    """Interrupt every ``stride``-th distinct line (up to ``limit`` of them); returns how
-    many were tried and the ones that broke, with why."""
+def probe(
+    mode: str, stride: int = 1, limit: int = 10**9, phase: str = "enable"
+) -> tuple[int, dict[Line, str]]:
+    """Interrupt every ``stride``-th distinct line (up to ``limit`` of them) of ``phase``;
+    returns how many were tried and the ones that broke, with why. An interrupted enable
+    must leave the model as before; an interrupted disable either finished or leaves the
+    backend enabled, and a second ``disable()`` finishes it ([Note: interrupts during
+    disable])."""
     cfg = (
         dlo.OffloadConfig(mode="module")
         if mode == "module"
@@ -99,20 +112,29 @@ def probe(mode: str, stride: int = 1, limit: int = 10**9) -> tuple[int, dict[Lin
     ids, latents = make_inputs("tiny", tokens=None, seed=0, device="cpu", dtype=torch.float32)
     ref = model.generate(ids, latents, 1)
     before = _snapshot(model)
-    lines = _lines(cfg, model)[:limit:stride]
+    lines = _lines(cfg, model, phase)[:limit:stride]
     bad: dict[Line, str] = {}
     t0 = time.time()
     for target in lines:
         ledger = (LEDGER.host_nbytes, LEDGER.pinned_nbytes)
         try:
-            hit, backend = _interrupted_enable(cfg, model, target)
+            hit, backend = _interrupted(cfg, model, target, phase)
         except Exception as e:
             bad[target] = f"raised {type(e).__name__}: {e}"[:200]
             continue
         if not hit:
             backend.disable()
             continue
-        why = "is_enabled after interrupt" if backend.is_enabled() else ""
+        why = ""
+        if backend.is_enabled():
+            if phase == "enable":
+                why = "is_enabled after interrupt"
+            else:  # the interrupted disable is resumed
+                try:
+                    backend.disable()
+                except Exception as e:
+                    why = f"second disable: {type(e).__name__}: {e}"[:200]
+                why = why or ("is_enabled after a second disable" if backend.is_enabled() else "")
         why = why or _difference(model, before, ledger)
         if not why:
             try:
@@ -131,7 +153,7 @@ def probe(mode: str, stride: int = 1, limit: int = 10**9) -> tuple[int, dict[Lin
                 logger.info("disable after %s: %s", target, type(e).__name__)
             model = build_pipeline("tiny", dtype=torch.float32)
             before = _snapshot(model)
-    logger.info("%s: %d bad of %d in %.1fs", mode, len(bad), len(lines), time.time() - t0)
+    logger.info("%s %s: %d bad of %d in %.1fs", phase, mode, len(bad), len(lines), time.time() - t0)
     return len(lines), bad
 
 
@@ -142,6 +164,14 @@ STRIDE = 5
 def test_an_interrupt_at_any_line_of_enable_leaves_the_model_as_before(mode: str) -> None:
     tried, bad = probe(mode, stride=STRIDE)
     assert tried > 80, tried  # the probe reached enable's code
+    listed = [f"{os.path.relpath(p, ROOT)}:{n}: {why}" for (p, n), why in bad.items()]
+    assert not bad, "\n".join(listed)
+
+
+@pytest.mark.parametrize("mode", ["layer", "module"])
+def test_an_interrupted_disable_is_finished_by_the_next_one(mode: str) -> None:
+    tried, bad = probe(mode, stride=2, phase="disable")
+    assert tried > 15, tried  # the probe reached disable's code
     listed = [f"{os.path.relpath(p, ROOT)}:{n}: {why}" for (p, n), why in bad.items()]
     assert not bad, "\n".join(listed)
 

@@ -303,3 +303,39 @@ def test_a_resident_blocks_failed_fill_at_enable_names_the_block(checkpoint: str
         load_pipeline(_skeleton, checkpoint, _cfg(resident_layers=1), None, "cpu")
     assert e.value.block == "transformer.blocks.0"
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_a_checkpoint_truncated_while_serving_is_refused_not_served_weightless(
+    tmp_path: Any,
+) -> None:
+    """Issue 26 item 6: the forward names the short read; disable says which blocks it could
+    not restore; those stay released (their forward and a later enable refuse, naming the
+    checkpoint) instead of leaving a weightless model that enable accepts."""
+    import glob
+    import os
+
+    path = save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), tmp_path, max_shard_nbytes=12 << 20)
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    pipe, backend = load_pipeline(_skeleton, str(path.parent), _cfg(), None, "cpu")
+    assert backend is not None
+    pipe.generate(ids, latents, 1)
+    for f in glob.glob(str(path.parent / "*.safetensors")):
+        os.truncate(f, os.path.getsize(f) // 2)
+    with pytest.raises(OffloadError, match="short read"):
+        pipe.generate(ids, latents, 1)
+    with pytest.raises(OffloadError, match="disable could not restore block") as e:
+        backend.disable()
+    assert e.value.block is not None and "reload the model" in str(e.value)
+    assert not backend.is_enabled() and (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    with pytest.raises(OffloadError, match="lost its weights when offload was disabled"):
+        pipe.generate(ids, latents, 1)
+    with pytest.raises(OffloadError, match="could not be read back") as again:
+        dlo.enable_offload(pipe, dlo.OffloadConfig(mode="layer"), device="cpu")
+    assert "reload the model before enabling again" in str(again.value)
+    assert all(not HookRegistry.owners_on(m) or _only_refusals(m) for m in pipe.modules())
+
+
+def _only_refusals(module: torch.nn.Module) -> bool:
+    from dlo.backends.model_hooks import RELEASED_OWNER
+
+    return {o for o, _ in HookRegistry.owners_on(module)} == {RELEASED_OWNER}

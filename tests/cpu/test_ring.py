@@ -57,7 +57,8 @@ def test_parity_identity_and_restore(num_blocks: int, num_slots: int) -> None:
     for a, b in zip(ref, out):
         assert torch.equal(a, b)
     st = backend.stats()
-    assert st["num_streamed_blocks"] == num_blocks and st["num_slots"] == num_slots
+    # never more slots than streamed blocks (issue 26 item 6)
+    assert st["num_streamed_blocks"] == num_blocks and st["num_slots"] == min(num_slots, num_blocks)
     assert st["group_size"] == 1 and st["transfer"] == "rank-local"
     assert st["h2d_nbytes"] > 0 and st["allgather_nbytes"] == 0
     assert st["host_pinned_nbytes"] == 0  # CPU platform never pins
@@ -68,6 +69,18 @@ def test_parity_identity_and_restore(num_blocks: int, num_slots: int) -> None:
     assert _no_dlo_hooks(model)
     for a, b in zip(ref, _run(model, 4, mode="alt")):
         assert torch.equal(a, b)
+
+
+def test_num_slots_beyond_the_streamed_blocks_allocates_one_slot_per_block() -> None:
+    model = ToyDiT(3)
+    ref = _run(clone(model), 2)
+    backend = _enable(model, num_slots=1000, resident_layers=1)
+    assert backend.config.num_slots == 1000  # what was asked stays what the config says
+    pool = backend._state.pool  # type: ignore[attr-defined]
+    assert pool is not None and len(pool.slots) == 2 == backend.stats()["num_slots"]
+    for a, b in zip(ref, _run(model, 2)):
+        assert torch.equal(a, b)
+    backend.disable()
 
 
 def test_two_containers_resident_and_skipped_blocks() -> None:

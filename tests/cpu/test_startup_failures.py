@@ -4,8 +4,10 @@ rank promptly. Real gloo ranks; see [Note: one failed startup ends the worker]."
 
 from __future__ import annotations
 
+import os
 import time
 
+import pytest
 import torch.distributed as dist
 
 import dlo
@@ -115,3 +117,46 @@ def test_failure_between_exchanges_stops_the_waiting_peer_naming_it() -> None:
     assert m1.startswith("InjectedFault"), m1
     assert s0 < TIMEOUT_S / 2, (s0, m0)
     assert "rank 1" in m0 and "agreement" in m0 and "recreate the worker" in m0, m0
+
+
+def _peer_exits_or_idles(rank: int, world: int, exits: bool) -> tuple[float, str]:
+    backend = _backend(world)
+    if rank == 1:
+        if exits:
+            os._exit(3)  # killed before the startup exchange (issue 26 item 6)
+        time.sleep(TIMEOUT_S + 2)  # alive, never in enable
+        return 0.0, "idle"
+    return _attempt(backend, ToyDiT(3))
+
+
+@pytest.mark.parametrize("exits", [True, False])
+def test_a_missing_rank_is_named_as_exited_or_running(exits: bool) -> None:
+    """[Note: naming a missing rank]: the timeout says whether the missing rank's process
+    still runs (same host: asked of the kernel), not only that it never reached enable."""
+    outs = run_ranks(_peer_exits_or_idles, 2, exits, timeout_s=60)
+    assert outs[0].ok, outs[0]
+    seconds, msg = outs[0].value
+    assert "rank(s) [1] never reached enable" in msg and seconds < TIMEOUT_S + 2, msg
+    if exits:
+        assert outs[1].exitcode == 3, outs[1]
+        assert "rank 1 (pid " in msg and "this host) has exited: killed or crashed" in msg, msg
+    else:
+        assert "this host) is running but not in enable" in msg, msg
+
+
+def _store_host_exits(rank: int, world: int) -> str:
+    if rank == 0:
+        os._exit(0)  # rank 0 serves the job's TCPStore
+    time.sleep(0.5)
+    try:
+        _backend(world).enable(ToyDiT(3))
+    except dlo.OffloadError as e:
+        return str(e)
+    return "enabled"
+
+
+def test_a_store_whose_host_exited_is_named_not_a_raw_network_error() -> None:
+    outs = run_ranks(_store_host_exits, 2, timeout_s=60)
+    assert outs[1].ok, outs[1]
+    msg = outs[1].value
+    assert "key-value store cannot be reached" in msg and "rank 0's process" in msg, msg

@@ -367,7 +367,7 @@ def test_explicit_slots_are_kept(n: int) -> None:
 def test_auto_slots_shrink_to_fit_the_budget() -> None:
     slot = padded_nbytes(64 * MIB, 2, 64 * MIB)
     budget = (2 * slot + MIB) / GIB  # room for two slots, not three
-    d = decide(_input(_stack(), num_slots="auto", device_budget_gb=budget))
+    d = decide(_input(_stack((64 * MIB,) * 4), num_slots="auto", device_budget_gb=budget))
     assert d.num_slots == 2 and d.resident_layers == 0
 
 
@@ -634,3 +634,15 @@ def test_the_compute_hint_is_the_dits() -> None:
     enc = _stack((64 * MIB,) * 4, name="te.layers", component="encoder", dit_path="te")
     d = decide(_input(enc, block_compute_s=0.05, shm=100 * GIB))
     assert d.stacks[0].transfer == "allgather"
+
+
+def test_slots_beyond_the_streamed_blocks_are_neither_allocated_nor_budgeted() -> None:
+    """Issue 26 item 6: ``num_slots`` may ask for more slots than blocks stream; the budget
+    and the explanation count one slot per streamed block."""
+    stack = _stack((64 * MIB,) * 3, group_size=1, transfer="rank-local")
+    budget = (3 * 64 * MIB + 8 * MIB) / GIB  # three slots, not a thousand
+    d = decide(_input(stack, num_slots=1000, device_budget_gb=budget))
+    assert d.num_slots == 1000
+    assert d.device_weight_nbytes == 3 * d.slot_nbytes
+    assert "3 allocated, one per streamed block" in d.explanation
+    assert "+ 3 slot(s) x" in d.explanation
