@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from dlo import __version__
-    from dlo.bench.runner import add_arguments as add_bench_arguments
+    from dlo.bench.flags import add_arguments as add_bench_arguments
 
     p = _Parser(
         prog="dlo",

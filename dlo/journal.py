@@ -24,9 +24,13 @@ injects interrupts at every line (``launch/interrupt_probe.py``) asks :func:`mas
 [Note: interrupts during disable]
 ``disable`` is the journal's rollback, and an interrupt during it is delivered between two
 undos, never inside one: each undo is atomic and leaves the journal only once it has run.
-The interrupted backend therefore stays enabled (``is_enabled()`` is True, every forward is
-refused) with exactly the remaining undos recorded, and calling ``disable()`` again finishes
-it, after which the model is bitwise as before enable. Masking the whole rollback instead
+The interrupted backend therefore stays enabled (``is_enabled()`` is True) with exactly the
+remaining undos recorded, and calling ``disable()`` again finishes it, after which the model
+is bitwise as before enable; an undo's failure is raised by the rollback that finishes. A
+forward in between is refused while dlo's hooks are still installed (they are the first
+undo) and otherwise fails on the empty placeholders: never wrong output. A
+``disable(restore=True)`` interrupted while it gathers poisons the backend like any failed
+restore (the ranks' gathers may be out of step): the rest of that disable still runs. Masking the whole rollback instead
 would make Ctrl-C wait for every undo of a large model; the cleanup of a failed enable, which
 no later call would resume, does run masked (:meth:`Journal.unwind`).
 """
@@ -80,6 +84,8 @@ class Journal:
 
     def __init__(self) -> None:
         self._undos: list[tuple[str, Callable[[], object]]] = []
+        self._error: BaseException | None = None
+        """The first undo failure of a rollback not finished yet."""
 
     def __len__(self) -> int:
         return len(self._undos)
@@ -104,7 +110,6 @@ class Journal:
         Raises:
             The first exception an undo raised, after all undos ran.
         """
-        first: BaseException | None = None
         while self._undos:
             with atomic():
                 what, undo = self._undos[-1]
@@ -112,9 +117,10 @@ class Journal:
                     undo()
                 except BaseException as e:  # keep undoing; report the first failure
                     logger.error("dlo: undo of %r failed: %r", what, e)
-                    if first is None:
-                        first = e
+                    if self._error is None:  # kept across an interrupted rollback
+                        self._error = e
                 self._undos.pop()
+        first, self._error = self._error, None
         if first is not None:
             raise first
 

@@ -240,6 +240,19 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "staging_buffer_nbytes": "bytes of each staging buffer (the largest chunk; 0 otherwise)",
         "staging_host_wait_ms": "total host time the compute thread waited for the staging "
         'thread to enqueue a block\'s copies (`"mapped"` only)',
+        "codec": '`"ans"` when some stack\'s host blocks are encoded, else `"none"`',
+        "codec_bitstream": 'the bitstream of the encoded blocks (`"nvcomp-ans-f2"` on CUDA, '
+        '`"dlo-zlib-planes-v1"` on the CPU platform; None without a codec)',
+        "host_encoded_nbytes": "bytes of the encoded blocks' host copies (what crosses the "
+        "link for them)",
+        "host_encoded_raw_nbytes": "raw bytes of the same blocks (their shards)",
+        "codec_ratio": "`host_encoded_nbytes / host_encoded_raw_nbytes` (1.0 without a codec; "
+        "on random weights only a proxy of a real model's)",
+        "decoded_nbytes": "raw bytes the decoder wrote into slots (cumulative)",
+        "encoded_h2d_nbytes": "the encoded bytes copied for them (cumulative; also in "
+        "`h2d_nbytes`)",
+        "device_decode_staging_nbytes": "device bytes of the two staging buffers encoded "
+        "blocks cross the link into (each the largest encoded block)",
         "device_slot_nbytes": "device bytes of the slots: `num_slots` x the largest padded "
         "streamed block",
         "device_symmetric_nbytes": "device bytes dlo holds outside torch's caching allocator "

@@ -125,8 +125,9 @@ class OffloadBackend:
 
         ``restore=True`` also rebuilds weights that only a collective can rebuild (the
         layerwise backend's AllGather blocks); backends that keep whole copies always
-        restore them. An interrupt leaves it enabled with what is left to undo: call it
-        again to finish ([Note: interrupts during disable] in :mod:`dlo.journal`)."""
+        restore them. An interrupt leaves it enabled with what is left to undo (forwards
+        refused or failing, never wrong): call it again to finish ([Note: interrupts during
+        disable] in :mod:`dlo.journal`)."""
         journal = self._journal
         if journal is None:
             return

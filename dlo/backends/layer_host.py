@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from dlo import faults
+from dlo.backends.layer_codec import HostCodec
 from dlo.backends.model_hooks import mark_released, refuse_released_forward
+from dlo.codec.blocks import EncodedShard
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
@@ -26,6 +28,7 @@ from dlo.host.node_share import SharedBlock, share_host, sharers
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
 from dlo.host.shards import copy_back, unpack_tensor, written_tensors
+from dlo.io.header_checks import CheckpointError
 from dlo.io.materialize import mapped_source
 from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
@@ -61,6 +64,8 @@ class LayerBlock:
     """A resident block's own device buffer (its tensors are views of it)."""
     restored: bool = False
     """``disable(restore=True)`` gathered this AllGather block back into ordinary tensors."""
+    encoded: EncodedShard | None = None
+    """With a codec: the block's host copy, encoded (its region bytes)."""
 
     @property
     def name(self) -> str:
@@ -90,7 +95,17 @@ class LayerBlock:
     def host_writable(self) -> bool:
         """Its host copy is this rank's own whole block, so in-place writes can go back
         (not with AllGather, the mapped backing or a node-shared copy)."""
-        return self.layout.group_size == 1 and self.mapped is None and not self.node_shared
+        return (
+            self.layout.group_size == 1
+            and self.mapped is None
+            and not self.node_shared
+            and self.encoded is None
+        )
+
+    @property
+    def shard(self) -> torch.Tensor | MappedBlock | EncodedShard:
+        """What the block's transport loads: its host bytes, encoded or mapped ones."""
+        return self.encoded or self.mapped or self.host_view()
 
     def host_view(self) -> torch.Tensor:
         """The block's bytes in its host region."""
@@ -119,6 +134,8 @@ class LayerHost:
         """The private region's pinning, started while it is filled."""
         self.pageable: tuple[str, ...] = ()
         """Blocks every rank keeps pageable (``pin_failure_policy="whole_block_fallback"``)."""
+        self.codec: HostCodec | None = None
+        """The codec of the encoded blocks (see :mod:`dlo.backends.layer_codec`)."""
 
     # ------------------------------------------------------------------ private region
     def prepare(self, plan: LayerPlan, journal: Journal, group_rank: Callable[[str], int]) -> None:
@@ -135,8 +152,16 @@ class LayerHost:
             }.values():
                 ckpt.retain()
                 journal.record("checkpoint files", ckpt.release)
+        sizes = plan.region_nbytes
+        if plan.encoded:  # sizes known once encoded
+            (name,) = {plan.blocks[i].stack.codec for i in plan.encoded}  # one codec: "ans"
+            codec = self.codec = HostCodec(self.platform, name)
+            journal.record("encoded pieces", codec.forget)
+            todo = [(i, self.blocks[i]) for i in plan.encoded]
+            for i, n in codec.encode([(i, b.name, b.layout, b.tensors) for i, b in todo]).items():
+                sizes[i] = n
         with atomic():  # [Note: interrupts during enable] in dlo.journal
-            region = HostRegion(plan.region_nbytes)
+            region = HostRegion(sizes)
             self.region = region
             journal.record("host region", region.close)
         if self.config.pin_memory:  # each block pinned once filled, behind the next fills
@@ -157,8 +182,10 @@ class LayerHost:
                 self.release(b, journal)
                 continue
             faults.check("host_fill")
-            # pack_shard, or straight from the file for checkpoint-mapped tensors
-            pack_block(region.view(i), b.layout, group_rank(b.stack.group_axis), b.tensors)
+            if self.codec is not None and b.stack.codec != "none":
+                b.encoded = self.codec.lay(i, region.view(i))
+            else:  # pack_shard, or straight from the file for checkpoint-mapped tensors
+                pack_block(region.view(i), b.layout, group_rank(b.stack.group_axis), b.tensors)
             if self._pins is not None:
                 self._pins.filled(i)
             if b.layout.group_size == 1:
@@ -277,12 +304,12 @@ class LayerHost:
         if b.mapped is not None:
             try:  # every tensor read before any is bound: a block is whole or released
                 data = [b.mapped.rebuild(i).to(dev) for i, dev in enumerate(b.original_devices)]
-            except Exception as e:
+            except (CheckpointError, OSError) as e:  # the file, not the device
                 self._lose_mapped(b, e)
             for t, d in zip(b.tensors, data):
                 t.data = d
             return
-        shard = b.host_view()
+        shard = b.encoded.raw(self.platform.device) if b.encoded else b.host_view()
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
             t.data = unpack_tensor(shard, spec, dev)
 
@@ -315,7 +342,11 @@ class LayerHost:
                 "not kept after disable",
                 b.name,
                 [spec.name for spec, _ in written],
-                "the node-shared host copy" if b.node_shared else "the checkpoint",
+                "the node-shared host copy"
+                if b.node_shared
+                else "the encoded host copy"
+                if b.encoded
+                else "the checkpoint",
             )
             return
         copy_back(b.host_view(), written)

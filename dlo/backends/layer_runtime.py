@@ -25,6 +25,7 @@ from dlo.backends.model_hooks import (
     move_tensor,
     refuse_released_forward,
 )
+from dlo.codec.codecs import get_codec
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
@@ -38,6 +39,7 @@ from dlo.plan.layers import LayerPlan
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
+from dlo.runtime.decoding import DecodingTransport
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
@@ -95,6 +97,15 @@ class Transports:
     """Stats' group: the first gathering stack's, else one rank."""
     gather_sync: str | None = None
     """The copy-engine gather's barrier (``"stream"`` or ``"kernel"``), None with NCCL."""
+    decoding: DecodingTransport | None = None
+    """The transport of the encoded blocks (see [Note: decode pipeline])."""
+
+    def of(self, b: LayerBlock) -> Transport:
+        """The transport that loads block ``b``."""
+        if b.encoded is not None:
+            assert self.decoding is not None
+            return self.decoding
+        return self.by_axis[b.stack.group_axis]
 
 
 def build_transports(
@@ -176,6 +187,21 @@ def build_transports(
         )
         if len(ranks) > 1 and out.group_size == 1:
             out.group_rank, out.group_size = group_rank, len(ranks)
+    encoded = [b.encoded for b in blocks if b.encoded is not None]
+    if encoded:
+        (encoded_codec,) = {b.stack.codec for b in blocks if b.encoded is not None}
+        faults.check("staging_allocation")
+        decode_stream = platform.new_stream()
+        out.decoding = DecodingTransport(
+            platform,
+            get_codec(platform, encoded_codec, decode_stream),
+            copy_stream=copy_stream,
+            decode_stream=decode_stream,
+            max_nbytes=max(e.layout.nbytes for e in encoded),
+            max_pieces=max(len(e.layout.pieces) for e in encoded),
+            counters=counters,
+            rank=rank,
+        )
     return out
 
 
@@ -204,9 +230,9 @@ def place_non_block_state(
 def _gather(platform: Platform, b: LayerBlock, transports: Transports) -> torch.Tensor:
     """Enqueue the load of block ``b`` into a device buffer of its own."""
     buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=platform.device)
-    transports.by_axis[b.stack.group_axis].load(
+    transports.of(b).load(
         b.layout,
-        b.mapped or b.host_view(),
+        b.shard,
         buffer,
         free_event=platform.new_event(),
         ready_event=platform.new_event(),
@@ -276,9 +302,9 @@ def install_rings(
             name=b.name,
             module=b.module,
             layout=b.layout,
-            shard=b.mapped or b.host_view(),
+            shard=b.shard,
             tensors=b.tensors,
-            transport=transports.by_axis[b.stack.group_axis],
+            transport=transports.of(b),
             index=b.index,
             host_writable=b.host_writable,
         )

@@ -67,6 +67,7 @@ class LayerState:
         transports, counters = self.transports, self.counters
         staging = transports.staging if transports else None
         blocks = self.blocks
+        encoded = [b for b in blocks if b.encoded is not None]
         if sched is not None:
             platform.synchronize()
             sched.harvest_all()
@@ -90,6 +91,8 @@ class LayerState:
             "host_nbytes": sum(
                 b.mapped.private_nbytes
                 if b.mapped
+                else b.encoded.layout.nbytes
+                if b.encoded
                 else charged_nbytes(
                     b.layout.shard_nbytes, shared.share_ranks if shared and b.node_shared else 1
                 )
@@ -105,6 +108,22 @@ class LayerState:
             "num_staging_buffers": staging.num_buffers if staging else 0,
             "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
             "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
+            # [Note: block codecs]: what the encoded blocks hold and move
+            "codec": next((b.stack.codec for b in encoded), "none"),
+            "codec_bitstream": host.codec.bitstream if host and host.codec else None,
+            "host_encoded_nbytes": sum(b.encoded.layout.nbytes for b in encoded if b.encoded),
+            "host_encoded_raw_nbytes": sum(b.layout.shard_nbytes for b in encoded),
+            "codec_ratio": (
+                sum(b.encoded.layout.nbytes for b in encoded if b.encoded)
+                / sum(b.layout.shard_nbytes for b in encoded)
+                if encoded
+                else 1.0
+            ),
+            "decoded_nbytes": counters.decoded_nbytes,
+            "encoded_h2d_nbytes": counters.encoded_h2d_nbytes,
+            "device_decode_staging_nbytes": (
+                transports.decoding.staging_nbytes if transports and transports.decoding else 0
+            ),
             "device_slot_nbytes": pool.nbytes if pool else 0,
             "device_symmetric_nbytes": pool.symmetric_nbytes if pool else 0,
             "device_resident_block_nbytes": self.resident_nbytes,

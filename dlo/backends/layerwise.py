@@ -160,8 +160,8 @@ class LayerwiseBackend(OffloadBackend):
                     rank=self.world.rank,
                 )
             sched.begin_disable()
-            if restore and sched.poisoned is None:
-                failed = self._restore()
+            if restore and sched.poisoned is None and self._poisoned is None:
+                failed = self._restore()  # not again when an interrupted disable resumes
         if sched is not None and sched.poisoned is not None:
             self._poisoned = sched.poisoned  # the group may be misaligned: no re-enable
         super().disable()

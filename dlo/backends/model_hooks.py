@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlo.codec.blocks import EncodedShard
 from dlo.errors import OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.foreign import foreign_offloader
@@ -33,7 +34,7 @@ def gathered_loss(group_size: int) -> str:
     """Why an AllGather block's weights are gone after a plain disable."""
     return (
         "when AllGather offload of the model was disabled (each rank held only its "
-        f"1/{group_size} shard); disable with backend.disable(restore=True) gathers them back"
+        f"1/{group_size} shard; a disable with restore=True gathers them back instead)"
     )
 
 
@@ -100,14 +101,15 @@ def install_state_dict_hooks(
     module: nn.Module,
     name: str,
     layout: BlockLayout,
-    shard: torch.Tensor | MappedBlock,
+    shard: torch.Tensor | MappedBlock | EncodedShard,
     tensors: Sequence[torch.Tensor],
     *,
     rank: int,
     copy: bool = False,
 ) -> None:
     """Make ``module.state_dict()`` return real tensors (views of the host shard, or with
-    ``host_backing="mapped"`` views of the checkpoint's private mapping; with ``copy``
+    ``host_backing="mapped"`` views of the checkpoint's private mapping, with a codec the
+    block decoded into private memory; with ``copy``
     private copies, for a node-shared copy that an in-place edit would change under every
     rank of the node) instead of placeholders, and refuse ``load_state_dict`` while offload
     is enabled.
@@ -134,15 +136,18 @@ def install_state_dict_hooks(
         named = itertools.chain(
             mod.named_parameters(remove_duplicate=False), mod.named_buffers(remove_duplicate=False)
         )
+        raw: torch.Tensor | None = None  # an encoded block, decoded once per call
         for local, t in named:
             i, ref = index.get(id(t), (-1, None))
             key = prefix + local
             if ref is not None and ref() is t and key in state_dict:
-                t = (
-                    shard.tensor(i)
-                    if isinstance(shard, MappedBlock)
-                    else shard_view(shard, layout.tensors[i])
-                )
+                if isinstance(shard, MappedBlock):
+                    t = shard.tensor(i)
+                elif isinstance(shard, EncodedShard):
+                    raw = shard.raw() if raw is None else raw
+                    t = shard_view(raw, layout.tensors[i])  # private memory already
+                else:
+                    t = shard_view(shard, layout.tensors[i])
                 state_dict[key] = t.clone() if copy else t
 
     registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)

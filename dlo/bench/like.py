@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import enable_offload
-from dlo.bench.methods import _clean, _peak, time_forward
+from dlo.bench.methods import _clean, _peak, codec_list, time_forward
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
 from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, TINY_FLUX_TRANSFORMER, WAN_14B_TRANSFORMER
@@ -178,11 +178,14 @@ def run_like(args: argparse.Namespace, tokens_list: list[int], methods: list[str
         if method == "diffusers-group" and not platform.has_streams:
             logger.warning("diffusers-group: needs CUDA streams; method skipped on CPU")
             continue
-        report["results"] += _run_method(
-            method, like, platform, dtype, tokens_list, args, reference, nbytes
-        )
-    # the limit: the bytes a forward must move (the streamed blocks' host bytes; the
-    # non-block weights stay on the device) at the pinned host-to-device rate
+        for codec in (
+            codec_list(getattr(args, "codec", "none")) if method == "dlo-ring" else ["none"]
+        ):
+            report["results"] += _run_method(
+                method, like, platform, dtype, tokens_list, args, reference, nbytes, codec
+            )
+    # the limit: the raw bytes a forward must move (the streamed blocks' host bytes, raw
+    # where encoded; the non-block weights stay on the device) at the pinned H2D rate
     streamed = [r["streamed_nbytes"] for r in report["results"] if "streamed_nbytes" in r]
     report["streamed_nbytes"] = streamed[0] if streamed else nbytes
     for row in report["results"]:
@@ -201,6 +204,7 @@ def _run_method(
     args: argparse.Namespace,
     reference: dict[int, torch.Tensor],
     nbytes: int,
+    codec: str = "none",
 ) -> list[dict[str, Any]]:
     """Rows of ``method``; the resident run fills ``reference`` (its outputs per token
     count), the others are compared against it bit for bit."""
@@ -210,7 +214,9 @@ def _run_method(
     if method == "resident":
         model.to(platform.device)
     elif method == "dlo-ring":
-        cfg = OffloadConfig(mode="layer", transfer="rank-local", num_slots=args.like_slots)
+        cfg = OffloadConfig(
+            mode="layer", transfer="rank-local", num_slots=args.like_slots, codec=codec
+        )
         backend = enable_offload(model, cfg, device=platform.device)
     elif method == "diffusers-group":
         apply_diffusers_group(model, platform.device, record_stream=True)
@@ -252,7 +258,12 @@ def _run_method(
             row["demand_loads_after_warmup"] = after["num_demand_loads"] - before.get(
                 "num_demand_loads", 0
             )
-            row["streamed_nbytes"] = after["host_nbytes"]
+            row["streamed_nbytes"] = (
+                after["host_nbytes"]
+                - after["host_encoded_nbytes"]
+                + after["host_encoded_raw_nbytes"]
+            )
+            row["codec"], row["codec_ratio"] = codec, after["codec_ratio"]
             row["h2d_nbytes_per_forward"] = (after["h2d_nbytes"] - before["h2d_nbytes"]) / max(
                 1.0, timing["forwards"]
             )
@@ -279,8 +290,9 @@ def markdown_like(report: dict[str, Any]) -> str:
     for r in report["results"]:
         x = f"{r['x_h2d_limit']:.3f}" if r.get("x_h2d_limit") else "-"
         per = r.get("h2d_nbytes_per_forward")
+        name = r["method"] + (f" [codec {r['codec']}]" if r.get("codec", "none") != "none" else "")
         lines.append(
-            f"| {r['method']} | {r['tokens']} | {r['median_ms']:.1f} | {x} | "
+            f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {x} | "
             f"{r['peak_device_nbytes'] / 1e9:.2f} | {r['setup_s']:.1f} | "
             f"{r.get('demand_loads_after_warmup', '-')} | "
             f"{'-' if per is None else f'{per / 1e9:.2f}'} | "

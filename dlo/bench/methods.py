@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlo.config.fields import CODECS
 from dlo.models.build import build_pipeline
 from dlo.models.presets import get_preset
 from dlo.platform.device import Platform
@@ -125,3 +126,12 @@ def _clean(platform: Platform) -> None:
     platform.synchronize()
     platform.empty_cache()
     platform.reset_peak_memory_stats()
+
+
+def codec_list(text: Any) -> list[str]:
+    """``--codec``: the comma-separated codecs of the whole-block dlo rows."""
+    names = [c for c in str(text).split(",") if c]
+    bad = [c for c in names if c not in CODECS]
+    if bad or not names:
+        raise ValueError(f"--codec: {bad or text!r} not among {list(CODECS)}")
+    return list(dict.fromkeys(names))

@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
-from dlo.bench.like import LIKE, markdown_like, run_like
+from dlo.bench.flags import int_list
+from dlo.bench.like import markdown_like, run_like
 from dlo.bench.methods import (
     MANUAL_DLO_METHODS,
     METHODS,
@@ -46,11 +47,12 @@ from dlo.bench.methods import (
     _max_over_ranks,
     _peak,
     _profile,
+    codec_list,
     time_forward,
 )
 from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
 from dlo.bench.report import _ratios, markdown, plot, write_json
-from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, check_minimums, compile_blocks
+from dlo.commands.args import check_minimums, compile_blocks
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.models import get_preset
@@ -188,12 +190,18 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dlo-allgather-copy-kernel",
         ]
     )
-    # (method, slots, chunk, token counts, block_compute_ms)
-    runs: list[tuple[str, int | str, int, list[int], float | None]] = [
-        (m, s, c, tokens_list, None) for m in dlo_methods if m in methods for s, c in settings
+    # (method, slots, chunk, token counts, block_compute_ms, codec); a codec only where it
+    # applies (whole blocks of a rank's own region)
+    codecs = codec_list(args.codec)
+    runs: list[tuple[str, int | str, int, list[int], float | None, str]] = [
+        (m, s, c, tokens_list, None, k)
+        for m in dlo_methods
+        if m in methods
+        for s, c in settings
+        for k in (codecs if m in ("dlo-ring", "dlo-rank-local") else ["none"])
     ]
     if "dlo-auto" in methods:
-        runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None))
+        runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None, "none"))
     if "dlo-auto-compute" in methods:
         per_block = {
             r["tokens"]: r["median_ms"] / preset.num_blocks
@@ -203,11 +211,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if not per_block:
             logger.warning("dlo-auto-compute: needs the resident rows; method skipped")
         runs += [
-            ("dlo-auto-compute", "auto", chunks[0], [t], per_block[t])
+            ("dlo-auto-compute", "auto", chunks[0], [t], per_block[t], "none")
             for t in tokens_list
             if t in per_block
         ]
-    for method, num_slots, chunk_mb, row_tokens, compute_ms in progress(
+    for method, num_slots, chunk_mb, row_tokens, compute_ms, codec in progress(
         runs, desc="dlo bench: dlo methods", unit="setting"
     ):
         copy = method.startswith("dlo-allgather-copy")
@@ -231,6 +239,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             gather_engine="copy" if copy else "auto" if transfer == "auto" else "nccl",
             gather_sync="kernel" if method.endswith("-kernel") else "auto",
             block_compute_ms=compute_ms,
+            codec=codec,
         )
         backend = get_offload_backend(cfg, ParallelConfig.for_world(world.size))
         assert backend is not None
@@ -256,7 +265,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             # local, node-shared: not the 1/L of host memory a node-shared rank is charged)
             fwds = t["forwards"]
             link_nbytes = (st["h2d_nbytes"] - st0["h2d_nbytes"]) / fwds
-            limit_ms = link_nbytes / (bw * GB) * 1e3 if bw else 0.0
+            # with a codec the limit is the raw bytes' (what the codec spares the link)
+            decoded = st["decoded_nbytes"] - st0["decoded_nbytes"]
+            encoded = st["encoded_h2d_nbytes"] - st0["encoded_h2d_nbytes"]
+            raw_nbytes = link_nbytes + (decoded - encoded) / fwds
+            limit_ms = raw_nbytes / (bw * GB) * 1e3 if bw else 0.0
             record(
                 method,
                 tokens,
@@ -276,7 +289,19 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "num_slots": st["num_slots"],
                     "chunk_mb": chunk_mb,
                     "gather_sync": st.get("gather_sync"),
-                    "setting": f"{st['num_slots']} slots, {chunk_mb} MiB" if sweep else None,
+                    "setting": ", ".join(
+                        ([f"{st['num_slots']} slots, {chunk_mb} MiB"] if sweep else [])
+                        + (
+                            [f"codec {codec} ({st['codec_ratio']:.3f} of the bytes)"]
+                            if codec != "none"
+                            else []
+                        )
+                    )
+                    or None,
+                    "codec": codec,
+                    "codec_ratio": st["codec_ratio"],
+                    "link_h2d_limit_ms": link_nbytes / (bw * GB) * 1e3 if bw else 0.0,
+                    "host_encoded_nbytes": st["host_encoded_nbytes"],
                 },
             )
             if st.get("policy") is not None:
@@ -335,75 +360,6 @@ def _skipped(methods: list[str], world_size: int, gpus: bool) -> list[tuple[str,
         elif m == "dlo-swap" and not gpus:
             out.append((m, "its load times need CUDA streams and events"))
     return out
-
-
-def int_list(flag: str, text: Any) -> list[int]:
-    """``"2,3"`` -> ``[2, 3]``: positive ints, or a ValueError naming the flag and value."""
-    try:
-        values = [int(v) for v in str(text).split(",")]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
-        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas")
-    return values
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of ``dlo bench``."""
-    p.add_argument("--preset", default="medium", help=PRESET_HELP)
-    p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
-    p.add_argument(
-        "--methods",
-        default=",".join(METHODS),
-        help="comma-separated; each runs where the platform and world size allow (the others "
-        "say why they are skipped)",
-    )
-    p.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="untimed forwards per row (>= 0; the first forward, timed apart, runs even at 0)",
-    )
-    p.add_argument("--reps", type=int, default=5, help="timed forwards per row (>= 1)")
-    p.add_argument(
-        "--num-slots", default="2", help="slots of the dlo methods; a comma list sweeps them"
-    )
-    p.add_argument(
-        "--chunk-mb", default="64", help="chunk MiB of the dlo methods; a comma list sweeps them"
-    )
-    p.add_argument(
-        "--compile",
-        nargs="?",
-        const="default",
-        default=None,
-        choices=COMPILE_MODES,
-        help="compile every DiT block of every method (block.compile(), as diffusers' "
-        "compile_repeated_blocks) in this torch.compile mode; the first forward's time, "
-        "compile included, is reported apart",
-    )
-    p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
-    p.add_argument(
-        "--nccl-max-ctas", type=int, default=None, help="cap the SMs NCCL may use for dlo's gathers"
-    )
-    p.add_argument(
-        "--profile",
-        default=None,
-        help="folder for one profiled forward per dlo method and token count",
-    )
-    p.add_argument(
-        "--like",
-        default=None,
-        choices=sorted(LIKE),
-        help="instead of a preset: this diffusers transformer at its published shape, random "
-        "weights, under resident, dlo-ring and diffusers-group (--tokens: "
-        + "; ".join(f"{k}: {v.tokens_help}" for k, v in sorted(LIKE.items()))
-        + ")",
-    )
-    p.add_argument("--like-slots", type=int, default=2, help="slots of dlo-ring with --like")
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--markdown", default=None, help="write the markdown table here")
-    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
 
 def main(args: argparse.Namespace) -> int:

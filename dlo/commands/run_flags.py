@@ -9,7 +9,14 @@ import os
 from typing import Any
 
 from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, int_or_auto
-from dlo.config.fields import GATHER_ENGINES, GATHER_SYNCS, HOST_BACKINGS, MODES, TRANSFERS
+from dlo.config.fields import (
+    CODECS,
+    GATHER_ENGINES,
+    GATHER_SYNCS,
+    HOST_BACKINGS,
+    MODES,
+    TRANSFERS,
+)
 from dlo.config.offload import OffloadConfig
 
 # the flags --offload-config replaces (give them inside the JSON instead)
@@ -25,6 +32,7 @@ OFFLOAD_FLAGS = {
     "device_budget_gb": "--device-budget-gb",
     "block_compute_ms": "--block-compute-ms",
     "host_backing": "--host-backing",
+    "codec": "--codec",
 }
 
 
@@ -162,6 +170,13 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         "rank-local blocks are read from the --checkpoint file (page cache shared by the "
         "node's ranks) through two pinned staging buffers",
     )
+    r.add_argument(
+        "--codec",
+        default="none",
+        choices=CODECS,
+        help="ans: the streamed blocks' host copies are stored losslessly compressed and "
+        "decoded on the device (nvCOMP on CUDA): fewer bytes cross the link, same bits",
+    )
 
 
 PIPELINE_CALL_FLAGS = {
@@ -234,6 +249,7 @@ def config_of(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> Offl
         device_budget_gb=args.device_budget_gb,
         block_compute_ms=args.block_compute_ms,
         host_backing=args.host_backing,
+        codec=args.codec,
     )
 
 

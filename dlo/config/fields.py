@@ -31,6 +31,7 @@ GATHER_SYNCS = ("auto", "stream", "kernel")
 
 
 HOST_BACKINGS = ("region", "mapped")
+CODECS = ("none", "ans")
 
 
 PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dlo.config.fields import (
+    CODECS,
     COMPONENT_ALIASES,
     COMPONENTS,
     GATHER_ENGINES,
@@ -65,7 +66,13 @@ class LayerOptions:
     """Leading blocks kept on the device (DiT only), or ``"auto"``; None inherits
     :attr:`OffloadConfig.resident_layers`."""
 
+    codec: str | None = None
+    """Lossless codec of this component's host blocks (``"none"``, ``"ans"``); None
+    inherits :attr:`OffloadConfig.codec`."""
+
     def __post_init__(self) -> None:
+        if self.codec is not None:
+            _check_choice("layer_options.codec", self.codec, CODECS)
         if self.weight_transfer is not None:
             _check_choice("layer_options.weight_transfer", self.weight_transfer, TRANSFERS)
         if self.resident_layers is not None:
@@ -183,6 +190,11 @@ class OffloadConfig:
     whose page cache the ranks of a node share, through a few pinned staging buffers; see
     [Note: mapped host backing]). ``"mapped"`` is refused at enable for an AllGather stack
     or a model whose blocks do not come from a checkpoint."""
+    codec: str = "none"
+    """Host copies of streamed blocks stored losslessly compressed: ``"none"`` or ``"ans"``
+    (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
+    bit; see [Note: block codecs]). Rank-local stacks with the region host backing; per
+    component through :attr:`layer_options`."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -217,6 +229,7 @@ class OffloadConfig:
         _check_choice("gather_engine", self.gather_engine, GATHER_ENGINES)
         _check_choice("gather_sync", self.gather_sync, GATHER_SYNCS)
         _check_choice("host_backing", self.host_backing, HOST_BACKINGS)
+        _check_choice("codec", self.codec, CODECS)
         self._validate_layer_options()
         if self.mode == "module":
             layer_only = {
@@ -227,6 +240,7 @@ class OffloadConfig:
                 "device_budget_gb": None,
                 "block_compute_ms": None,
                 "host_backing": "region",
+                "codec": "none",
             }
             for name, default in layer_only.items():
                 if getattr(self, name) != default:
@@ -307,6 +321,11 @@ class OffloadConfig:
         """Effective transfer of a component kind."""
         o = self.layer_options.get(component)
         return o.weight_transfer if o is not None and o.weight_transfer else self.transfer
+
+    def codec_for(self, component: str) -> str:
+        """Effective codec of a component kind's host blocks."""
+        o = self.layer_options.get(component)
+        return o.codec if o is not None and o.codec else self.codec
 
     def resident_layers_for(self, component: str) -> int | str:
         """Effective resident leading blocks of a component kind (0 for non-DiTs), or

@@ -59,6 +59,7 @@ AGREED_SETTINGS = (
     "host_backing",
     "resident_layers",
     "transfer",
+    "codec",
 )
 """Config fields that shape dlo's collectives or the verdict itself: ranks that differ in one
 would issue different collectives (a symmetric buffer of another size, a gather engine the
@@ -68,7 +69,8 @@ digest does not cover ``resident_layers`` (a resident block is laid out like a s
 so it is compared here as the resolved count of every stack; nor a stack's ``transfer`` where
 the group size is 1 either way (rank-local and node-shared lay a block out alike, but one
 rank packing a node's shared copy with a peer that streams privately, or with another list of
-shared blocks, would fill it wrong), compared as every stack's resolved transfer."""
+shared blocks, would fill it wrong), compared as every stack's resolved transfer; and each
+stack's codec (an encoded block's layout is this process's own; ranks must agree on it)."""
 
 
 def settings_of(config: Any, stacks: Sequence[Any] = ()) -> tuple[tuple[str, Any], ...]:
@@ -87,6 +89,7 @@ def settings_of(config: Any, stacks: Sequence[Any] = ()) -> tuple[tuple[str, Any
             + (f"@{s.share_axis}" if s.transfer == "node-shared" else "")
             for s in stacks
         ),
+        "codec": ", ".join(f"{s.container_path}={getattr(s, 'codec', 'none')}" for s in stacks),
     }
     return tuple(
         (name, resolved[name] if name in resolved else getattr(config, name))

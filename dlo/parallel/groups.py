@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dlo.config.parallel import ParallelConfig
+from dlo.parallel.store import store_unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -123,12 +124,15 @@ def weight_group(
     if cached is None:
         cached = {}
         for ranks in all_groups:
-            g = dist.new_group(
-                ranks=ranks,
-                timeout=datetime.timedelta(seconds=timeout_s),
-                backend=backend,
-                pg_options=options,
-            )
+            try:
+                g = dist.new_group(
+                    ranks=ranks,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    backend=backend,
+                    pg_options=options,
+                )
+            except dist.DistNetworkError as e:  # new_group goes through the store
+                raise store_unreachable(f"creating the {axis} weight group", e, rank=rank) from e
             cached[tuple(ranks)] = g
         _GROUPS[key] = cached
         logger.debug("created %d dlo %s groups", len(all_groups), axis)

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from dlo.errors import OffloadError
 from dlo.parallel.records import decode, encode
+from dlo.platform.env import torchrun_env
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}
 
@@ -68,7 +69,8 @@ rank count)."""
 _POLL_S = 0.02
 
 
-_announced = False
+_announced: set[int] = set()
+"""The stores (by id) this process has recorded itself in."""
 
 
 _POLL_MAX_S = 0.25
@@ -79,15 +81,35 @@ a long wait (a peer loading a checkpoint) costs rank 0's store a few requests a 
 def announce(rank: int) -> None:
     """Record this process (pid, host) under ``dlo/process/<rank>`` once (see [Note: naming a
     missing rank]); a store that cannot be reached now is left for the exchange to name."""
-    global _announced
-    if _announced:
-        return
     try:
-        record = {"pid": os.getpid(), "host": socket.gethostname()}
-        _default_store().set(f"dlo/process/{rank}", json.dumps(record).encode())
-        _announced = True
+        store = _default_store()
+        if id(store) in _announced:
+            return
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "pidns": _pid_namespace()}
+        store.set(f"dlo/process/{rank}", json.dumps(record).encode())
+        _announced.add(id(store))  # once per store: a new process group has a new one
     except Exception:
         pass
+
+
+def _pid_namespace() -> int:
+    """This process's PID namespace (0 if unknown): one host name may hold several."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def store_unreachable(what: str, e: BaseException, *, rank: int) -> OffloadError:
+    """The error for a store that cannot be reached (see [Note: naming a missing rank])."""
+    env = torchrun_env()
+    where = f"{env.master_addr or '?'}:{env.master_port if env.master_port is not None else '?'}"
+    return OffloadError(
+        f"{what}: the job's key-value store cannot be reached ({e}); its host (rank 0's "
+        f"process, or torchrun's agent) at MASTER_ADDR:MASTER_PORT ({where}) has probably "
+        "exited: see its log",
+        rank=rank,
+    )
 
 
 def whereabouts(store: Any, ranks: list[int]) -> str:
@@ -98,13 +120,17 @@ def whereabouts(store: Any, ranks: list[int]) -> str:
         try:  # a record of another shape is as good as none
             record: Any = json.loads(bytes(store.get(key))) if _has_key(store, key) else None
             pid, host = int(record["pid"]), str(record["host"])
-        except (TypeError, ValueError, KeyError):
+            pidns = int(record.get("pidns", 0))
+        except (TypeError, ValueError, KeyError, AttributeError):
             parts.append(f"rank {r} never created a dlo backend (it failed or exited before)")
             continue
-        if host != here:
+        if host != here or pidns != _pid_namespace():  # its pid means nothing here
             parts.append(f"rank {r} (pid {pid} on {host}) exited, hangs or is not in enable")
         elif _running(pid):
-            parts.append(f"rank {r} (pid {pid}, this host) is running but not in enable")
+            parts.append(
+                f"rank {r} (pid {pid}, this host) is running but not at this exchange (slower "
+                "to get here, hung, or not calling enable)"
+            )
         else:
             parts.append(f"rank {r} (pid {pid}, this host) has exited: killed or crashed")
     return "; ".join(parts)
@@ -212,13 +238,7 @@ def share(
         except ValueError as e:
             raise OffloadError(f"{what}: {e}", rank=rank) from None
     except dist.DistNetworkError as e:
-        err = OffloadError(
-            f"{what}: the job's key-value store cannot be reached ({e}); it is served by rank "
-            f"0's process at MASTER_ADDR:MASTER_PORT "
-            f"({os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}), "
-            "which has probably exited: see its log",
-            rank=rank,
-        )
+        err = store_unreachable(what, e, rank=rank)
         startup_failed(describe_failure(err), rank=rank)
         raise err from e
     except BaseException as e:

@@ -86,6 +86,12 @@ class LayerPlan:
         return max(1, min(self.num_slots, len(self.streamed)))
 
     @property
+    def encoded(self) -> list[int]:
+        """Positions of the blocks whose host copy is encoded (their region bytes are known
+        only once encoded: see [Note: encoded blocks] in :mod:`dlo.codec.format`)."""
+        return [i for i, b in enumerate(self.blocks) if b.stack.codec != "none"]
+
+    @property
     def region_nbytes(self) -> list[int]:
         """Bytes of each block in this rank's private host region."""
         return [0 if self.mapped or b.node_shared else b.layout.shard_nbytes for b in self.blocks]
@@ -150,8 +156,8 @@ def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
     """What no layer plan can serve, refused by name.
 
     Raises:
-        ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack;
-            node-shared stacks on different weight axes (one host copy per node and axis).
+        ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack; a
+            codec on a stack that is not rank-local with the region backing; node-shared stacks on different weight axes (one host copy per node and axis).
     """
     if host_backing == "mapped":
         for s in stacks:
@@ -162,6 +168,14 @@ def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
                     f"{s.group_size}): AllGather stacks keep per-rank shards, node-shared ones "
                     "a node's copy in shared memory (use host_backing='region')"
                 )
+    for s in stacks:
+        if s.codec != "none" and (host_backing == "mapped" or s.transfer != "rank-local"):
+            raise ValueError(
+                f"codec={s.codec!r} encodes a rank's own host copy of whole blocks, but stack "
+                f"{s.container_path!r} uses transfer {s.transfer!r} with host_backing="
+                f"{host_backing!r}: use transfer='rank-local' and host_backing='region' for "
+                "it, or codec='none' (layer_options sets either per component)"
+            )
     axes = {s.container_path: s.share_axis for s in stacks if s.transfer == "node-shared"}
     if len(set(axes.values())) > 1:
         raise ValueError(

@@ -91,6 +91,8 @@ class BlockStack:
     """Node-shared only: the weight axis whose ranks on one node share the host copy."""
     share_size: int = 1
     """Node-shared only: size of that axis's group (the ranks on one node share)."""
+    codec: str = "none"
+    """Codec of the stack's host blocks (see [Note: block codecs] in :mod:`dlo.codec.codecs`)."""
     found_by: str = "declared"
     """How the container was found: ``"declared"`` (an ``OffloadPlan`` or the class's
     ``_layerwise_offload_blocks_attrs``), ``"adapter"`` (dlo's registry), the model's own
@@ -277,6 +279,7 @@ def _finish(
             block_paths=tuple(p for p, _ in stack.blocks),
             transfer=transfer,
             num_resident=num_resident,
+            codec=config.codec_for(stack.component) if config.mode == "layer" else "none",
             found_by=stack.source,
             **transfer_groups(transfer, axis, size),
         )

@@ -82,6 +82,10 @@ class TransferCounters:
     h2d_nbytes: int = 0
     allgather_nbytes: int = 0
     num_loads: int = 0
+    decoded_nbytes: int = 0
+    """Raw bytes the decoding transport wrote into slots."""
+    encoded_h2d_nbytes: int = 0
+    """The encoded bytes it copied for them (counted in ``h2d_nbytes`` too)."""
 
 
 class BlockTransport:

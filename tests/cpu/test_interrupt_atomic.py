@@ -195,3 +195,28 @@ def test_atomic_defers_a_real_sigint_to_its_end() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_an_undo_failure_is_raised_by_the_rollback_that_finishes() -> None:
+    """An undo fails, an interrupt lands before the next one: the resumed rollback runs the
+    rest and raises the failure (it was lost to the interrupt before)."""
+    import signal
+
+    from dlo.journal import Journal
+
+    ran: list[str] = []
+    journal = Journal()
+    journal.record("last", lambda: ran.append("last"))
+    journal.record("interrupted", lambda: os.kill(os.getpid(), signal.SIGINT))
+    journal.record("fails", lambda: (_ for _ in ()).throw(ValueError("first failure")))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            journal.rollback()
+        assert len(journal) == 1 and ran == []
+        with pytest.raises(ValueError, match="first failure"):
+            journal.rollback()
+        assert len(journal) == 0 and ran == ["last"]
+        journal.rollback()  # idempotent, nothing left to raise
+    finally:
+        signal.signal(signal.SIGINT, previous)

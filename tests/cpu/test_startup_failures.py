@@ -141,7 +141,7 @@ def test_a_missing_rank_is_named_as_exited_or_running(exits: bool) -> None:
         assert outs[1].exitcode == 3, outs[1]
         assert "rank 1 (pid " in msg and "this host) has exited: killed or crashed" in msg, msg
     else:
-        assert "this host) is running but not in enable" in msg, msg
+        assert "this host) is running but not at this exchange" in msg, msg
 
 
 def _store_host_exits(rank: int, world: int) -> str:

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dlo.parallel",),
     ("dlo.io",),
     ("dlo.host",),
+    ("dlo.codec",),
     ("dlo.runtime",),
     ("dlo.backends",),
     ("dlo.pipelines",),

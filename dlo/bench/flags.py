@@ -1,0 +1,86 @@
+"""The flags of ``dlo bench`` and their list parsing."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from dlo.bench.like import LIKE
+from dlo.bench.methods import METHODS
+from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP
+from dlo.config.fields import CODECS
+
+
+def int_list(flag: str, text: Any) -> list[int]:
+    """``"2,3"`` -> ``[2, 3]``: positive ints, or a ValueError naming the flag and value."""
+    try:
+        values = [int(v) for v in str(text).split(",")]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"{flag}={text!r}: expected positive integers separated by commas")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``dlo bench``."""
+    p.add_argument("--preset", default="medium", help=PRESET_HELP)
+    p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
+    p.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated; each runs where the platform and world size allow (the others "
+        "say why they are skipped)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed forwards per row (>= 0; the first forward, timed apart, runs even at 0)",
+    )
+    p.add_argument("--reps", type=int, default=5, help="timed forwards per row (>= 1)")
+    p.add_argument(
+        "--num-slots", default="2", help="slots of the dlo methods; a comma list sweeps them"
+    )
+    p.add_argument(
+        "--chunk-mb", default="64", help="chunk MiB of the dlo methods; a comma list sweeps them"
+    )
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        default=None,
+        choices=COMPILE_MODES,
+        help="compile every DiT block of every method (block.compile(), as diffusers' "
+        "compile_repeated_blocks) in this torch.compile mode; the first forward's time, "
+        "compile included, is reported apart",
+    )
+    p.add_argument(
+        "--codec",
+        default="none",
+        help="codecs of the whole-block dlo rows (dlo-ring, dlo-rank-local), comma-separated "
+        f"from {','.join(CODECS)}: e.g. none,ans adds a row per codec (see [Note: block codecs])",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
+    p.add_argument(
+        "--nccl-max-ctas", type=int, default=None, help="cap the SMs NCCL may use for dlo's gathers"
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="folder for one profiled forward per dlo method and token count",
+    )
+    p.add_argument(
+        "--like",
+        default=None,
+        choices=sorted(LIKE),
+        help="instead of a preset: this diffusers transformer at its published shape, random "
+        "weights, under resident, dlo-ring and diffusers-group (--tokens: "
+        + "; ".join(f"{k}: {v.tokens_help}" for k, v in sorted(LIKE.items()))
+        + ")",
+    )
+    p.add_argument("--like-slots", type=int, default=2, help="slots of dlo-ring with --like")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", default=None, help="write the markdown table here")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

@@ -1,0 +1,83 @@
+"""Encoding a block's shard at enable, and decoding it whole (disable, ``state_dict``).
+
+Encoding is bounded: one raw shard on the host (packed from the model's tensors), on CUDA
+one on the device, and the encoded pieces of one block; the caller lays each block's pieces
+into the host region once every size is known (see [Note: encoded blocks] in
+:mod:`dlo.codec.format`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlo import faults
+from dlo.codec.codecs import Codec
+from dlo.codec.format import EncodedLayout, encode_pieces
+from dlo.host.packer import pack_block
+from dlo.plan.layout import BlockLayout
+from dlo.platform.device import Platform
+
+
+@dataclass(eq=False)
+class EncodedShard:
+    """A block's host copy, encoded: its piece table and its bytes in the host region."""
+
+    layout: EncodedLayout
+    data: torch.Tensor
+    """The encoded buffer (uint8, a view of the host region)."""
+    decoder: BlockDecoder
+
+    def raw(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The block's raw shard bytes, decoded into new memory on ``device``."""
+        return self.decoder.decode(self, torch.device(device))
+
+
+class BlockDecoder:
+    """Decodes whole blocks outside the ring, synchronously, on ``stream``: the stream
+    ``codec`` was made for (its decodes run there whatever torch's current stream is)."""
+
+    def __init__(self, platform: Platform, codec: Codec, stream: Any) -> None:
+        self.platform, self.codec, self.stream = platform, codec, stream
+
+    def decode(self, shard: EncodedShard, device: torch.device) -> torch.Tensor:
+        pf, enc = self.platform, shard.layout
+        faults.check("decode")
+        where = pf.device if pf.has_streams else torch.device("cpu")
+        with pf.stream(self.stream):
+            out = torch.empty(enc.raw_nbytes, dtype=torch.uint8, device=where)
+            src = shard.data.to(where, non_blocking=True) if pf.has_streams else shard.data
+            for p in enc.pieces:
+                piece, dst = (
+                    src[p.offset : p.offset + p.nbytes],
+                    out[p.raw_offset :][: p.raw_nbytes],
+                )
+                if p.stored:
+                    dst.copy_(piece)
+                else:
+                    self.codec.decode(piece, dst)
+        self.stream.synchronize()
+        return out.to(device)
+
+
+def encode_block(
+    platform: Platform,
+    codec: Codec,
+    name: str,
+    layout: BlockLayout,
+    tensors: Sequence[torch.Tensor],
+    scratch: torch.Tensor,
+) -> tuple[EncodedLayout, list[torch.Tensor]]:
+    """Pack ``tensors`` into ``scratch`` (a host uint8 buffer of at least the shard's size)
+    and encode it in pieces of the layout's chunk size; returns the piece table and each
+    piece's bytes on the host."""
+    assert layout.group_size == 1
+    faults.check("encode")
+    raw = scratch[: layout.shard_nbytes]
+    pack_block(raw, layout, 0, tensors)
+    src = raw.to(platform.device) if platform.has_streams else raw
+    enc, datas = encode_pieces(name, src, layout.chunk_nbytes, codec.bitstream, codec.encode)
+    return enc, [d.cpu() if d.device.type != "cpu" else d.clone() for d in datas]

@@ -1,0 +1,163 @@
+"""``codec="ans"`` on the CPU platform (the reference codec, [Note: block codecs]): bitwise
+parity with the resident model, host bytes are the encoded bytes, rollback on an injected
+encode or decode failure, refusals where a codec does not apply (issue 22)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import dlo
+from dlo import faults
+from dlo.errors import InjectedFault
+from dlo.hooks.registry import HookRegistry
+from dlo.host.region import LEDGER
+from dlo.models import build_pipeline, make_inputs
+from dlo.platform.env import page_size
+from tests.toys import ToyBlock, ToyDiT, ToyPipeline, assert_same, clone, snapshot
+
+
+class Fp8Block(ToyBlock):
+    """A ToyBlock with an fp8 weight and its fp32 scale (a quantized layer as stored)."""
+
+    def __init__(self, dim: int, seed: int) -> None:
+        super().__init__(dim, seed)
+        g = torch.Generator().manual_seed(seed + 99)
+        self.register_buffer("w8", (torch.randn(dim, dim, generator=g)).to(torch.float8_e4m3fn))
+        self.register_buffer("w8_scale", torch.tensor([0.05 + seed * 0.01]))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        h = super().forward(x, scale=scale)
+        return h + (h.float() @ (self.w8.float() * self.w8_scale)).to(h.dtype) * 0.01
+
+
+class Fp8DiT(ToyDiT):
+    def __init__(self, num_blocks: int = 4, dim: int = 16) -> None:
+        super().__init__(num_blocks, dim)
+        self.blocks = nn.ModuleList(Fp8Block(dim, i) for i in range(num_blocks))
+
+
+def _x(seed: int) -> torch.Tensor:
+    return torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model: nn.Module, n: int = 3) -> list[torch.Tensor]:
+    out = []
+    for s in range(n):
+        with torch.inference_mode() if s % 2 else torch.no_grad():
+            out.append(model(_x(s)).clone())
+    return out
+
+
+def _enable(model: nn.Module, **kw: Any) -> dlo.OffloadBackend:
+    b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", codec="ans", **kw), device="cpu")
+    assert b is not None
+    return b
+
+
+@pytest.mark.parametrize("num_slots", [1, 2])
+@pytest.mark.parametrize("resident", [0, 1])
+@pytest.mark.parametrize("make", [ToyDiT, Fp8DiT], ids=["bf16+fp32", "fp8"])
+def test_parity_state_dict_and_restore_with_the_codec(
+    make: type[nn.Module], resident: int, num_slots: int
+) -> None:
+    model = make()
+    ref = _run(clone(model), 4)
+    before = snapshot(model)
+    want_sd = {k: v.clone() for k, v in model.state_dict().items()}
+    b = _enable(model, num_slots=num_slots, resident_layers=resident)
+    assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 4)))
+    sd = model.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in want_sd.items())
+    st = b.stats()
+    assert st["codec"] == "ans" and st["codec_bitstream"] == "dlo-zlib-planes-v1"
+    assert 0 < st["host_encoded_nbytes"] < st["host_encoded_raw_nbytes"]
+    # host bytes are the encoded bytes (each block on its own pages, as without a codec)
+    assert st["host_nbytes"] == st["host_encoded_nbytes"]
+    assert st["host_region_nbytes"] == LEDGER.host_nbytes
+    blocks = b._state.host.blocks  # type: ignore[attr-defined]
+    assert LEDGER.host_nbytes == sum(
+        -(-blk.encoded.layout.nbytes // page_size()) * page_size() for blk in blocks
+    )
+    assert st["decoded_nbytes"] > 0 and st["encoded_h2d_nbytes"] < st["decoded_nbytes"]
+    b.disable()
+    assert_same(before, model)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 4)))
+
+
+def test_codec_per_component_with_the_demo_pipeline() -> None:
+    pipe = build_pipeline("tiny", dtype=torch.bfloat16)
+    ids, latents = make_inputs("tiny", tokens=None, seed=0, device="cpu", dtype=torch.bfloat16)
+    ref = pipe.generate(ids, latents, 2)
+    cfg = dlo.OffloadConfig(
+        mode="layer", components=("dit", "encoder"), layer_options={"dit": {"codec": "ans"}}
+    )
+    b = dlo.enable_offload(pipe, cfg, device="cpu")
+    assert b is not None
+    assert torch.equal(pipe.generate(ids, latents, 2), ref)
+    host = b._state.host  # type: ignore[attr-defined]
+    kinds = {blk.stack.component: blk.encoded is not None for blk in host.blocks}
+    assert kinds == {"dit": True, "encoder": False}
+    b.disable()
+    assert torch.equal(pipe.generate(ids, latents, 2), ref)
+
+
+@pytest.mark.parametrize(("point", "after"), [("encode", 0), ("encode", 2), ("decode", 0)])
+def test_an_encode_or_decode_failure_rolls_back_everything(point: str, after: int) -> None:
+    model = ToyPipeline()
+    before = snapshot(model)
+    with faults.inject(point, after=after), pytest.raises(InjectedFault):
+        dlo.enable_offload(
+            model,
+            dlo.OffloadConfig(mode="layer", components=("dit", "encoder"), codec="ans"),
+            device="cpu",
+        )
+    assert_same(before, model)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    assert all(not HookRegistry.owners_on(m) for m in model.modules())
+    ref = clone(model)
+    b = dlo.enable_offload(
+        model,
+        dlo.OffloadConfig(mode="layer", components=("dit", "encoder"), codec="ans"),
+        device="cpu",
+    )
+    assert b is not None
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    b.disable()
+
+
+def test_a_failed_decode_in_a_forward_is_raised_and_the_next_forward_is_bitwise() -> None:
+    model = ToyDiT(4)
+    ref = _run(clone(model), 2)
+    b = _enable(model, num_slots=2)
+    try:
+        with faults.inject("decode", after=1), pytest.raises(InjectedFault):
+            _run(model, 1)
+        assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 2)))
+    finally:
+        b.disable()
+
+
+def test_codec_config_is_checked_and_refused_where_it_cannot_apply() -> None:
+    with pytest.raises(ValueError, match="codec='zstd' is not one of 'none', 'ans'"):
+        dlo.OffloadConfig(mode="layer", codec="zstd")
+    with pytest.raises(ValueError, match=r"layer_options\.codec"):
+        dlo.OffloadConfig(mode="layer", layer_options={"dit": {"codec": "lz4"}})
+    with pytest.raises(ValueError, match="codec='ans' applies to mode='layer' only"):
+        dlo.OffloadConfig(mode="module", codec="ans")
+    model = ToyDiT(3)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="transfer 'node-shared'"):
+        dlo.enable_offload(
+            model,
+            dlo.OffloadConfig(mode="layer", codec="ans", transfer="node-shared"),
+            device="cpu",
+        )
+    assert_same(before, model)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
