@@ -251,6 +251,10 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "decoded_nbytes": "raw bytes the decoder wrote into slots (cumulative)",
         "encoded_h2d_nbytes": "the encoded bytes copied for them (cumulative; also in "
         "`h2d_nbytes`)",
+        "decode_ms": "device time the decoders spent decoding, over every load so far (0 on "
+        "the CPU platform; a decode hidden behind the next piece's copy costs no step time, "
+        "what it does not hide is in `exposed_wait_ms`)",
+        "decode_ms_per_load": "`decode_ms` per encoded load (0 before the first)",
         "device_decode_staging_nbytes": "device bytes of the two staging buffers encoded "
         "blocks cross the link into (each the largest encoded block)",
         "device_slot_nbytes": "device bytes of the slots: `num_slots` x the largest padded "

@@ -15,8 +15,9 @@ from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
 
-Block = tuple[int, str, BlockLayout, Sequence[torch.Tensor]]
-"""``(manifest position, name, layout, the model's tensors)`` of a block to encode."""
+Block = tuple[int, str, BlockLayout, Sequence[torch.Tensor], int]
+"""``(manifest position, name, layout, the model's tensors, this rank's place in its weight
+group)`` of a block to encode."""
 
 
 class HostCodec:
@@ -40,11 +41,11 @@ class HostCodec:
         if not blocks:
             return {}
         scratch = torch.empty(max(b[2].shard_nbytes for b in blocks), dtype=torch.uint8)
-        for index, name, layout, tensors in progress(
+        for index, name, layout, tensors, group_rank in progress(
             blocks, desc="dlo: encode", total=len(blocks), unit="block"
         ):
             self._pending[index] = encode_block(
-                self.platform, self.codec, name, layout, tensors, scratch
+                self.platform, self.codec, name, layout, tensors, scratch, group_rank
             )
         return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
 

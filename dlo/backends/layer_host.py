@@ -158,7 +158,10 @@ class LayerHost:
             codec = self.codec = HostCodec(self.platform, name)
             journal.record("encoded pieces", codec.forget)
             todo = [(i, self.blocks[i]) for i in plan.encoded]
-            for i, n in codec.encode([(i, b.name, b.layout, b.tensors) for i, b in todo]).items():
+            shards = [
+                (i, b.name, b.layout, b.tensors, group_rank(b.stack.group_axis)) for i, b in todo
+            ]
+            for i, n in codec.encode(shards).items():
                 sizes[i] = n
         with atomic():  # [Note: interrupts during enable] in dlo.journal
             region = HostRegion(sizes)

@@ -39,7 +39,7 @@ from dlo.plan.layers import LayerPlan
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
-from dlo.runtime.decoding import DecodingTransport
+from dlo.runtime.decoding import Decoder
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
@@ -97,14 +97,14 @@ class Transports:
     """Stats' group: the first gathering stack's, else one rank."""
     gather_sync: str | None = None
     """The copy-engine gather's barrier (``"stream"`` or ``"kernel"``), None with NCCL."""
-    decoding: DecodingTransport | None = None
-    """The transport of the encoded blocks (see [Note: decode pipeline])."""
+    encoded_by_axis: dict[str, Transport] = field(default_factory=dict)
+    """The transports of the encoded blocks, per weight axis (see [Note: decode pipeline])."""
+    decoders: list[Decoder] = field(default_factory=list)
 
     def of(self, b: LayerBlock) -> Transport:
         """The transport that loads block ``b``."""
         if b.encoded is not None:
-            assert self.decoding is not None
-            return self.decoding
+            return self.encoded_by_axis[b.stack.group_axis]
         return self.by_axis[b.stack.group_axis]
 
 
@@ -187,21 +187,26 @@ def build_transports(
         )
         if len(ranks) > 1 and out.group_size == 1:
             out.group_rank, out.group_size = group_rank, len(ranks)
-    encoded = [b.encoded for b in blocks if b.encoded is not None]
-    if encoded:
-        (encoded_codec,) = {b.stack.codec for b in blocks if b.encoded is not None}
+    for axis in dict.fromkeys(b.stack.group_axis for b in blocks if b.encoded is not None):
+        encoded = [b for b in blocks if b.encoded is not None and b.stack.group_axis == axis]
+        (name,) = {b.stack.codec for b in encoded}
+        transport = out.by_axis[axis]
+        assert isinstance(transport, BlockTransport)  # encoded blocks are region-backed
         faults.check("staging_allocation")
         decode_stream = platform.new_stream()
-        out.decoding = DecodingTransport(
+        decoder = Decoder(
             platform,
-            get_codec(platform, encoded_codec, decode_stream),
-            copy_stream=copy_stream,
+            get_codec(platform, name, decode_stream),
             decode_stream=decode_stream,
-            max_nbytes=max(e.layout.nbytes for e in encoded),
-            max_pieces=max(len(e.layout.pieces) for e in encoded),
-            counters=counters,
+            max_nbytes=max(b.encoded.layout.nbytes for b in encoded if b.encoded),
+            max_pieces=max(b.layout.num_chunks for b in encoded),
+            piece_sizes={
+                p.raw_nbytes for b in encoded if b.encoded for p in b.encoded.layout.pieces
+            },
             rank=rank,
         )
+        out.decoders.append(decoder)
+        out.encoded_by_axis[axis] = transport.with_decoder(decoder)
     return out
 
 

@@ -68,6 +68,7 @@ class LayerState:
         staging = transports.staging if transports else None
         blocks = self.blocks
         encoded = [b for b in blocks if b.encoded is not None]
+        decoders = transports.decoders if transports else []
         if sched is not None:
             platform.synchronize()
             sched.harvest_all()
@@ -121,8 +122,14 @@ class LayerState:
             ),
             "decoded_nbytes": counters.decoded_nbytes,
             "encoded_h2d_nbytes": counters.encoded_h2d_nbytes,
+            "decode_ms": sum(d.decode_ms() for d in decoders),
+            "decode_ms_per_load": (
+                sum(d.decode_ms() for d in decoders) / sum(d.num_loads for d in decoders)
+                if any(d.num_loads for d in decoders)
+                else 0.0
+            ),
             "device_decode_staging_nbytes": (
-                transports.decoding.staging_nbytes if transports and transports.decoding else 0
+                sum(d.staging_nbytes for d in transports.decoders) if transports else 0
             ),
             "device_slot_nbytes": pool.nbytes if pool else 0,
             "device_symmetric_nbytes": pool.symmetric_nbytes if pool else 0,

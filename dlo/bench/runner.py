@@ -302,6 +302,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "codec_ratio": st["codec_ratio"],
                     "link_h2d_limit_ms": link_nbytes / (bw * GB) * 1e3 if bw else 0.0,
                     "host_encoded_nbytes": st["host_encoded_nbytes"],
+                    "decode_ms_per_load": st["decode_ms_per_load"],
                 },
             )
             if st.get("policy") is not None:

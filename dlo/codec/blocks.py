@@ -1,9 +1,10 @@
 """Encoding a block's shard at enable, and decoding it whole (disable, ``state_dict``).
 
-Encoding is bounded: one raw shard on the host (packed from the model's tensors), on CUDA
-one on the device, and the encoded pieces of one block; the caller lays each block's pieces
-into the host region once every size is known (see [Note: encoded blocks] in
-:mod:`dlo.codec.format`).
+Encoding a block takes one raw shard on the host (packed from the model's tensors) and, on
+CUDA, one on the device; its encoded pieces are kept (pageable, outside the ledger) until
+the caller lays every block's pieces into the host region, which exists only once every size
+is known (see [Note: encoded blocks] in :mod:`dlo.codec.format`): at the peak of enable the
+host holds the model's tensors and every encoded piece.
 """
 
 from __future__ import annotations
@@ -47,8 +48,12 @@ class BlockDecoder:
         pf, enc = self.platform, shard.layout
         faults.check("decode")
         where = pf.device if pf.has_streams else torch.device("cpu")
+        # ``out`` from the caller's stream, which reads it (its memory is never handed to
+        # another decode while a copy out of it is queued); the codec's stream after the
+        # caller's work so far
+        out = torch.empty(enc.raw_nbytes, dtype=torch.uint8, device=where)
+        self.stream.wait_stream(pf.current_stream())
         with pf.stream(self.stream):
-            out = torch.empty(enc.raw_nbytes, dtype=torch.uint8, device=where)
             src = shard.data.to(where, non_blocking=True) if pf.has_streams else shard.data
             for p in enc.pieces:
                 piece, dst = (
@@ -70,14 +75,14 @@ def encode_block(
     layout: BlockLayout,
     tensors: Sequence[torch.Tensor],
     scratch: torch.Tensor,
+    group_rank: int = 0,
 ) -> tuple[EncodedLayout, list[torch.Tensor]]:
-    """Pack ``tensors`` into ``scratch`` (a host uint8 buffer of at least the shard's size)
-    and encode it in pieces of the layout's chunk size; returns the piece table and each
-    piece's bytes on the host."""
-    assert layout.group_size == 1
+    """Pack ``group_rank``'s shard of ``tensors`` into ``scratch`` (a host uint8 buffer of at
+    least the shard's size) and encode it in pieces of one slice each (one per chunk); returns
+    the piece table and each piece's bytes on the host."""
     faults.check("encode")
     raw = scratch[: layout.shard_nbytes]
-    pack_block(raw, layout, 0, tensors)
+    pack_block(raw, layout, group_rank, tensors)
     src = raw.to(platform.device) if platform.has_streams else raw
-    enc, datas = encode_pieces(name, src, layout.chunk_nbytes, codec.bitstream, codec.encode)
+    enc, datas = encode_pieces(name, src, layout.slice_nbytes, codec.bitstream, codec.encode)
     return enc, [d.cpu() if d.device.type != "cpu" else d.clone() for d in datas]

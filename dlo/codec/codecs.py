@@ -41,6 +41,10 @@ class Codec(Protocol):
         codec was made for."""
         ...
 
+    def prepare(self, nbytes: int) -> None:
+        """Build what decoding pieces of ``nbytes`` raw bytes needs, before any load."""
+        ...
+
 
 class ReferenceCodec:
     """zlib over the byte planes of 16-bit words, on the host (see [Note: block codecs])."""
@@ -54,6 +58,9 @@ class ReferenceCodec:
         planes = _planes(raw.cpu())
         data = zlib.compress(planes.numpy().tobytes(), self.level)
         return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+    def prepare(self, nbytes: int) -> None:
+        return None
 
     def decode(self, src: torch.Tensor, out: torch.Tensor) -> None:
         try:
@@ -99,6 +106,9 @@ class AnsCodec:
             cc = self._codec.compression_config(nbytes)
             cfg = self._configs[nbytes] = (cc, self._codec.decompression_config(cc))
         return cfg
+
+    def prepare(self, nbytes: int) -> None:
+        self._config(nbytes)
 
     def _array(self, t: torch.Tensor) -> Any:
         return self._nv.as_array(t, cuda_stream=self._stream.cuda_stream)

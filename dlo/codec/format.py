@@ -9,12 +9,12 @@ as it is (``stored``) and copied instead of decoded: fp32 noise grows under a 16
 entropy coder. Encoded pieces follow each other in one buffer, each starting on
 :data:`PIECE_ALIGN` (what nvCOMP's decoder asks of its input), and the buffer is what the
 host region holds: the ledger and the pin budget count encoded bytes. The container names
-its bitstream; decoding with another codec is refused.
+its bitstream; decoding with another codec is refused. With AllGather the shard is this
+rank's slices, one piece per slice.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,13 +58,6 @@ class EncodedLayout:
     def ratio(self) -> float:
         return self.nbytes / self.raw_nbytes if self.raw_nbytes else 1.0
 
-    def digest(self) -> str:
-        """What the manifest covers of the encoding: bitstream and piece table."""
-        h = hashlib.sha256(f"{self.bitstream}:{self.raw_nbytes}".encode())
-        for p in self.pieces:
-            h.update(f"{p.raw_offset},{p.raw_nbytes},{p.offset},{p.nbytes},{p.stored};".encode())
-        return h.hexdigest()
-
 
 def encode_pieces(
     name: str,
@@ -76,7 +69,10 @@ def encode_pieces(
     """Encode the uint8 tensor ``raw`` piece by piece with ``encode`` (raw piece in, encoded
     uint8 tensor out, on the same device); returns the layout and each piece's bytes (the
     encoded ones, or ``raw``'s own view for a stored piece)."""
-    assert raw.dtype == torch.uint8 and raw.dim() == 1 and piece_nbytes > 0
+    assert raw.dtype == torch.uint8 and raw.dim() == 1
+    if raw.numel() == 0:  # a block without tensors: nothing to encode, nothing moves
+        return EncodedLayout(name, bitstream, 0, ()), []
+    assert piece_nbytes > 0
     pieces: list[Piece] = []
     datas: list[torch.Tensor] = []
     at = 0

@@ -193,8 +193,9 @@ class OffloadConfig:
     codec: str = "none"
     """Host copies of streamed blocks stored losslessly compressed: ``"none"`` or ``"ans"``
     (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
-    bit; see [Note: block codecs]). Rank-local stacks with the region host backing; per
-    component through :attr:`layer_options`."""
+    bit; see [Note: block codecs]). Rank-local and AllGather stacks with the region host
+    backing (each rank encodes its own shards); per component through
+    :attr:`layer_options`."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)

@@ -157,7 +157,7 @@ def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
 
     Raises:
         ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack; a
-            codec on a stack that is not rank-local with the region backing; node-shared stacks on different weight axes (one host copy per node and axis).
+            codec on a node-shared stack or with the mapped backing; node-shared stacks on different weight axes (one host copy per node and axis).
     """
     if host_backing == "mapped":
         for s in stacks:
@@ -169,12 +169,13 @@ def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
                     "a node's copy in shared memory (use host_backing='region')"
                 )
     for s in stacks:
-        if s.codec != "none" and (host_backing == "mapped" or s.transfer != "rank-local"):
+        if s.codec != "none" and (host_backing == "mapped" or s.transfer == "node-shared"):
             raise ValueError(
-                f"codec={s.codec!r} encodes a rank's own host copy of whole blocks, but stack "
+                f"codec={s.codec!r} encodes a rank's own host shards, but stack "
                 f"{s.container_path!r} uses transfer {s.transfer!r} with host_backing="
-                f"{host_backing!r}: use transfer='rank-local' and host_backing='region' for "
-                "it, or codec='none' (layer_options sets either per component)"
+                f"{host_backing!r}: use transfer='rank-local' or 'allgather' with "
+                "host_backing='region' for it, or codec='none' (layer_options sets either "
+                "per component)"
             )
     axes = {s.container_path: s.share_axis for s in stacks if s.transfer == "node-shared"}
     if len(set(axes.values())) > 1:

@@ -1,26 +1,33 @@
-"""The transport of encoded blocks: encoded bytes cross the link, the device decodes them.
+"""Encoded shards through the transport: encoded bytes cross the link, the device decodes.
 
 [Note: decode pipeline]
-For an encoded block E (pieces ``k``, see [Note: encoded blocks] in
-:mod:`dlo.codec.format`) loaded into slot S through staging buffer ``b`` (two, used in
-turn, each the size of the largest encoded block):
+A :class:`~dlo.runtime.transport.BlockTransport` with a :class:`Decoder` loads
+:class:`~dlo.codec.blocks.EncodedShard` s. An encoded shard has one piece per slice of the
+layout (one per chunk with G = 1; see [Note: encoded blocks] in :mod:`dlo.codec.format`), so
+the chunk pipeline is unchanged except for how slice ``k`` reaches the slot. For a load into
+slot S through staging buffer ``b`` (two, used in turn, each the size of the largest encoded
+shard):
 
     copy_stream:   wait(decoded[b]); for k: staging[b][piece k] <- host piece k;
                    record(copied[b][k])
-    decode_stream: wait(S.free); for k: wait(copied[b][k]); decode piece k -> S[raw range k]
-                   (a stored piece: a device copy); record(decoded[b]); record(S.ready)
+    decode_stream: wait(S.free); for k: wait(copied[b][k]); decode piece k -> S[slice k]
+                   (a stored piece: a device copy); record(chunk_event[k]) (G > 1);
+                   record(decoded[b]); with G = 1 record(S.ready)
 
-``decoded[b]`` hands the staging buffer back to the copy stream once every piece read from
-it was decoded; ``copied[b][k]`` hands piece ``k`` to the decoder, so piece ``k`` decodes
-while piece ``k + 1`` crosses the link; ``S.free`` is waited on by the decoder, the slot's
-only writer, so the next block's encoded bytes cross the link while the slot is still in
-use. Nothing is allocated per load: staging buffers, events and the decoder's configs
-(one per piece size) are made at enable. On the CPU platform every operation is ordered on
-the host: the same code path.
+then, with G > 1, the comm stream gathers chunk ``k`` after ``chunk_event[k]`` exactly as
+in [Note: chunk pipeline]. ``decoded[b]`` hands the staging buffer back to the copy stream
+once every piece read from it was decoded; ``copied[b][k]`` hands piece ``k`` to the decoder,
+so piece ``k`` decodes while piece ``k + 1`` crosses the link; ``S.free`` is waited on by the
+decoder, the first writer of the slot, so the next block's encoded bytes cross the link
+while the slot is still in use. Nothing is allocated per load from torch's allocator:
+staging buffers, events and the codec's configs (one per piece size, :meth:`Codec.prepare`)
+exist from enable on (nvCOMP's own scratch, if it takes any, is its allocator's). On the CPU platform every
+operation is ordered on the host: the same code path.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -31,42 +38,38 @@ from dlo.codec.codecs import Codec
 from dlo.codec.format import check_bitstream
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
-from dlo.platform.timing import nvtx_range
-from dlo.runtime.transport import TransferCounters
+from dlo.platform.timing import StreamTimer, nvtx_range
 
 NUM_DECODE_STAGING = 2
 
 
-class DecodingTransport:
-    """Loads :class:`~dlo.codec.blocks.EncodedShard` s of group size 1 (see [Note: decode
-    pipeline]); the load interface of :class:`~dlo.runtime.transport.BlockTransport`.
+class Decoder:
+    """The copy-then-decode stage of a transport of encoded shards (see [Note: decode
+    pipeline]).
 
     Args:
         platform: device, streams, events.
-        copy_stream: the ring's copy stream.
-        decode_stream: the stream ``codec`` decodes on (this transport's own).
-        max_nbytes, max_pieces: the largest encoded block and piece count it loads.
+        codec: decodes on ``decode_stream``.
+        max_nbytes, max_pieces: the largest encoded shard and piece count it loads.
+        piece_sizes: the raw sizes of the encoded pieces it decodes.
     """
-
-    group_size = 1
 
     def __init__(
         self,
         platform: Platform,
         codec: Codec,
         *,
-        copy_stream: Any,
         decode_stream: Any,
         max_nbytes: int,
         max_pieces: int,
-        counters: TransferCounters,
+        piece_sizes: Collection[int] = (),
         rank: int = 0,
     ) -> None:
+        for n in sorted(piece_sizes):  # the codec's decode configs, before any load
+            codec.prepare(n)
         self.platform = platform
         self.codec = codec
-        self.copy_stream = copy_stream
-        self.decode_stream = decode_stream
-        self.counters = counters
+        self.stream = decode_stream
         self.rank = rank
         where = platform.device if platform.has_streams else torch.device("cpu")
         self._staging = [
@@ -77,64 +80,74 @@ class DecodingTransport:
             [platform.new_event() for _ in range(max_pieces)] for _ in range(NUM_DECODE_STAGING)
         ]
         self._decoded = [platform.new_event() for _ in range(NUM_DECODE_STAGING)]
+        # device time of each decode, per (staging buffer, piece): a pair is read back when
+        # it is used again, two loads later, by when it has long completed
+        self._timers = [
+            [StreamTimer(platform) for _ in range(max_pieces)] for _ in range(NUM_DECODE_STAGING)
+        ]
         self._turn = 0
+        self.num_loads = 0
+
+    def decode_ms(self) -> float:
+        """Device time spent decoding, over every load so far (0 on the CPU platform)."""
+        for row in self._timers:
+            for t in row:
+                t.harvest(block_host=True)
+        return sum(t.total_ms for row in self._timers for t in row)
 
     @property
     def staging_nbytes(self) -> int:
         return sum(s.numel() for s in self._staging)
 
-    @property
-    def writer_stream(self) -> Any:
-        """The decoder writes the slot last."""
-        return self.decode_stream
-
-    def wait_enqueued(self, slot_index: int, block: str) -> None:
-        """Nothing: a load is enqueued when :meth:`load` returns."""
-        return None
-
-    def agree(self, value: int, describe: str) -> None:
-        """Nothing: a group of one."""
-        return None
-
-    def load(
-        self,
-        layout: BlockLayout,
-        shard: EncodedShard,
-        slot: torch.Tensor,
-        *,
-        free_event: Any,
-        ready_event: Any,
-        index: int = -1,
-        slot_index: int = -1,
-    ) -> None:
-        """Enqueue the load of encoded block ``shard`` into ``slot`` and record
-        ``ready_event`` once it is decoded."""
-        enc, pf = shard.layout, self.platform
+    def begin(
+        self, layout: BlockLayout, shard: EncodedShard, copy_stream: Any, free_event: Any
+    ) -> int:
+        """Start a load of ``shard``: the staging buffer it goes through, once the decoder
+        (the slot's first writer) waits on ``free_event``."""
+        enc = shard.layout
         check_bitstream(enc, self.codec.bitstream, rank=self.rank)
-        assert enc.raw_nbytes == layout.padded_nbytes and layout.group_size == 1
+        assert len(enc.pieces) == layout.num_chunks and enc.raw_nbytes == layout.shard_nbytes
         faults.check("decode")
         b, self._turn = self._turn, (self._turn + 1) % NUM_DECODE_STAGING
-        staging, copied = self._staging[b], self._copied[b]
-        copy, dec = self.copy_stream, self.decode_stream
-        with nvtx_range("dlo::h2d"), pf.stream(copy):
-            copy.wait_event(self._decoded[b])
-            for k, p in enumerate(enc.pieces):
-                end = p.offset + p.nbytes
-                staging[p.offset : end].copy_(shard.data[p.offset : end], non_blocking=True)
-                copied[k].record(copy)
-        with nvtx_range("dlo::decode"), pf.stream(dec):
-            dec.wait_event(free_event)
-            for k, p in enumerate(enc.pieces):
-                dec.wait_event(copied[k])
-                src = staging[p.offset : p.offset + p.nbytes]
-                out = slot[p.raw_offset : p.raw_offset + p.raw_nbytes]
-                if p.stored:
-                    out.copy_(src, non_blocking=True)
-                else:
-                    self.codec.decode(src, out)
-            self._decoded[b].record(dec)
-            ready_event.record(dec)
-        self.counters.h2d_nbytes += enc.nbytes
-        self.counters.decoded_nbytes += enc.raw_nbytes
-        self.counters.encoded_h2d_nbytes += enc.nbytes
-        self.counters.num_loads += 1
+        pf = self.platform
+        with pf.stream(copy_stream):
+            copy_stream.wait_event(self._decoded[b])
+        with pf.stream(self.stream):
+            self.stream.wait_event(free_event)
+        return b
+
+    def piece(
+        self,
+        b: int,
+        shard: EncodedShard,
+        k: int,
+        out: torch.Tensor,
+        copy_stream: Any,
+        done_event: Any = None,
+    ) -> None:
+        """Piece ``k`` of ``shard`` across the link into staging ``b``, then decoded into
+        ``out`` (slice ``k`` of the slot); ``done_event`` recorded once it is there."""
+        p, pf = shard.layout.pieces[k], self.platform
+        staging, copied = self._staging[b], self._copied[b][k]
+        end = p.offset + p.nbytes
+        assert p.raw_nbytes == out.numel()
+        with nvtx_range("dlo::h2d"), pf.stream(copy_stream):
+            staging[p.offset : end].copy_(shard.data[p.offset : end], non_blocking=True)
+            copied.record(copy_stream)
+        with nvtx_range("dlo::decode"), pf.stream(self.stream):
+            self.stream.wait_event(copied)
+            timer = self._timers[b][k]
+            timer.begin(self.stream)
+            if p.stored:
+                out.copy_(staging[p.offset : end], non_blocking=True)
+            else:
+                self.codec.decode(staging[p.offset : end], out)
+            timer.end(self.stream)
+            if done_event is not None:
+                done_event.record(self.stream)
+
+    def end(self, b: int) -> None:
+        """Every piece of the load read from staging ``b`` is decoded (or enqueued)."""
+        with self.platform.stream(self.stream):
+            self._decoded[b].record(self.stream)
+        self.num_loads += 1

@@ -140,8 +140,9 @@ class _BlockHook(ModelHook):
                 "this backend cannot keep the write (with AllGather each rank holds only a "
                 "slice of the block; host_backing='mapped' streams from the read-only "
                 "checkpoint; with node-shared the node's other ranks stream the same host "
-                "copy): keep such state out of the block's parameters and buffers, keep "
-                "the block resident (resident_layers), or use transfer='rank-local'",
+                "copy; with a codec the host copy is encoded): keep such state out of the "
+                "block's parameters and buffers, keep the block resident (resident_layers), "
+                "or use transfer='rank-local' with codec='none'",
                 rank=self.scheduler.rank,
                 block=self.block.name,
             )

@@ -28,11 +28,13 @@ from typing import Any, Protocol
 
 import torch
 
+from dlo.codec.blocks import EncodedShard
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import nvtx_range
 from dlo.runtime.ce_gather import CopyEngineGather
 from dlo.runtime.collectives import all_gather_into
+from dlo.runtime.decoding import Decoder
 from dlo.runtime.sequence import SequenceCheck
 
 logger = logging.getLogger(__name__)
@@ -83,7 +85,7 @@ class TransferCounters:
     allgather_nbytes: int = 0
     num_loads: int = 0
     decoded_nbytes: int = 0
-    """Raw bytes the decoding transport wrote into slots."""
+    """Raw bytes decoders wrote into slots (their shards)."""
     encoded_h2d_nbytes: int = 0
     """The encoded bytes it copied for them (counted in ``h2d_nbytes`` too)."""
 
@@ -114,8 +116,10 @@ class BlockTransport:
         counters: TransferCounters,
         sequence_check: SequenceCheck | None = None,
         ce_gather: CopyEngineGather | None = None,
+        decoder: Decoder | None = None,
     ) -> None:
         assert (group is None) == (group_size == 1)
+        self.decoder = decoder
         self.ce_gather = ce_gather
         self.platform = platform
         self.group = group
@@ -129,10 +133,29 @@ class BlockTransport:
             platform.new_event() for _ in range(max_chunks if group_size > 1 else 0)
         ]
 
+    def with_decoder(self, decoder: Decoder) -> BlockTransport:
+        """A transport of encoded shards on the same group, streams and checks (see [Note:
+        decode pipeline] in :mod:`dlo.runtime.decoding`)."""
+        return BlockTransport(
+            self.platform,
+            group=self.group,
+            group_rank=self.group_rank,
+            group_size=self.group_size,
+            copy_stream=self.copy_stream,
+            comm_stream=self.comm_stream,
+            max_chunks=len(self._chunk_events),
+            counters=self.counters,
+            sequence_check=self.sequence_check,
+            ce_gather=self.ce_gather,
+            decoder=decoder,
+        )
+
     @property
     def writer_stream(self) -> Any:
         """The stream that performs the last write of a load."""
-        return self.comm_stream if self.group_size > 1 else self.copy_stream
+        if self.group_size > 1:
+            return self.comm_stream
+        return self.decoder.stream if self.decoder is not None else self.copy_stream
 
     def wait_enqueued(self, slot_index: int, block: str) -> None:
         """Nothing: every load is enqueued by the time :meth:`load` returns (a staged
@@ -162,7 +185,18 @@ class BlockTransport:
         if layout.num_chunks == 0:  # a block without tensors: nothing moves on any rank
             ready_event.record(self.copy_stream)
             return
-        pf = self.platform
+        pf, dec = self.platform, self.decoder
+        encoded = shard if isinstance(shard, EncodedShard) else None
+        assert (encoded is not None) == (dec is not None), "a decoder loads encoded shards only"
+        if encoded is not None and dec is not None and self.group_size == 1:
+            b = dec.begin(layout, encoded, self.copy_stream, free_event)
+            for k, (start, end, _) in enumerate(layout.shard_ranges(0)):
+                dec.piece(b, encoded, k, slot[start:end], self.copy_stream)
+            dec.end(b)
+            with pf.stream(dec.stream):
+                ready_event.record(dec.stream)
+            self._count(layout, encoded)
+            return
         if self.group_size == 1:
             with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
                 self.copy_stream.wait_event(free_event)
@@ -181,13 +215,22 @@ class BlockTransport:
             assert ce is not None and check is not None
             entry = check.take()  # may raise a divergence: before anything is enqueued
             ce.post_tag(self.comm_stream, index, slot_index)  # [Note: lock-step tags]
-        with pf.stream(self.copy_stream):
-            self.copy_stream.wait_event(free_event)
+        b = -1
+        if encoded is not None and dec is not None:  # the decoder writes this rank's slices
+            b = dec.begin(layout, encoded, self.copy_stream, free_event)
+        else:
+            with pf.stream(self.copy_stream):
+                self.copy_stream.wait_event(free_event)
         for k, (start, end, shard_off) in enumerate(layout.shard_ranges(r)):
             mine = slot[start:end]
-            with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
-                mine.copy_(shard[shard_off : shard_off + layout.slice_nbytes], non_blocking=True)
-                self._chunk_events[k].record(self.copy_stream)
+            if encoded is not None and dec is not None:
+                dec.piece(b, encoded, k, mine, self.copy_stream, self._chunk_events[k])
+            else:
+                with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
+                    mine.copy_(
+                        shard[shard_off : shard_off + layout.slice_nbytes], non_blocking=True
+                    )
+                    self._chunk_events[k].record(self.copy_stream)
             c0, c1 = layout.chunk_range(k)
             with nvtx_range("dlo::allgather"), pf.stream(self.comm_stream):
                 self.comm_stream.wait_event(self._chunk_events[k])
@@ -199,10 +242,21 @@ class BlockTransport:
                     ce.pull_chunk(slot, layout, k)
                 else:
                     all_gather_into(slot[c0:c1], mine, self.group)
+        if encoded is not None and dec is not None:
+            dec.end(b)
         with pf.stream(self.comm_stream):
             if ce is not None:
                 ce.finish(self.comm_stream, layout.name)
             ready_event.record(self.comm_stream)
-        self.counters.h2d_nbytes += layout.shard_nbytes
+        self._count(layout, encoded)
         self.counters.allgather_nbytes += layout.padded_nbytes
-        self.counters.num_loads += 1
+
+    def _count(self, layout: BlockLayout, encoded: EncodedShard | None) -> None:
+        c = self.counters
+        if encoded is None:
+            c.h2d_nbytes += layout.shard_nbytes
+        else:
+            c.h2d_nbytes += encoded.layout.nbytes
+            c.encoded_h2d_nbytes += encoded.layout.nbytes
+            c.decoded_nbytes += layout.shard_nbytes
+        c.num_loads += 1
