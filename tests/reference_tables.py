@@ -310,6 +310,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "policy.stacks.<stack>.allgather_ms_per_block": "modeled ms per block with AllGather; "
         "`None` without a group or a measurement",
         "policy.stacks.<stack>.reason": "why that transfer (one line)",
+        "policy.stacks.<stack>.codec": "the codec of that stack (`none` or `ans`)",
+        "policy.stacks.<stack>.codec_reason": "why that codec (`explicit` when not `auto`)",
         "policy.num_slots": "slots chosen (or kept)",
         "policy.resident_layers": "resident leading blocks per eligible DiT",
         "policy.slot_nbytes": "bytes of one slot",

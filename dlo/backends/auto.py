@@ -57,6 +57,7 @@ def is_automatic(cfg: OffloadConfig) -> bool:
         or cfg.resident_layers_for("dit") == "auto"
         or cfg.num_slots == "auto"
         or cfg.device_budget_gb is not None
+        or any(cfg.codec_for(k) == "auto" for k in COMPONENTS)
     )
 
 
@@ -64,6 +65,7 @@ def requested_settings(cfg: OffloadConfig) -> tuple[tuple[str, Any], ...]:
     """The settings the policy may decide, as this rank asked for them (pure)."""
     return (
         *((f"transfer for {k!r}", cfg.transfer_for(k)) for k in COMPONENTS),
+        *((f"codec for {k!r}", cfg.codec_for(k)) for k in COMPONENTS),
         ("num_slots", cfg.num_slots),
         ("resident_layers", cfg.resident_layers_for("dit")),
         ("device_budget_gb", cfg.device_budget_gb),
@@ -266,6 +268,7 @@ def _policy_input(
             group_size=s.group_size,
             num_resident=s.num_resident,
             resident_eligible=eligible is None or s.component_path in eligible,
+            codec=s.codec,
         )
         for s in plan.stacks
     )
@@ -328,6 +331,8 @@ def _concrete_plan(plan: ResolvedOffloadPlan, d: PolicyDecision) -> ResolvedOffl
             transfer_groups(c.transfer, s.group_axis, s.group_size) if s.transfer == "auto" else {}
         )
         stacks.append(
-            dataclasses.replace(s, transfer=c.transfer, num_resident=c.num_resident, **groups)
+            dataclasses.replace(
+                s, transfer=c.transfer, num_resident=c.num_resident, codec=c.codec, **groups
+            )
         )
     return dataclasses.replace(plan, stacks=tuple(stacks))

@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--codec",
         default="none",
         help="codecs of the whole-block dlo rows (dlo-ring, dlo-rank-local), comma-separated "
-        f"from {','.join(CODECS)}: e.g. none,ans adds a row per codec (see [Note: block codecs])",
+        f"from {','.join(CODECS)}: e.g. none,ans adds a row per codec; auto gives the "
+        "dlo-auto rows codec='auto' (see [Note: block codecs])",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the lock-step check")
     p.add_argument(

@@ -193,15 +193,17 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # (method, slots, chunk, token counts, block_compute_ms, codec); a codec only where it
     # applies (whole blocks of a rank's own region)
     codecs = codec_list(args.codec)
+    manual_codecs = [c for c in codecs if c != "auto"] or ["none"]
+    auto_codec = "auto" if "auto" in codecs else "none"  # the dlo-auto rows' policy decides
     runs: list[tuple[str, int | str, int, list[int], float | None, str]] = [
         (m, s, c, tokens_list, None, k)
         for m in dlo_methods
         if m in methods
         for s, c in settings
-        for k in (codecs if m in ("dlo-ring", "dlo-rank-local") else ["none"])
+        for k in (manual_codecs if m in ("dlo-ring", "dlo-rank-local") else ["none"])
     ]
     if "dlo-auto" in methods:
-        runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None, "none"))
+        runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None, auto_codec))
     if "dlo-auto-compute" in methods:
         per_block = {
             r["tokens"]: r["median_ms"] / preset.num_blocks
@@ -211,7 +213,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         if not per_block:
             logger.warning("dlo-auto-compute: needs the resident rows; method skipped")
         runs += [
-            ("dlo-auto-compute", "auto", chunks[0], [t], per_block[t], "none")
+            ("dlo-auto-compute", "auto", chunks[0], [t], per_block[t], auto_codec)
             for t in tokens_list
             if t in per_block
         ]
@@ -292,7 +294,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "setting": ", ".join(
                         ([f"{st['num_slots']} slots, {chunk_mb} MiB"] if sweep else [])
                         + (
-                            [f"codec {codec} ({st['codec_ratio']:.3f} of the bytes)"]
+                            [f"codec {codec}: {st['codec']} ({st['codec_ratio']:.3f} of the bytes)"]
                             if codec != "none"
                             else []
                         )

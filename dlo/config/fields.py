@@ -31,7 +31,7 @@ GATHER_SYNCS = ("auto", "stream", "kernel")
 
 
 HOST_BACKINGS = ("region", "mapped")
-CODECS = ("none", "ans")
+CODECS = ("none", "ans", "auto")
 
 
 PIN_FAILURE_POLICIES = ("fail", "whole_block_fallback")

@@ -67,8 +67,8 @@ class LayerOptions:
     :attr:`OffloadConfig.resident_layers`."""
 
     codec: str | None = None
-    """Lossless codec of this component's host blocks (``"none"``, ``"ans"``); None
-    inherits :attr:`OffloadConfig.codec`."""
+    """Lossless codec of this component's host blocks (``"none"``, ``"ans"``, ``"auto"``);
+    None inherits :attr:`OffloadConfig.codec`."""
 
     def __post_init__(self) -> None:
         if self.codec is not None:
@@ -191,7 +191,9 @@ class OffloadConfig:
     [Note: mapped host backing]). ``"mapped"`` is refused at enable for an AllGather stack
     or a model whose blocks do not come from a checkpoint."""
     codec: str = "none"
-    """Host copies of streamed blocks stored losslessly compressed: ``"none"`` or ``"ans"``
+    """Host copies of streamed blocks stored losslessly compressed: ``"none"``, ``"ans"``, or
+    ``"auto"`` (the policy takes ``"ans"`` for a stack whose modeled copy per block is longer
+    than ``block_compute_ms``, and ``"none"`` when the compute time is not given)
     (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
     bit; see [Note: block codecs]). Rank-local and AllGather stacks with the region host
     backing (each rank encodes its own shards); per component through

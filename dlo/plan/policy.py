@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 
 from dlo.plan.policy_model import (
+    CODEC_TRANSFER_BOUND,
     FREE_MEMORY_HEADROOM,
     GB,
     GIB,
@@ -70,6 +71,36 @@ from dlo.plan.policy_model import (
     padded_nbytes,
     slots_needed,
 )
+
+
+def _choose_codec(s: StackSpec, c: StackChoice, inp: PolicyInput) -> StackChoice:
+    """``codec="auto"``: the encoded copy shortens the step where the copy, not the compute,
+    bounds it (the decode runs on its own stream behind the next piece's copy)."""
+    copy_ms = c.allgather_ms if c.transfer == "allgather" else c.rank_local_ms
+    t_c = inp.block_compute_s
+    if s.codec != "auto":
+        codec, why = s.codec, "explicit"
+    elif c.transfer == "node-shared" or inp.host_backing == "mapped":
+        codec, why = "none", "auto: a codec encodes a rank's own region shards"
+    elif t_c is None or copy_ms is None:
+        codec, why = "none", "auto: block_compute_ms not given, so no modeled gain"
+    elif t_c * 1e3 < CODEC_TRANSFER_BOUND * copy_ms:
+        codec, why = (
+            "ans",
+            (
+                f"auto: the copy ({copy_ms:.3f} ms per block) outlasts the compute "
+                f"({t_c * 1e3:.3f} ms): fewer bytes shorten the step"
+            ),
+        )
+    else:
+        codec, why = (
+            "none",
+            (
+                f"auto: the compute ({t_c * 1e3:.3f} ms per block) hides the copy "
+                f"({copy_ms:.3f} ms): a decode would only add to the step"
+            ),
+        )
+    return dataclasses.replace(c, codec=codec, codec_reason=why)
 
 
 def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
@@ -256,6 +287,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     _check_input(inp)
     chunk, m = inp.chunk_nbytes, inp.measured
     choices = _fit_shared(inp, [_choose_transfer(s, inp) for s in inp.stacks])
+    choices = [_choose_codec(s, c, inp) for s, c in zip(inp.stacks, choices)]
 
     # slots: hide the longest per-slot cycle of any streamed block
     cycle_slots = 2
@@ -397,7 +429,7 @@ def _explain(
             f"  stack {s.name}: {len(s.block_nbytes)} blocks x {mean / 1e6:.2f} MB, "
             f"axis {s.group_axis!r} of {s.group_size}; modeled per block: rank-local "
             f"{c.rank_local_ms:.3f} ms, allgather {ag_ms} -> {c.transfer} ({c.reason}); "
-            f"{c.num_resident} resident"
+            f"{c.num_resident} resident; codec {c.codec} ({c.codec_reason})"
         )
     lines.append(f"  num_slots: {num_slots} x {_size(slot_nbytes)} ({slot_note})")
     lines.append(f"  resident_layers: {per_dit} per DiT ({resident_note})")

@@ -49,6 +49,11 @@ class Measurements:
     """How many ranks measured (the minimum is over all of them)."""
 
 
+CODEC_TRANSFER_BOUND = 0.95
+"""``codec="auto"`` takes ``"ans"`` where the block's compute is under this fraction of its
+modeled copy (at equality the decode's share of the SMs would be pure cost)."""
+
+
 @dataclass(frozen=True)
 class StackSpec:
     """One block stack as the policy sees it."""
@@ -71,6 +76,8 @@ class StackSpec:
     """Resident leading blocks when ``resident_layers`` is explicit."""
     resident_eligible: bool = True
     """May keep resident blocks (a DiT allowed by ``OffloadPlan.resident_dit_paths``)."""
+    codec: str = "none"
+    """Requested codec: ``"none"``, ``"ans"`` (kept) or ``"auto"`` (decided)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,9 @@ class StackChoice:
     allgather_ms: float | None
     """Modeled latency per block, AllGather (None: no group or no measurement)."""
     reason: str
+    codec: str = "none"
+    """Concrete: ``"none"`` or ``"ans"``."""
+    codec_reason: str = "explicit"
 
 
 @dataclass(frozen=True)
@@ -151,6 +161,8 @@ class PolicyDecision:
                     "rank_local_ms_per_block": s.rank_local_ms,
                     "allgather_ms_per_block": s.allgather_ms,
                     "reason": s.reason,
+                    "codec": s.codec,
+                    "codec_reason": s.codec_reason,
                 }
                 for s in self.stacks
             },

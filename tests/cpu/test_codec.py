@@ -260,3 +260,20 @@ def test_an_in_place_write_of_an_encoded_block_is_refused_naming_the_codec() -> 
             _run(model, 1)
     finally:
         b.disable()
+
+
+@pytest.mark.parametrize(("compute_ms", "expected"), [(None, "none"), (1e-6, "ans")])
+def test_codec_auto_is_decided_by_the_policy(compute_ms: float | None, expected: str) -> None:
+    model = ToyDiT(3)
+    ref = _run(clone(model), 2)
+    cfg = dlo.OffloadConfig(mode="layer", codec="auto", block_compute_ms=compute_ms)
+    b = dlo.enable_offload(model, cfg, device="cpu")
+    assert b is not None
+    try:
+        st = b.stats()
+        assert st["codec"] == expected, st["policy"]
+        (stack,) = st["policy"]["stacks"].values()
+        assert stack["codec"] == expected and stack["codec_reason"].startswith("auto: ")
+        assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 2)))
+    finally:
+        b.disable()

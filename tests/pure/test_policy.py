@@ -646,3 +646,29 @@ def test_slots_beyond_the_streamed_blocks_are_neither_allocated_nor_budgeted() -
     assert d.device_weight_nbytes == 3 * d.slot_nbytes
     assert "3 allocated, one per streamed block" in d.explanation
     assert "+ 3 slot(s) x" in d.explanation
+
+
+@pytest.mark.parametrize(
+    ("compute_ms", "transfer", "expected"),
+    [
+        (None, "rank-local", "none"),  # no compute time: no modeled gain
+        (0.5, "rank-local", "ans"),  # a 64 MiB copy at 50 GB/s takes 1.34 ms
+        (5.0, "rank-local", "none"),  # the compute hides it
+        (0.5, "node-shared", "none"),  # a node's copy is not a rank's own shards
+    ],
+)
+def test_auto_codec_where_the_copy_outlasts_the_compute(
+    compute_ms: float | None, transfer: str, expected: str
+) -> None:
+    stack = dataclasses.replace(_stack(transfer=transfer, group_size=1), codec="auto")
+    d = decide(_input(stack, block_compute_s=compute_ms / 1e3 if compute_ms is not None else None))
+    c = d.stacks[0]
+    assert (c.codec, c.codec_reason.startswith("auto: ")) == (expected, True)
+    assert f"codec {expected} (auto: " in d.explanation
+    assert d.as_dict()["stacks"][stack.name]["codec"] == expected
+
+
+def test_an_explicit_codec_is_kept() -> None:
+    stack = dataclasses.replace(_stack(transfer="rank-local", group_size=1), codec="ans")
+    c = decide(_input(stack, block_compute_s=1.0)).stacks[0]
+    assert (c.codec, c.codec_reason) == ("ans", "explicit")
