@@ -67,9 +67,11 @@ from dlo.plan.policy_model import (
     StackSpec,
     _check_input,
     _size,
+    allocated_slots,
     block_times,
     padded_nbytes,
     slots_needed,
+    staging_nbytes,
 )
 
 
@@ -257,12 +259,8 @@ def _weights(
                 resident_nbytes += p
             else:
                 slot = max(slot, p)
-    return slot, _allocated(stacks, resident, num_slots) * slot + resident_nbytes
-
-
-def _allocated(stacks: tuple[StackSpec, ...], resident: list[int], num_slots: int) -> int:
-    streamed = sum(len(s.block_nbytes) - r for s, r in zip(stacks, resident))
-    return max(1, min(num_slots, streamed))
+    staging = staging_nbytes(stacks, choices, chunk)
+    return slot, allocated_slots(stacks, resident, num_slots) * slot + resident_nbytes + staging
 
 
 def decide(inp: PolicyInput) -> PolicyDecision:
@@ -371,7 +369,8 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     choices = [dataclasses.replace(c, num_resident=r) for c, r in zip(choices, resident)]
     slot_nbytes, dlo_nbytes = _weights(inp.stacks, choices, resident, num_slots, chunk)
     device_nbytes = dlo_nbytes + inp.non_block_nbytes
-    allocated = _allocated(inp.stacks, resident, num_slots)
+    allocated = allocated_slots(inp.stacks, resident, num_slots)
+    staging = staging_nbytes(inp.stacks, choices, chunk)
     if allocated < num_slots:
         slot_note += f"; {allocated} allocated, one per streamed block"
     lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
@@ -384,7 +383,9 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     lines.append(
         f"  device weights: {_size(device_nbytes)} = non-block {_size(inp.non_block_nbytes)}"
         f" + {allocated} slot(s) x {_size(slot_nbytes)} + resident "
-        f"{_size(dlo_nbytes - allocated * slot_nbytes)}{bound}"
+        f"{_size(dlo_nbytes - allocated * slot_nbytes - staging)}"
+        + (f" + decode staging {_size(staging)} (at most)" if staging else "")
+        + bound
     )
     return PolicyDecision(
         stacks=tuple(choices),

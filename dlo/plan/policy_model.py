@@ -49,6 +49,9 @@ class Measurements:
     """How many ranks measured (the minimum is over all of them)."""
 
 
+DECODE_STAGING_BUFFERS = 2
+"""Device staging buffers of each decoder (:mod:`dlo.runtime.decoding`)."""
+
 CODEC_TRANSFER_BOUND = 0.95
 """``codec="auto"`` takes ``"ans"`` where the block's compute is under this fraction of its
 modeled copy (at equality the decode's share of the SMs would be pure cost)."""
@@ -239,3 +242,23 @@ def _check_input(inp: PolicyInput) -> None:
             raise ValueError(f"stack {s.name!r}: transfer={s.transfer!r} is not a transfer")
         if s.group_size < 1:
             raise ValueError(f"stack {s.name!r}: group_size={s.group_size} must be >= 1")
+
+
+def allocated_slots(stacks: tuple[StackSpec, ...], resident: list[int], num_slots: int) -> int:
+    """Slots the ring allocates for this resident split: ``num_slots``, at most one per
+    streamed block (:attr:`~dlo.plan.layers.LayerPlan.allocated_slots`)."""
+    streamed = sum(len(s.block_nbytes) - r for s, r in zip(stacks, resident))
+    return max(1, min(num_slots, streamed))
+
+
+def staging_nbytes(stacks: tuple[StackSpec, ...], choices: list[StackChoice], chunk: int) -> int:
+    """Device bytes of the decoders' staging buffers (see [Note: decode pipeline] in
+    :mod:`dlo.runtime.decoding`), each the largest encoded shard of its axis: bounded here
+    by the raw shard, since the encoded size is known only once encoded."""
+    per_axis: dict[str, int] = {}
+    for s, c in zip(stacks, choices):
+        if c.codec != "none":
+            for b in s.block_nbytes:
+                shard = padded_nbytes(b, c.group_size, chunk) // c.group_size
+                per_axis[c.group_axis] = max(per_axis.get(c.group_axis, 0), shard)
+    return DECODE_STAGING_BUFFERS * sum(per_axis.values())

@@ -37,10 +37,11 @@ from dlo.codec.blocks import EncodedShard
 from dlo.codec.codecs import Codec
 from dlo.codec.format import check_bitstream
 from dlo.plan.layout import BlockLayout
+from dlo.plan.policy_model import DECODE_STAGING_BUFFERS
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
 
-NUM_DECODE_STAGING = 2
+NUM_DECODE_STAGING = DECODE_STAGING_BUFFERS
 
 
 class Decoder:

@@ -672,3 +672,14 @@ def test_an_explicit_codec_is_kept() -> None:
     stack = dataclasses.replace(_stack(transfer="rank-local", group_size=1), codec="ans")
     c = decide(_input(stack, block_compute_s=1.0)).stacks[0]
     assert (c.codec, c.codec_reason) == ("ans", "explicit")
+
+
+def test_the_decode_staging_buffers_are_in_the_device_model() -> None:
+    """Two staging buffers of the largest (raw, an upper bound) shard when a stack decodes."""
+    plain = _stack((64 * MIB, 32 * MIB), transfer="rank-local", group_size=1)
+    coded = dataclasses.replace(plain, codec="ans")
+    a, b = decide(_input(plain)), decide(_input(coded))
+    slot = padded_nbytes(64 * MIB, 1, 64 * MIB)
+    assert b.device_weight_nbytes - a.device_weight_nbytes == 2 * slot
+    assert f"decode staging {2 * slot / MIB:.2f} MiB (at most)" in b.explanation
+    assert "decode staging" not in a.explanation
