@@ -179,7 +179,9 @@ def run_like(args: argparse.Namespace, tokens_list: list[int], methods: list[str
             logger.warning("diffusers-group: needs CUDA streams; method skipped on CPU")
             continue
         for codec in (
-            codec_list(getattr(args, "codec", "none")) if method == "dlo-ring" else ["none"]
+            [c for c in codec_list(getattr(args, "codec", "none")) if c != "auto"] or ["none"]
+            if method == "dlo-ring"
+            else ["none"]
         ):
             report["results"] += _run_method(
                 method, like, platform, dtype, tokens_list, args, reference, nbytes, codec

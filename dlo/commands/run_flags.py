@@ -175,7 +175,8 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         default="none",
         choices=CODECS,
         help="ans: the streamed blocks' host copies are stored losslessly compressed and "
-        "decoded on the device (nvCOMP on CUDA): fewer bytes cross the link, same bits",
+        "decoded on the device (nvCOMP on CUDA): fewer bytes cross the link, same bits; auto: "
+        "the policy decides per stack (needs --block-compute-ms to take ans)",
     )
 
 

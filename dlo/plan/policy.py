@@ -55,8 +55,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from dlo.plan.codec_policy import choose_codec
 from dlo.plan.policy_model import (
-    CODEC_TRANSFER_BOUND,
     FREE_MEMORY_HEADROOM,
     GB,
     GIB,
@@ -73,36 +73,6 @@ from dlo.plan.policy_model import (
     slots_needed,
     staging_nbytes,
 )
-
-
-def _choose_codec(s: StackSpec, c: StackChoice, inp: PolicyInput) -> StackChoice:
-    """``codec="auto"``: the encoded copy shortens the step where the copy, not the compute,
-    bounds it (the decode runs on its own stream behind the next piece's copy)."""
-    copy_ms = c.allgather_ms if c.transfer == "allgather" else c.rank_local_ms
-    t_c = inp.block_compute_s
-    if s.codec != "auto":
-        codec, why = s.codec, "explicit"
-    elif c.transfer == "node-shared" or inp.host_backing == "mapped":
-        codec, why = "none", "auto: a codec encodes a rank's own region shards"
-    elif t_c is None or copy_ms is None:
-        codec, why = "none", "auto: block_compute_ms not given, so no modeled gain"
-    elif t_c * 1e3 < CODEC_TRANSFER_BOUND * copy_ms:
-        codec, why = (
-            "ans",
-            (
-                f"auto: the copy ({copy_ms:.3f} ms per block) outlasts the compute "
-                f"({t_c * 1e3:.3f} ms): fewer bytes shorten the step"
-            ),
-        )
-    else:
-        codec, why = (
-            "none",
-            (
-                f"auto: the compute ({t_c * 1e3:.3f} ms per block) hides the copy "
-                f"({copy_ms:.3f} ms): a decode would only add to the step"
-            ),
-        )
-    return dataclasses.replace(c, codec=codec, codec_reason=why)
 
 
 def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
@@ -285,7 +255,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     _check_input(inp)
     chunk, m = inp.chunk_nbytes, inp.measured
     choices = _fit_shared(inp, [_choose_transfer(s, inp) for s in inp.stacks])
-    choices = [_choose_codec(s, c, inp) for s, c in zip(inp.stacks, choices)]
+    choices = [choose_codec(s, c, inp) for s, c in zip(inp.stacks, choices)]
 
     # slots: hide the longest per-slot cycle of any streamed block
     cycle_slots = 2
@@ -366,7 +336,14 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     else:
         per_dit, resident_note = r_max, _kept("resident_layers", inp)
     resident = splits[per_dit]
-    choices = [dataclasses.replace(c, num_resident=r) for c, r in zip(choices, resident)]
+    choices = [
+        dataclasses.replace(c, num_resident=r)
+        if not (s.codec == "auto" and c.codec != "none" and r >= len(s.block_nbytes))
+        else dataclasses.replace(
+            c, num_resident=r, codec="none", codec_reason="auto: every block is resident"
+        )
+        for s, c, r in zip(inp.stacks, choices, resident)
+    ]
     slot_nbytes, dlo_nbytes = _weights(inp.stacks, choices, resident, num_slots, chunk)
     device_nbytes = dlo_nbytes + inp.non_block_nbytes
     allocated = allocated_slots(inp.stacks, resident, num_slots)

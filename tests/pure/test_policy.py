@@ -683,3 +683,25 @@ def test_the_decode_staging_buffers_are_in_the_device_model() -> None:
     assert b.device_weight_nbytes - a.device_weight_nbytes == 2 * slot
     assert f"decode staging {2 * slot / MIB:.2f} MiB (at most)" in b.explanation
     assert "decode staging" not in a.explanation
+
+
+def test_auto_codec_not_where_the_gather_or_residency_bounds_it_nor_for_encoders() -> None:
+    # AllGather of 8: the H2D stage (1/8 of each block) is hidden, the raw gather is not
+    gather = dataclasses.replace(
+        _stack((256 * MIB,) * 2, transfer="allgather", group_size=8), codec="auto"
+    )
+    c = decide(_input(gather, h2d=50e9, ag=60e9, block_compute_s=4e-3)).stacks[0]
+    assert c.codec == "none" and "gather" in c.codec_reason
+    # every block resident: nothing streams, nothing to decode
+    resident = dataclasses.replace(
+        _stack(transfer="rank-local", group_size=1, num_resident=1), codec="auto"
+    )
+    d = decide(_input(resident, resident_layers=1, block_compute_s=1e-4))
+    assert d.stacks[0].codec == "none" and d.stacks[0].codec_reason.endswith("resident")
+    assert "decode staging" not in d.explanation
+    # block_compute_ms is a DiT block's: an encoder stack is not judged by it
+    encoder = dataclasses.replace(
+        _stack(transfer="rank-local", group_size=1, component="encoder", name="te.layers"),
+        codec="auto",
+    )
+    assert decide(_input(encoder, block_compute_s=1e-4)).stacks[0].codec == "none"
