@@ -277,3 +277,43 @@ def test_codec_auto_is_decided_by_the_policy(compute_ms: float | None, expected:
         assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 2)))
     finally:
         b.disable()
+
+
+class Int8Block(ToyBlock):
+    """Weight-only int8 as stored: an int8 weight and its fp32 per-row scale."""
+
+    def __init__(self, dim: int, seed: int) -> None:
+        super().__init__(dim, seed)
+        g = torch.Generator().manual_seed(seed + 7)
+        w = torch.randint(-127, 128, (dim, dim), generator=g, dtype=torch.int8)
+        self.register_buffer("w_int8", w)
+        self.register_buffer("w_scale", torch.rand(dim, 1, generator=g) * 0.01)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        h = super().forward(x, scale=scale)
+        return h + h.float() @ (self.w_int8.float() * self.w_scale).t().to(h.dtype) * 0.01
+
+
+@pytest.mark.parametrize("codec", ["none", "ans"])
+def test_quantized_weights_stream_as_stored_and_subclasses_are_refused(codec: str) -> None:
+    """Issue 22 item 5: int8/fp8 weights with their scales stream in their stored dtype,
+    bitwise; a tensor subclass is refused at enable naming the tensor and its type."""
+    model = ToyDiT(3)
+    model.blocks[1] = Int8Block(16, 1)
+    ref = _run(clone(model), 2)
+    b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", codec=codec), device="cpu")
+    assert b is not None
+    assert model.blocks[1].w_int8.dtype == torch.int8  # stored dtype, not upcast
+    assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 2)))
+    b.disable()
+
+    class Packed(torch.Tensor):  # a tensor subclass, as quantization libraries make
+        pass
+
+    sub = ToyDiT(3)
+    sub.blocks[2].register_buffer("packed", torch.zeros(4).as_subclass(Packed))
+    before = snapshot(sub)
+    with pytest.raises(dlo.OffloadError, match=r"blocks\.2\.packed \(Packed\)"):
+        dlo.enable_offload(sub, dlo.OffloadConfig(mode="layer", codec=codec), device="cpu")
+    assert_same(before, sub)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
