@@ -201,7 +201,11 @@ def build_transports(
             max_nbytes=max(b.encoded.layout.nbytes for b in encoded if b.encoded),
             max_pieces=max(b.layout.num_chunks for b in encoded),
             piece_sizes={
-                p.raw_nbytes for b in encoded if b.encoded for p in b.encoded.layout.pieces
+                p.raw_nbytes
+                for b in encoded
+                if b.encoded
+                for p in b.encoded.layout.pieces
+                if not p.stored
             },
             rank=rank,
         )

@@ -67,8 +67,12 @@ class LayerState:
         transports, counters = self.transports, self.counters
         staging = transports.staging if transports else None
         blocks = self.blocks
-        encoded = [b for b in blocks if b.encoded is not None]
+        encoded = [b.encoded for b in blocks if b.encoded is not None]
+        encoded_nbytes = sum(e.layout.nbytes for e in encoded)
+        encoded_raw_nbytes = sum(e.layout.raw_nbytes for e in encoded)
         decoders = transports.decoders if transports else []
+        decode_ms = sum(d.decode_ms() for d in decoders)
+        decode_loads = sum(d.num_loads for d in decoders)
         if sched is not None:
             platform.synchronize()
             sched.harvest_all()
@@ -110,27 +114,16 @@ class LayerState:
             "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
             "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
             # [Note: block codecs]: what the encoded blocks hold and move
-            "codec": next((b.stack.codec for b in encoded), "none"),
+            "codec": next((b.stack.codec for b in blocks if b.encoded), "none"),
             "codec_bitstream": host.codec.bitstream if host and host.codec else None,
-            "host_encoded_nbytes": sum(b.encoded.layout.nbytes for b in encoded if b.encoded),
-            "host_encoded_raw_nbytes": sum(b.layout.shard_nbytes for b in encoded),
-            "codec_ratio": (
-                sum(b.encoded.layout.nbytes for b in encoded if b.encoded)
-                / sum(b.layout.shard_nbytes for b in encoded)
-                if encoded
-                else 1.0
-            ),
+            "host_encoded_nbytes": encoded_nbytes,
+            "host_encoded_raw_nbytes": encoded_raw_nbytes,
+            "codec_ratio": encoded_nbytes / encoded_raw_nbytes if encoded_raw_nbytes else 1.0,
             "decoded_nbytes": counters.decoded_nbytes,
             "encoded_h2d_nbytes": counters.encoded_h2d_nbytes,
-            "decode_ms": sum(d.decode_ms() for d in decoders),
-            "decode_ms_per_load": (
-                sum(d.decode_ms() for d in decoders) / sum(d.num_loads for d in decoders)
-                if any(d.num_loads for d in decoders)
-                else 0.0
-            ),
-            "device_decode_staging_nbytes": (
-                sum(d.staging_nbytes for d in transports.decoders) if transports else 0
-            ),
+            "decode_ms": decode_ms,
+            "decode_ms_per_load": decode_ms / decode_loads if decode_loads else 0.0,
+            "device_decode_staging_nbytes": sum(d.staging_nbytes for d in decoders),
             "device_slot_nbytes": pool.nbytes if pool else 0,
             "device_symmetric_nbytes": pool.symmetric_nbytes if pool else 0,
             "device_resident_block_nbytes": self.resident_nbytes,

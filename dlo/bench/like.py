@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import enable_offload
-from dlo.bench.methods import _clean, _peak, codec_list, time_forward
+from dlo.bench.methods import _clean, _peak, codec_list, manual_codecs, time_forward
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
 from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, TINY_FLUX_TRANSFORMER, WAN_14B_TRANSFORMER
@@ -179,7 +179,7 @@ def run_like(args: argparse.Namespace, tokens_list: list[int], methods: list[str
             logger.warning("diffusers-group: needs CUDA streams; method skipped on CPU")
             continue
         for codec in (
-            [c for c in codec_list(getattr(args, "codec", "none")) if c != "auto"] or ["none"]
+            manual_codecs(codec_list(getattr(args, "codec", "none")))
             if method == "dlo-ring"
             else ["none"]
         ):

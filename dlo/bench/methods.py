@@ -135,3 +135,9 @@ def codec_list(text: Any) -> list[str]:
     if bad or not names:
         raise ValueError(f"--codec: {bad or text!r} not among {list(CODECS)}")
     return list(dict.fromkeys(names))
+
+
+def manual_codecs(names: list[str]) -> list[str]:
+    """The codecs a row with explicit settings runs from ``--codec``: ``"auto"`` is the
+    automatic rows' (without a compute time it would only repeat ``"none"``)."""
+    return [c for c in names if c != "auto"] or ["none"]

@@ -48,6 +48,7 @@ from dlo.bench.methods import (
     _peak,
     _profile,
     codec_list,
+    manual_codecs,
     time_forward,
 )
 from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
@@ -193,14 +194,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     # (method, slots, chunk, token counts, block_compute_ms, codec); a codec only where it
     # applies (whole blocks of a rank's own region)
     codecs = codec_list(args.codec)
-    manual_codecs = [c for c in codecs if c != "auto"] or ["none"]
+    explicit_codecs = manual_codecs(codecs)
     auto_codec = "auto" if "auto" in codecs else "none"  # the dlo-auto rows' policy decides
     runs: list[tuple[str, int | str, int, list[int], float | None, str]] = [
         (m, s, c, tokens_list, None, k)
         for m in dlo_methods
         if m in methods
         for s, c in settings
-        for k in (manual_codecs if m in ("dlo-ring", "dlo-rank-local") else ["none"])
+        for k in (explicit_codecs if m in ("dlo-ring", "dlo-rank-local") else ["none"])
     ]
     if "dlo-auto" in methods:
         runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None, auto_codec))

@@ -17,7 +17,7 @@ import torch
 
 from dlo import faults
 from dlo.codec.codecs import Codec
-from dlo.codec.format import EncodedLayout, encode_pieces
+from dlo.codec.format import EncodedLayout, Piece, encode_pieces
 from dlo.host.packer import pack_block
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
@@ -35,6 +35,15 @@ class EncodedShard:
     def raw(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """The block's raw shard bytes, decoded into new memory on ``device``."""
         return self.decoder.decode(self, torch.device(device))
+
+
+def decode_piece(codec: Codec, p: Piece, src: torch.Tensor, out: torch.Tensor) -> None:
+    """Piece ``p``'s bytes ``src`` into ``out`` (its raw range), on the current stream: a
+    stored piece is copied, the others decoded."""
+    if p.stored:
+        out.copy_(src, non_blocking=True)
+    else:
+        codec.decode(src, out)
 
 
 class BlockDecoder:
@@ -56,14 +65,8 @@ class BlockDecoder:
         with pf.stream(self.stream):
             src = shard.data.to(where, non_blocking=True) if pf.has_streams else shard.data
             for p in enc.pieces:
-                piece, dst = (
-                    src[p.offset : p.offset + p.nbytes],
-                    out[p.raw_offset :][: p.raw_nbytes],
-                )
-                if p.stored:
-                    dst.copy_(piece)
-                else:
-                    self.codec.decode(piece, dst)
+                piece = src[p.offset : p.offset + p.nbytes]
+                decode_piece(self.codec, p, piece, out[p.raw_offset :][: p.raw_nbytes])
         self.stream.synchronize()
         return out.to(device)
 
@@ -85,4 +88,8 @@ def encode_block(
     pack_block(raw, layout, group_rank, tensors)
     src = raw.to(platform.device) if platform.has_streams else raw
     enc, datas = encode_pieces(name, src, layout.slice_nbytes, codec.bitstream, codec.encode)
-    return enc, [d.cpu() if d.device.type != "cpu" else d.clone() for d in datas]
+    # on the host, a stored piece is a view of the scratch the next block overwrites
+    return enc, [
+        d.cpu() if d.device.type != "cpu" else d.clone() if p.stored else d
+        for p, d in zip(enc.pieces, datas)
+    ]

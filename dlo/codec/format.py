@@ -1,8 +1,8 @@
 """The container of one encoded block: its raw bytes cut into pieces, each encoded alone.
 
 [Note: encoded blocks]
-A block's raw bytes (its whole-block shard, as the host region would hold them) are cut into
-pieces of ``piece_nbytes`` (the layout's chunk size): each piece is encoded on its own, so a
+A rank's raw shard (as the host region would hold it) is cut into pieces of one slice each
+(one chunk with G = 1): each piece is encoded on its own, so a
 load can decode piece ``k`` while piece ``k + 1`` still crosses the link, and a decoder
 config is built once per distinct piece size. A piece the codec would not shrink is stored
 as it is (``stored``) and copied instead of decoded: fp32 noise grows under a 16-bit
@@ -53,10 +53,6 @@ class EncodedLayout:
         """Bytes of the encoded buffer (the host copy)."""
         last = self.pieces[-1] if self.pieces else None
         return last.offset + last.nbytes if last else 0
-
-    @property
-    def ratio(self) -> float:
-        return self.nbytes / self.raw_nbytes if self.raw_nbytes else 1.0
 
 
 def encode_pieces(

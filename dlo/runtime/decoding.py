@@ -33,15 +33,13 @@ from typing import Any
 import torch
 
 from dlo import faults
-from dlo.codec.blocks import EncodedShard
+from dlo.codec.blocks import EncodedShard, decode_piece
 from dlo.codec.codecs import Codec
 from dlo.codec.format import check_bitstream
 from dlo.plan.layout import BlockLayout
 from dlo.plan.policy_model import DECODE_STAGING_BUFFERS
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
-
-NUM_DECODE_STAGING = DECODE_STAGING_BUFFERS
 
 
 class Decoder:
@@ -52,7 +50,7 @@ class Decoder:
         platform: device, streams, events.
         codec: decodes on ``decode_stream``.
         max_nbytes, max_pieces: the largest encoded shard and piece count it loads.
-        piece_sizes: the raw sizes of the encoded pieces it decodes.
+        piece_sizes: the raw sizes of the pieces it decodes (stored ones are copied).
     """
 
     def __init__(
@@ -75,16 +73,17 @@ class Decoder:
         where = platform.device if platform.has_streams else torch.device("cpu")
         self._staging = [
             torch.empty(max_nbytes, dtype=torch.uint8, device=where)
-            for _ in range(NUM_DECODE_STAGING)
+            for _ in range(DECODE_STAGING_BUFFERS)
         ]
         self._copied = [
-            [platform.new_event() for _ in range(max_pieces)] for _ in range(NUM_DECODE_STAGING)
+            [platform.new_event() for _ in range(max_pieces)] for _ in range(DECODE_STAGING_BUFFERS)
         ]
-        self._decoded = [platform.new_event() for _ in range(NUM_DECODE_STAGING)]
+        self._decoded = [platform.new_event() for _ in range(DECODE_STAGING_BUFFERS)]
         # device time of each decode, per (staging buffer, piece): a pair is read back when
         # it is used again, two loads later, by when it has long completed
         self._timers = [
-            [StreamTimer(platform) for _ in range(max_pieces)] for _ in range(NUM_DECODE_STAGING)
+            [StreamTimer(platform) for _ in range(max_pieces)]
+            for _ in range(DECODE_STAGING_BUFFERS)
         ]
         self._turn = 0
         self.num_loads = 0
@@ -109,7 +108,7 @@ class Decoder:
         check_bitstream(enc, self.codec.bitstream, rank=self.rank)
         assert len(enc.pieces) == layout.num_chunks and enc.raw_nbytes == layout.shard_nbytes
         faults.check("decode")
-        b, self._turn = self._turn, (self._turn + 1) % NUM_DECODE_STAGING
+        b, self._turn = self._turn, (self._turn + 1) % DECODE_STAGING_BUFFERS
         pf = self.platform
         with pf.stream(copy_stream):
             copy_stream.wait_event(self._decoded[b])
@@ -139,10 +138,7 @@ class Decoder:
             self.stream.wait_event(copied)
             timer = self._timers[b][k]
             timer.begin(self.stream)
-            if p.stored:
-                out.copy_(staging[p.offset : end], non_blocking=True)
-            else:
-                self.codec.decode(staging[p.offset : end], out)
+            decode_piece(self.codec, p, staging[p.offset : end], out)
             timer.end(self.stream)
             if done_event is not None:
                 done_event.record(self.stream)
