@@ -4,13 +4,16 @@ sizes are known only then), laid into it, and decoded whole for disable and ``st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from dlo.codec.blocks import BlockDecoder, EncodedShard, encode_block
 from dlo.codec.codecs import get_codec
-from dlo.codec.format import EncodedLayout, write_pieces
+from dlo.codec.format import EncodedLayout, Piece, check_bitstream, check_layout, write_pieces
+from dlo.errors import OffloadError
+from dlo.host.node_share import raise_failed
+from dlo.parallel.store import share
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
@@ -49,12 +52,80 @@ class HostCodec:
             )
         return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
 
-    def lay(self, index: int, dst: torch.Tensor) -> EncodedShard:
-        """Write block ``index``'s encoded pieces into ``dst`` (its bytes in the host region):
-        its host copy from now on; the pieces are freed."""
+    def layout(self, index: int) -> EncodedLayout:
+        """The piece table of block ``index``, encoded and not laid yet."""
+        return self._pending[index][0]
+
+    def write(self, index: int, dst: torch.Tensor) -> None:
+        """Write block ``index``'s encoded pieces into ``dst`` (its bytes in the host region);
+        the pieces are freed."""
         enc, datas = self._pending.pop(index)
         write_pieces(dst, enc, datas)
-        return EncodedShard(enc, dst, self.decoder)
+
+    def shard(self, layout: EncodedLayout, data: torch.Tensor) -> EncodedShard:
+        """The host copy of an encoded block whose pieces ``data`` holds (laid here, or by
+        another sharer of a node-shared copy)."""
+        return EncodedShard(layout, data, self.decoder)
+
+    def lay(self, index: int, dst: torch.Tensor) -> EncodedShard:
+        """Write block ``index``'s encoded pieces into ``dst``: its host copy from now on."""
+        layout = self.layout(index)
+        self.write(index, dst)
+        return self.shard(layout, dst)
+
+    def encode_shared(
+        self, packs: Mapping[int, Sequence[Block]], *, rank: int, world_size: int, timeout_s: float
+    ) -> dict[int, EncodedLayout]:
+        """Encode the node-shared blocks this rank packs (``packs[rank]``; ``packs`` holds
+        every sharer's, by rank) and exchange the piece tables with every rank: the node's
+        copy is sized only once every block is encoded, and each sharer encodes 1/L of them
+        (see [Note: node-shared host copy] in :mod:`dlo.host.node_share`). A failure anywhere
+        is the same error on every rank; a sharer's table is checked before it sizes the copy.
+
+        Returns:
+            The piece table of every block in ``packs``, by manifest position.
+        """
+        error, mine = "", []
+        try:
+            self.encode(packs[rank])
+            mine = [(b[0], self.layout(b[0])) for b in packs[rank]]
+        except Exception as e:
+            if world_size == 1:
+                raise
+            error = f"{type(e).__name__}: {e}"
+        replies = share(
+            (error, mine),
+            rank=rank,
+            world_size=world_size,
+            timeout_s=timeout_s,
+            topic="host-share-encoded",
+            what="node-shared encoded blocks",
+            types=(EncodedLayout, Piece),
+        )
+        by_rank = dict(enumerate(replies)) if world_size > 1 else {rank: replies[0]}
+        raise_failed([(r, e) for r, (e, _) in by_rank.items() if e], rank)
+        layouts: dict[int, EncodedLayout] = {}
+        for r, blocks in packs.items():
+            tables = dict(by_rank[r][1])
+            for index, name, layout, _, _ in blocks:
+                enc = tables.get(index)
+                if not isinstance(enc, EncodedLayout) or enc.name != name:
+                    raise OffloadError(
+                        f"rank {r} sent no piece table for node-shared block {name!r}, which "
+                        "it encodes",
+                        rank=rank,
+                        block=name,
+                    )
+                check_bitstream(enc, self.bitstream, rank=rank)
+                check_layout(
+                    enc,
+                    layout.shard_nbytes,
+                    layout.slice_nbytes,
+                    source=f" (sent by rank {r})",
+                    rank=rank,
+                )
+                layouts[index] = enc
+        return layouts
 
     def forget(self) -> None:
         """Drop encoded pieces not laid yet (a failed enable)."""

@@ -20,6 +20,7 @@ from dlo import faults
 from dlo.backends.layer_codec import HostCodec
 from dlo.backends.model_hooks import mark_released, refuse_released_forward
 from dlo.codec.blocks import EncodedShard
+from dlo.codec.format import EncodedLayout
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
@@ -153,15 +154,12 @@ class LayerHost:
                 ckpt.retain()
                 journal.record("checkpoint files", ckpt.release)
         sizes = plan.region_nbytes
-        if plan.encoded:  # sizes known once encoded
-            (name,) = {plan.blocks[i].stack.codec for i in plan.encoded}  # one codec: "ans"
-            codec = self.codec = HostCodec(self.platform, name)
-            journal.record("encoded pieces", codec.forget)
-            todo = [(i, self.blocks[i]) for i in plan.encoded]
+        todo = [(i, self.blocks[i]) for i in plan.encoded if not self.blocks[i].node_shared]
+        if todo:  # sizes known once encoded
             shards = [
                 (i, b.name, b.layout, b.tensors, group_rank(b.stack.group_axis)) for i, b in todo
             ]
-            for i, n in codec.encode(shards).items():
+            for i, n in self._codec(journal).encode(shards).items():
                 sizes[i] = n
         with atomic():  # [Note: interrupts during enable] in dlo.journal
             region = HostRegion(sizes)
@@ -193,6 +191,14 @@ class LayerHost:
                 self._pins.filled(i)
             if b.layout.group_size == 1:
                 self.release(b, journal)
+
+    def _codec(self, journal: Journal) -> HostCodec:
+        """The codec of the encoded blocks, made once (one codec per enable: ``"ans"``)."""
+        if self.codec is None:
+            (name,) = {b.stack.codec for b in self.blocks if b.stack.codec != "none"}
+            self.codec = HostCodec(self.platform, name)
+            journal.record("encoded pieces", self.codec.forget)
+        return self.codec
 
     def _map_blocks(self) -> None:
         """Give every block its :class:`MappedBlock` (see [Note: mapped host backing] in
@@ -264,8 +270,37 @@ class LayerHost:
             else [world.rank]
         )
         token_of = {r.rank: r.token for r in reports}
+        layouts: dict[int, EncodedLayout] = {}
+        encoded = [(k, b) for k, b in enumerate(shared) if b.stack.codec != "none"]
+        if encoded:  # each sharer encodes the blocks it packs, then the tables are exchanged
+            codec = self._codec(journal)
+            layouts = codec.encode_shared(
+                {
+                    r: [
+                        (b.index, b.name, b.layout, b.tensors, 0)
+                        for k, b in encoded
+                        if k % len(members) == i
+                    ]
+                    for i, r in enumerate(members)
+                },
+                rank=world.rank,
+                world_size=world.size if exchanges else 1,
+                timeout_s=cfg.collective_timeout_s,
+            )
         region, fallback = share_host(
-            [SharedBlock(b.name, b.layout, b.tensors, streamed=not b.resident) for b in shared],
+            [
+                SharedBlock(
+                    b.name,
+                    b.layout,
+                    b.tensors,
+                    streamed=not b.resident,
+                    nbytes=layouts[b.index].nbytes if b.index in layouts else -1,
+                    fill=functools.partial(self.codec.write, b.index)
+                    if self.codec is not None and b.index in layouts
+                    else None,
+                )
+                for b in shared
+            ],
             tokens=[token_of[r] for r in members],
             members=members,
             rank=world.rank,
@@ -281,6 +316,8 @@ class LayerHost:
         self.keep_pageable(region, shared, fallback)
         for i, b in enumerate(shared):
             b.region, b.host_index = region, i
+            if self.codec is not None and b.index in layouts:
+                b.encoded = self.codec.shard(layouts[b.index], region.view(i))
             self.release(b, journal)
 
     # ------------------------------------------------------------------ the model's tensors

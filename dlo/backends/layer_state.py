@@ -96,10 +96,9 @@ class LayerState:
             "host_nbytes": sum(
                 b.mapped.private_nbytes
                 if b.mapped
-                else b.encoded.layout.nbytes
-                if b.encoded
                 else charged_nbytes(
-                    b.layout.shard_nbytes, shared.share_ranks if shared and b.node_shared else 1
+                    b.encoded.layout.nbytes if b.encoded else b.layout.shard_nbytes,
+                    shared.share_ranks if shared and b.node_shared else 1,
                 )
                 for b in blocks
             ),

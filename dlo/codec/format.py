@@ -95,6 +95,40 @@ def write_pieces(dst: torch.Tensor, layout: EncodedLayout, datas: list[torch.Ten
         end = p.offset + p.nbytes
 
 
+def check_layout(
+    layout: EncodedLayout, raw_nbytes: int, piece_nbytes: int, *, source: str = "", rank: int = 0
+) -> None:
+    """Refuse a piece table another process wrote (a sharer's exchange, a file) unless it is
+    one :func:`encode_pieces` could have written for a shard of ``raw_nbytes`` cut in
+    ``piece_nbytes``: pieces in raw order covering it, each on the next aligned byte after
+    the one before, an encoded piece shorter than its raw bytes and a stored one as long (so
+    the buffer is never longer than the raw shard plus the alignment gaps). A decoder is never handed bytes out of place.
+
+    Raises:
+        OffloadError: naming the block, ``source`` (who wrote the table) and what is wrong.
+    """
+    want = [(lo, min(piece_nbytes, raw_nbytes - lo)) for lo in range(0, raw_nbytes, piece_nbytes)]
+    got = [(p.raw_offset, p.raw_nbytes) for p in layout.pieces]
+    why = ""
+    if layout.raw_nbytes != raw_nbytes or got != want:
+        why = f"its pieces cover {got[:4]}... of {layout.raw_nbytes} bytes, not {raw_nbytes}"
+    end = 0
+    for k, p in enumerate(layout.pieces):
+        if why:
+            break
+        if p.offset != round_up(end, PIECE_ALIGN) or p.nbytes <= 0:
+            why = f"piece {k} lies at {p.offset} (+{p.nbytes} bytes) after byte {end}"
+        elif p.stored != (p.nbytes >= p.raw_nbytes) or (p.stored and p.nbytes != p.raw_nbytes):
+            why = f"piece {k} holds {p.nbytes} bytes of {p.raw_nbytes} (stored={p.stored})"
+        end = p.offset + p.nbytes
+    if why:
+        raise OffloadError(
+            f"a malformed piece table{source}: {why}",
+            rank=rank,
+            block=layout.name,
+        )
+
+
 def check_bitstream(layout: EncodedLayout, bitstream: str, *, rank: int = 0) -> None:
     if layout.bitstream != bitstream:
         raise OffloadError(

@@ -195,9 +195,9 @@ class OffloadConfig:
     ``"auto"`` (the policy takes ``"ans"`` for a stack whose modeled copy per block is longer
     than ``block_compute_ms``, and ``"none"`` when the compute time is not given)
     (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
-    bit; see [Note: block codecs]). Rank-local and AllGather stacks with the region host
-    backing (each rank encodes its own shards); per component through
-    :attr:`layer_options`."""
+    bit; see [Note: block codecs]). Rank-local, AllGather and node-shared stacks with the
+    region host backing (each rank encodes its own shards; the sharers of a node-shared copy
+    1/L of its blocks each); per component through :attr:`layer_options`."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)

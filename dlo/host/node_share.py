@@ -21,7 +21,11 @@ host-to-device link, group size 1, no collective) with one host copy per node:
    descriptor; sized with ``posix_fallocate``, so a full memory fails here, not with SIGBUS
    at a write), writes its token into its slot of the header page, page-locks its streamed
    blocks with its own registration (each rank charged 1/L of a block against
-   ``pin_budget_gb``), and packs the blocks at positions ``k % L == its index``;
+   ``pin_budget_gb``), and packs the blocks at positions ``k % L == its index``; with a
+   codec each sharer encoded those blocks before step 1 and one exchange carried every piece
+   table (checked before it sizes anything), so the copy is sized in encoded bytes and
+   holds one encoded copy per node (``HostCodec.encode_shared`` in
+   :mod:`dlo.backends.layer_codec`);
 3. one store exchange carries every rank's outcome and unpinned blocks: a failure anywhere is
    the same error on every rank, each rolling back locally (unregister, unmap, close);
    blocks left pageable anywhere are kept pageable everywhere (``pin_failure_policy``);
@@ -41,7 +45,7 @@ Pages live on the NUMA node of the rank that packed them.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +70,16 @@ class SharedBlock:
     tensors: list[torch.Tensor]
     streamed: bool
     """Pinned (streamed every forward); a resident block crosses the link once."""
+    nbytes: int = -1
+    """Its bytes in the shared copy (-1: its raw shard, ``layout.shard_nbytes``)."""
+    fill: Callable[[torch.Tensor], None] | None = None
+    """Writes its bytes into its view of the copy (None: packs ``tensors``); called only on
+    the sharer that packs it. With a codec the caller encoded it and exchanged the sizes
+    before (see :mod:`dlo.backends.layer_host`)."""
+
+    @property
+    def copy_nbytes(self) -> int:
+        return self.layout.shard_nbytes if self.nbytes < 0 else self.nbytes
 
 
 def sharers(reports: Sequence[RankReport], group: Sequence[int], rank: int) -> list[int]:
@@ -122,12 +136,12 @@ def share_host(
         topic="host-share-memory",
         what="node-shared host memory",
     )
-    _raise_failed([(r, e) for r, (e, _) in enumerate(offers) if e], rank)
+    raise_failed([(r, e) for r, (e, _) in enumerate(offers) if e], rank)
     path = offers[members[0] if world_size > 1 else 0][1]  # alone: its own offer
     try:
         check_offer(path, f"dlo-{tokens[0]}")
         region = HostRegion(
-            [b.layout.shard_nbytes for b in blocks],
+            [b.copy_nbytes for b in blocks],
             path=path,
             share_ranks=count,
             header_nbytes=count * _MARK_NBYTES,
@@ -144,7 +158,10 @@ def share_host(
         for i, b in enumerate(blocks):
             if i % count == index:
                 faults.check("host_fill")
-                pack_block(region.view(i), b.layout, 0, b.tensors)
+                if b.fill is not None:
+                    b.fill(region.view(i))
+                else:
+                    pack_block(region.view(i), b.layout, 0, b.tensors)
     except Exception as e:
         if world_size == 1:
             raise
@@ -157,7 +174,7 @@ def share_host(
         topic="host-share",
         what="node-shared host copy",
     )
-    _raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
+    raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
     assert region is not None
     one_file = all(torch.equal(_slot(region, i), _mark(t)) for i, t in enumerate(tokens))
     seen = share(
@@ -198,7 +215,9 @@ def _mark(token: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _raise_failed(failed: list[tuple[int, str]], rank: int) -> None:
+def raise_failed(failed: Sequence[tuple[int, str]], rank: int) -> None:
+    """One error on every rank naming every failed rank (``(rank, message)``, from an
+    exchange of outcomes)."""
     if failed:
         raise OffloadError(
             f"the node-shared host copy failed on rank(s) {[r for r, _ in failed]}: "

@@ -157,7 +157,8 @@ def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
 
     Raises:
         ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack; a
-            codec on a node-shared stack or with the mapped backing; node-shared stacks on different weight axes (one host copy per node and axis).
+            a codec with the mapped backing; node-shared stacks on different weight axes (one
+            host copy per node and axis).
     """
     if host_backing == "mapped":
         for s in stacks:
@@ -169,13 +170,11 @@ def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
                     "a node's copy in shared memory (use host_backing='region')"
                 )
     for s in stacks:
-        if s.codec != "none" and (host_backing == "mapped" or s.transfer == "node-shared"):
+        if s.codec != "none" and host_backing == "mapped":
             raise ValueError(
-                f"codec={s.codec!r} encodes a rank's own host shards, but stack "
-                f"{s.container_path!r} uses transfer {s.transfer!r} with host_backing="
-                f"{host_backing!r}: use transfer='rank-local' or 'allgather' with "
-                "host_backing='region' for it, or codec='none' (layer_options sets either "
-                "per component)"
+                f"codec={s.codec!r} encodes the host copy, but host_backing='mapped' streams "
+                f"stack {s.container_path!r} from the checkpoint's own bytes: use "
+                "host_backing='region', or codec='none' (layer_options sets it per component)"
             )
     axes = {s.container_path: s.share_axis for s in stacks if s.transfer == "node-shared"}
     if len(set(axes.values())) > 1:

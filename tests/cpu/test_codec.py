@@ -156,10 +156,10 @@ def test_codec_config_is_checked_and_refused_where_it_cannot_apply() -> None:
         dlo.OffloadConfig(mode="module", codec="ans")
     model = ToyDiT(3)
     before = snapshot(model)
-    with pytest.raises(ValueError, match="transfer 'node-shared'"):
+    with pytest.raises(ValueError, match="host_backing='mapped' streams stack 'blocks'"):
         dlo.enable_offload(
             model,
-            dlo.OffloadConfig(mode="layer", codec="ans", transfer="node-shared"),
+            dlo.OffloadConfig(mode="layer", codec="ans", host_backing="mapped"),
             device="cpu",
         )
     assert_same(before, model)

@@ -103,3 +103,21 @@ def test_demo_pipeline_bitwise_with_the_codec_on_the_dit() -> None:
     st = b.stats()
     assert 0.5 < st["codec_ratio"] < 0.8, st["codec_ratio"]  # random bf16 weights: a proxy
     b.disable()
+
+
+def test_node_shared_copy_encoded_and_pinned_on_one_gpu(tmp_path: Any) -> None:
+    """A share group of one: the node's copy in shared memory holds the encoded blocks,
+    page-locked, and decodes bitwise on the device (issue 22 with transfer="node-shared")."""
+    model = ToyDiT(5, dim=512)
+    ref = _run(clone(model).to(DEV), 3, 512)
+    before = snapshot(model)
+    b = _enable(model, transfer="node-shared", resident_layers=1, chunk_mb=1)
+    assert all(torch.equal(a, c) for a, c in zip(ref, _run(model, 3, 512)))
+    st = b.stats()
+    assert st["transfer"] == "node-shared" and st["host_region_nbytes"] == 0
+    assert st["host_nbytes"] == st["host_encoded_nbytes"] < st["host_encoded_raw_nbytes"]
+    assert 0 < st["host_pinned_nbytes"] <= st["host_shared_nbytes"]
+    assert st["decoded_nbytes"] > 0
+    b.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    assert_same(before, model)

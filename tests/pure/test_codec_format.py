@@ -3,6 +3,8 @@ blocks], [Note: block codecs]). Pure: no backend, no device."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -12,6 +14,7 @@ from dlo.codec.codecs import ReferenceCodec
 from dlo.codec.format import (
     PIECE_ALIGN,
     check_bitstream,
+    check_layout,
     encode_pieces,
     write_pieces,
 )
@@ -84,3 +87,45 @@ def test_a_corrupt_piece_is_an_error_not_wrong_bytes() -> None:
     data[len(data) // 2] ^= 0xFF
     with pytest.raises(OffloadError, match="decoding a block piece"):
         codec.decode(data, torch.empty_like(raw))
+
+
+def test_a_piece_table_from_elsewhere_is_checked_before_it_sizes_anything() -> None:
+    g = torch.Generator().manual_seed(3)
+    weights = (torch.randn(5000, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    noise = torch.randint(0, 256, (3000,), generator=g, dtype=torch.uint8)
+    raw = torch.cat([weights, noise])
+    codec = ReferenceCodec()
+    enc, _ = encode_pieces("blk", raw, 4096, codec.bitstream, codec.encode)
+    assert len(enc.pieces) == 4 and any(p.stored for p in enc.pieces)
+    check_layout(enc, raw.numel(), 4096)  # what encode_pieces writes passes
+
+    def piece(k: int, **kw: object) -> object:
+        ps = list(enc.pieces)
+        ps[k] = dataclasses.replace(ps[k], **kw)  # type: ignore[arg-type]
+        return dataclasses.replace(enc, pieces=tuple(ps))
+
+    stored = next(k for k, p in enumerate(enc.pieces) if p.stored)
+    coded = next(k for k, p in enumerate(enc.pieces) if not p.stored)
+    bad = {
+        "another shard size": (enc, raw.numel() + 1, "pieces cover"),
+        "another piece size": (enc, raw.numel(), "pieces cover"),
+        "a gap": (piece(1, offset=enc.pieces[1].offset + PIECE_ALIGN), None, "piece 1 lies at"),
+        "an overlap": (piece(1, offset=0), None, "piece 1 lies at"),
+        "an empty piece": (piece(coded, nbytes=0), None, f"piece {coded} lies at"),
+        "a coded piece as long as raw": (
+            piece(coded, nbytes=enc.pieces[coded].raw_nbytes),
+            None,
+            f"piece {coded} holds",
+        ),
+        "a stored piece shorter": (
+            piece(stored, nbytes=enc.pieces[stored].raw_nbytes - 1),
+            None,
+            f"piece {stored} holds",
+        ),
+        "a raw range moved": (piece(0, raw_offset=1), None, "pieces cover"),
+    }
+    for what, (layout, n, match) in bad.items():
+        size = raw.numel() if n is None else n
+        per = 2048 if what == "another piece size" else 4096
+        with pytest.raises(OffloadError, match=f"block 'blk': a malformed piece table: .*{match}"):
+            check_layout(layout, size, per)  # type: ignore[arg-type]

@@ -654,7 +654,8 @@ def test_slots_beyond_the_streamed_blocks_are_neither_allocated_nor_budgeted() -
         (None, "rank-local", "none"),  # no compute time: no modeled gain
         (0.5, "rank-local", "ans"),  # a 64 MiB copy at 50 GB/s takes 1.34 ms
         (5.0, "rank-local", "none"),  # the compute hides it
-        (0.5, "node-shared", "none"),  # a node's copy is not a rank's own shards
+        (0.5, "node-shared", "ans"),  # whole blocks over the rank's own link, as rank-local
+        (5.0, "node-shared", "none"),
     ],
 )
 def test_auto_codec_where_the_copy_outlasts_the_compute(
