@@ -246,6 +246,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "host_encoded_nbytes": "bytes of the encoded blocks' host copies (what crosses the "
         "link for them)",
         "host_encoded_raw_nbytes": "raw bytes of the same blocks (their shards)",
+        "encoded_read_blocks": "encoded blocks read from an encoded checkpoint instead of "
+        "encoded at enable ([Note: encoded checkpoint])",
         "codec_ratio": "`host_encoded_nbytes / host_encoded_raw_nbytes` (1.0 without a codec; "
         "on random weights only a proxy of a real model's)",
         "decoded_nbytes": "raw bytes the decoder wrote into slots (cumulative)",

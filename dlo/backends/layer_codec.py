@@ -5,12 +5,21 @@ sizes are known only then), laid into it, and decoded whole for disable and ``st
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import torch
 
 from dlo.codec.blocks import BlockDecoder, EncodedShard, encode_block
 from dlo.codec.codecs import get_codec
 from dlo.codec.format import EncodedLayout, Piece, check_bitstream, check_layout, write_pieces
+from dlo.codec.offline import (
+    ENCODED_FILE,
+    EncodedFiles,
+    Origin,
+    Reader,
+    origin_of,
+    write_encoded,
+)
 from dlo.errors import OffloadError
 from dlo.host.node_share import raise_failed
 from dlo.parallel.store import share
@@ -32,21 +41,39 @@ class HostCodec:
         stream = platform.new_stream()  # the codec's, so the decoder's copies are ordered
         self.codec = get_codec(platform, name, stream)
         self.decoder = BlockDecoder(platform, self.codec, stream)
-        self._pending: dict[int, tuple[EncodedLayout, list[torch.Tensor]]] = {}
+        self._pending: dict[int, tuple[EncodedLayout, list[torch.Tensor] | Reader]] = {}
+        """Encoded blocks not laid yet: their pieces, or the reader of their encoded bytes
+        in an encoded checkpoint."""
+        self.files = EncodedFiles()
+        self.origins: dict[int, Origin] = {}
+        """The checkpoint of each block of group size 1 whose tensors alias one (what
+        :meth:`save` writes beside)."""
+        self.read_blocks = 0
+        """Blocks read from an encoded checkpoint instead of encoded (see [Note: encoded
+        checkpoint] in :mod:`dlo.codec.offline`)."""
 
     @property
     def bitstream(self) -> str:
         return self.codec.bitstream
 
     def encode(self, blocks: Sequence[Block]) -> dict[int, int]:
-        """Encode ``blocks`` (held until :meth:`lay`); returns each one's encoded bytes by
-        manifest position. Host memory: one raw shard and the encoded pieces."""
-        if not blocks:
-            return {}
-        scratch = torch.empty(max(b[2].shard_nbytes for b in blocks), dtype=torch.uint8)
+        """Encode ``blocks``, or find them in an encoded checkpoint (held until
+        :meth:`lay`); returns each one's encoded bytes by manifest position. Host memory:
+        one raw shard and the encoded pieces of the blocks encoded here."""
+        scratch: torch.Tensor | None = None
         for index, name, layout, tensors, group_rank in progress(
             blocks, desc="dlo: encode", total=len(blocks), unit="block"
         ):
+            origin = origin_of(tensors) if layout.group_size == 1 else None
+            if origin is not None:
+                self.origins[index] = origin
+            found = self.files.find(layout, origin, self.bitstream)
+            if found is not None:
+                self._pending[index] = found
+                self.read_blocks += 1
+                continue
+            if scratch is None:
+                scratch = torch.empty(max(b[2].shard_nbytes for b in blocks), dtype=torch.uint8)
             self._pending[index] = encode_block(
                 self.platform, self.codec, name, layout, tensors, scratch, group_rank
             )
@@ -57,10 +84,15 @@ class HostCodec:
         return self._pending[index][0]
 
     def write(self, index: int, dst: torch.Tensor) -> None:
-        """Write block ``index``'s encoded pieces into ``dst`` (its bytes in the host region);
-        the pieces are freed."""
+        """Write block ``index``'s encoded bytes into ``dst`` (its bytes in the host region):
+        its pieces, freed, or read from its encoded checkpoint (verified)."""
         enc, datas = self._pending.pop(index)
-        write_pieces(dst, enc, datas)
+        if callable(datas):
+            datas(dst)
+        else:
+            write_pieces(dst, enc, datas)
+        if not self._pending:
+            self.files.close()
 
     def shard(self, layout: EncodedLayout, data: torch.Tensor) -> EncodedShard:
         """The host copy of an encoded block whose pieces ``data`` holds (laid here, or by
@@ -127,6 +159,31 @@ class HostCodec:
                 layouts[index] = enc
         return layouts
 
+    def save(self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard]]) -> list[Path]:
+        """Write ``blocks`` (``(layout, manifest position, host copy)``) as encoded
+        checkpoints, one beside each checkpoint they were loaded from (see [Note: encoded
+        checkpoint] in :mod:`dlo.codec.offline`).
+
+        Raises:
+            ValueError: no block of group size 1 comes from a checkpoint.
+        """
+        by_dir: dict[Path, list[tuple[BlockLayout, Origin, EncodedLayout, torch.Tensor]]] = {}
+        for layout, index, shard in blocks:
+            origin = self.origins.get(index)
+            if origin is not None and origin.directory is not None:
+                item = (layout, origin, shard.layout, shard.data)
+                by_dir.setdefault(origin.directory, []).append(item)
+        if not by_dir:
+            raise ValueError(
+                "save_encoded writes encoded blocks beside the checkpoint they were loaded "
+                "from, but no encoded block of group size 1 (rank-local, node-shared) "
+                "aliases a checkpoint: load the model with dlo.load_pipeline (not copy=True)"
+            )
+        return [
+            write_encoded(d / ENCODED_FILE, self.bitstream, items) for d, items in by_dir.items()
+        ]
+
     def forget(self) -> None:
         """Drop encoded pieces not laid yet (a failed enable)."""
         self._pending.clear()
+        self.files.close()

@@ -117,6 +117,7 @@ class LayerState:
             "codec_bitstream": host.codec.bitstream if host and host.codec else None,
             "host_encoded_nbytes": encoded_nbytes,
             "host_encoded_raw_nbytes": encoded_raw_nbytes,
+            "encoded_read_blocks": host.codec.read_blocks if host and host.codec else 0,
             "codec_ratio": encoded_nbytes / encoded_raw_nbytes if encoded_raw_nbytes else 1.0,
             "decoded_nbytes": counters.decoded_nbytes,
             "encoded_h2d_nbytes": counters.encoded_h2d_nbytes,

@@ -49,6 +49,7 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -420,6 +421,24 @@ class LayerwiseBackend(OffloadBackend):
         )
 
     # ------------------------------------------------------------------ telemetry
+    def save_encoded(self) -> list[Path]:
+        """Write the encoded blocks (``codec`` on, group size 1) as encoded checkpoints, one
+        beside each checkpoint they were loaded from, so later enables read them instead of
+        encoding (see [Note: encoded checkpoint] in :mod:`dlo.codec.offline`). Call it on
+        one rank: every rank of a group of one holds the same encoded blocks.
+
+        Returns:
+            The files written.
+        Raises:
+            ValueError: not enabled, no codec, or no encoded block comes from a checkpoint.
+        """
+        host = self._state.host
+        if not self.is_enabled() or host is None or host.codec is None:
+            raise ValueError("save_encoded needs an enabled backend with codec='ans' blocks")
+        return host.codec.save(
+            [(b.layout, b.index, b.encoded) for b in host.blocks if b.encoded is not None]
+        )
+
     def stats(self) -> dict[str, Any]:
         """Plain-value statistics (DESIGN.md section 2); synchronizes the device."""
         return self._state.stats(

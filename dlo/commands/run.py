@@ -201,6 +201,9 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
         "host_backing": stats.get("host_backing", "-"),
         "host_mapped_nbytes": stats.get("host_mapped_nbytes", 0),
+        "codec": stats.get("codec", "none"),
+        "codec_ratio": stats.get("codec_ratio", 1.0),
+        "encoded_read_blocks": stats.get("encoded_read_blocks", 0),
         "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
         "peak_rss_nbytes": run_rss,
         "parity": parity,
@@ -252,7 +255,13 @@ def _summary(reports: list[dict[str, Any]]) -> str:
         f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']} "
         f"weights={r0['load']} host={r0['host_backing']}"
         + (f" compile={r0['compile']}" if r0.get("compile") else "")
-        + (f" gather={r0['gather_engine']}/{r0['gather_sync']}" if r0.get("gather_sync") else ""),
+        + (f" gather={r0['gather_engine']}/{r0['gather_sync']}" if r0.get("gather_sync") else "")
+        + (
+            f" codec={r0['codec']} (ratio {r0['codec_ratio']:.3f}, "
+            f"{r0['encoded_read_blocks']} block(s) read encoded)"
+            if r0.get("codec", "none") != "none"
+            else ""
+        ),
         "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | host GiB "
         "private / mapped | pinned host GiB | exposed wait ms | enable s | enable peak RSS GiB "
         "| parity |",

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,17 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
     s.add_argument("--seed", type=int, default=0, help="weight seed")
     s.add_argument("--shard-gb", type=float, default=4.0, help="the most GiB per safetensors file")
+    s.add_argument(
+        "--codec",
+        default="none",
+        choices=("none", "ans"),
+        help="also write the blocks encoded (dlo-encoded.safetensors beside the weights), so "
+        "enables with codec='ans' read them instead of encoding; run where the job runs "
+        "(nvCOMP's bitstream on a GPU, the reference codec's on a CPU)",
+    )
+    s.add_argument(
+        "--chunk-mb", type=int, default=None, help="with --codec: the job's chunk_mb (default 64)"
+    )
 
 
 def save(args: argparse.Namespace) -> int:
@@ -33,11 +46,42 @@ def save(args: argparse.Namespace) -> int:
     pipe = build_pipeline(args.preset, dtype=getattr(torch, args.dtype), seed=args.seed)
     path = save_checkpoint(pipe, args.out, max_shard_nbytes=int(args.shard_gb * (1 << 30)))
     nbytes = sum(t.numel() * t.element_size() for t in pipe.state_dict().values())
+    del pipe
     print(
         f"dlo save-checkpoint: {nbytes / (1 << 30):.2f} GiB -> {path} in "
         f"{time.perf_counter() - t0:.1f}s"
     )
+    if args.codec != "none":
+        _save_encoded(args, path)
     return 0
+
+
+def _save_encoded(args: argparse.Namespace, path: Path) -> None:
+    """Load the checkpoint just written with ``codec`` on every stack, on this machine's
+    device, and write the encoded blocks beside it (see [Note: encoded checkpoint] in
+    :mod:`dlo.codec.offline`)."""
+    from dlo.config.offload import OffloadConfig
+    from dlo.models import build_pipeline
+    from dlo.pipelines.load import load_pipeline
+
+    t0 = time.perf_counter()
+    chunk = {} if args.chunk_mb is None else {"chunk_mb": args.chunk_mb}
+    cfg = OffloadConfig(mode="layer", components=("dit", "encoder"), codec=args.codec, **chunk)
+    factory = functools.partial(
+        build_pipeline, args.preset, dtype=getattr(torch, args.dtype), device="meta"
+    )
+    _, backend = load_pipeline(factory, path, cfg)
+    assert backend is not None
+    try:
+        st = backend.stats()
+        (out,) = backend.save_encoded()  # type: ignore[attr-defined]
+    finally:
+        backend.disable()
+    print(
+        f"dlo save-checkpoint: encoded {st['host_encoded_raw_nbytes'] / (1 << 30):.2f} GiB to "
+        f"{st['host_encoded_nbytes'] / (1 << 30):.2f} GiB (ratio {st['codec_ratio']:.3f}, "
+        f"{st['codec_bitstream']}) -> {out} in {time.perf_counter() - t0:.1f}s"
+    )
 
 
 def add_pipeline_arguments(s: argparse.ArgumentParser) -> None:

@@ -32,6 +32,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -101,15 +102,8 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
-    """Parse and check one ``.safetensors`` header (see [Note: safetensors format]).
-
-    Returns:
-        ``{name: TensorEntry}`` in header order; names are the file's own.
-    Raises:
-        CheckpointError: unreadable or inconsistent header, naming the file and the tensor.
-    """
-    p = Path(path)
+def _load_header(p: Path) -> tuple[dict[str, Any], int, int]:
+    """The parsed header of ``p``, the offset of its data and the file's size."""
     try:
         st = p.stat()
         if not stat.S_ISREG(st.st_mode):  # a FIFO would block in open, a device never end
@@ -132,7 +126,29 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
         raise CheckpointError(f"{p}: header is not JSON: {e}") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: header is not a JSON object")
-    base = 8 + n
+    return header, 8 + n, size
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``__metadata__`` of a ``.safetensors`` header (empty without one).
+
+    Raises:
+        CheckpointError: as :func:`read_header`.
+    """
+    meta = _load_header(Path(path))[0].get("__metadata__")
+    return meta if isinstance(meta, dict) else {}
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
+    """Parse and check one ``.safetensors`` header (see [Note: safetensors format]).
+
+    Returns:
+        ``{name: TensorEntry}`` in header order; names are the file's own.
+    Raises:
+        CheckpointError: unreadable or inconsistent header, naming the file and the tensor.
+    """
+    p = Path(path)
+    header, base, size = _load_header(p)
     out: dict[str, TensorEntry] = {}
     for name, info in header.items():
         if name == "__metadata__":

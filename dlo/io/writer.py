@@ -18,10 +18,17 @@ def _data(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def _write_file(path: Path, tensors: list[tuple[str, torch.Tensor]], checksums: bool) -> None:
+def write_file(
+    path: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    checksums: bool,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """One safetensors file of ``tensors`` (with ``metadata`` in its header), written to a
+    temporary name and renamed, so a reader sees the old file or the whole new one."""
     # largest itemsize first: every data offset is aligned to its dtype (as safetensors does)
     tensors = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
-    metadata = {"format": "pt"}
+    metadata = {"format": "pt", **(metadata or {})}
     if checksums:  # hashed before the header is written (see [Note: checkpoint checksums])
         metadata[METADATA_KEY] = metadata_value(
             {name: digests(bytes_of(_data(t))) for name, t in tensors}
@@ -91,12 +98,12 @@ def save_checkpoint(
         used += nbytes
     if len(shards) == 1:
         path = out / f"{basename}.safetensors"
-        _write_file(path, shards[0], checksums)
+        write_file(path, shards[0], checksums)
         return path
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards):
         fname = f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _write_file(out / fname, shard, checksums)
+        write_file(out / fname, shard, checksums)
         weight_map.update((n, fname) for n, _ in shard)
     index = out / f"{basename}.safetensors.index.json"
     total = sum(t.numel() * t.element_size() for _, t in items)

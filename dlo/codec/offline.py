@@ -1,0 +1,246 @@
+"""Encoded checkpoints: blocks encoded once, offline, and read from a file into the host copy.
+
+[Note: encoded checkpoint]
+Encoding at enable costs time (FLUX.1-dev: 22 s against 4 s) and, until every size is
+known, host memory for the encoded pieces. A block whose tensors all alias one checkpoint
+(loaded by :func:`dlo.load_pipeline`; :func:`~dlo.io.materialize.mapped_source`) is instead
+read, encoded, from :data:`ENCODED_FILE` in the directory of its tensors' files, straight
+into its bytes of the host region. ``dlo save-checkpoint --codec`` writes that file, and so
+does ``backend.save_encoded()`` after any enable that encoded blocks of a checkpoint (a
+pipeline folder's component directory, say). The file is safetensors: one uint8 tensor per
+block, named by the block's path, and under ``__metadata__["dlo.encoded"]`` a JSON record
+``{"version": 1, "bitstream": B, "blocks": {path: {"layout": D, "sources": [[name, F], ...],
+"pieces": [[raw_offset, raw_nbytes, offset, nbytes, stored], ...]}}}``, D the digest of the
+block's layout (its tensors, dtypes and offsets, group size 1 and the chunk size the pieces
+follow) and F each source tensor's fingerprint (its dlo checksums, else its file's size and
+modification time and the tensor's place in it; a tensor the checkpoint does not hold, such
+as a non-persistent buffer, has no name and the digest of its bytes).
+
+An entry serves a block only when the bitstream, the layout digest and every source name
+and fingerprint match the block as it is now, and its piece table passes
+:func:`~dlo.codec.format.check_layout`; otherwise the block is encoded at enable and the
+log says why: a stale file never serves other bytes, and never fails an enable. The encoded
+bytes carry dlo's checksums and are always read verified, since nvCOMP's decoder does not
+check its input (a corrupted byte faulted the device in the probe): a mismatch fails the
+enable, which rolls back. Group size 1 only (rank-local and node-shared stacks): an
+AllGather rank's slices depend on the group size and its rank, and are encoded at enable.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlo.codec.format import EncodedLayout, Piece, check_layout
+from dlo.errors import OffloadError
+from dlo.io.checkpoint import Checkpoint, bytes_of, read_metadata
+from dlo.io.header_checks import CheckpointError
+from dlo.io.materialize import mapped_source
+from dlo.io.writer import write_file
+from dlo.plan.layout import BlockLayout, build_manifest
+
+logger = logging.getLogger(__name__)
+
+ENCODED_FILE = "dlo-encoded.safetensors"
+METADATA_KEY = "dlo.encoded"
+VERSION = 1
+
+Reader = Callable[[torch.Tensor], None]
+"""Reads one block's encoded bytes (verified) into its bytes of the host region."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a block's bytes come from: the checkpoint its tensors alias, and each layout
+    tensor's source ``[name, fingerprint]`` (a tensor the checkpoint does not hold, such as a
+    non-persistent buffer computed at construction, by the digest of its bytes)."""
+
+    checkpoint: Checkpoint
+    names: tuple[str, ...]
+    """The checkpoint tensors the block's tensors alias."""
+    sources: tuple[tuple[str, str], ...]
+
+    @property
+    def directory(self) -> Path | None:
+        """The one directory of the files holding the tensors (None: several)."""
+        dirs = {self.checkpoint.entries[n].file.parent for n in self.names}
+        return dirs.pop() if len(dirs) == 1 else None
+
+
+def origin_of(tensors: Sequence[torch.Tensor]) -> Origin | None:
+    """Where ``tensors`` (a block's, in layout order) come from: None unless some alias a
+    checkpoint, all of them the same one. The others are hashed (small, as a rule: buffers
+    computed at construction)."""
+    found = [mapped_source(t) for t in tensors]
+    ckpts = {id(f[0]): f[0] for f in found if f is not None}
+    if len(ckpts) != 1:
+        return None
+    (ckpt,) = ckpts.values()
+    sources = tuple(
+        (f[1], fingerprint(ckpt, f[1]))
+        if f is not None
+        else ("", "bytes:" + hashlib.sha256(bytes_of(t.detach().cpu().contiguous())).hexdigest())
+        for f, t in zip(found, tensors)
+    )
+    return Origin(ckpt, tuple(f[1] for f in found if f is not None), sources)
+
+
+def fingerprint(checkpoint: Checkpoint, name: str) -> str:
+    """What identifies tensor ``name``'s bytes in ``checkpoint`` (see the note)."""
+    e = checkpoint.entries[name]
+    if e.checksums is not None:
+        piece, sums = e.checksums
+        return f"sha256:{piece}:" + hashlib.sha256("".join(sums).encode()).hexdigest()
+    st = e.file.stat()
+    return f"file:{e.file.name}:{st.st_size}:{st.st_mtime_ns}:{e.start}:{e.nbytes}"
+
+
+def _sources(origin: Origin) -> list[list[str]]:
+    return [list(s) for s in origin.sources]
+
+
+def write_encoded(
+    path: Path,
+    bitstream: str,
+    blocks: Sequence[tuple[BlockLayout, Origin, EncodedLayout, torch.Tensor]],
+) -> Path:
+    """Write ``blocks`` (``(layout, origin, piece table, encoded bytes)``) as an encoded
+    checkpoint at ``path`` (see the note), with dlo's checksums."""
+    record = {
+        "version": VERSION,
+        "bitstream": bitstream,
+        "blocks": {
+            layout.name: {
+                "layout": build_manifest([layout]).digest,
+                "sources": _sources(origin),
+                "pieces": [
+                    [p.raw_offset, p.raw_nbytes, p.offset, p.nbytes, p.stored] for p in enc.pieces
+                ],
+            }
+            for layout, origin, enc, _ in blocks
+        },
+    }
+    write_file(
+        path,
+        [(layout.name, data) for layout, _, _, data in blocks],
+        checksums=True,
+        metadata={METADATA_KEY: json.dumps(record, separators=(",", ":"))},
+    )
+    return path
+
+
+class _EncodedFile:
+    """One encoded checkpoint, opened for reading (see the note)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        record = read_metadata(path).get(METADATA_KEY)
+        try:
+            value = json.loads(record) if isinstance(record, str) else None
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{path}: {METADATA_KEY!r} is not JSON: {e}") from None
+        if (
+            not isinstance(value, dict)
+            or value.get("version") != VERSION
+            or not isinstance(value.get("bitstream"), str)
+            or not isinstance(value.get("blocks"), dict)
+        ):
+            raise CheckpointError(
+                f"{path}: no {METADATA_KEY!r} record of version {VERSION} in its header"
+            )
+        self.bitstream: str = value["bitstream"]
+        self.blocks: dict[str, Any] = value["blocks"]
+        self.checkpoint = Checkpoint(path, verify_checksum=True)
+
+    def match(self, layout: BlockLayout, origin: Origin, bitstream: str) -> EncodedLayout | str:
+        """The piece table serving ``layout``'s block, or why there is none."""
+        if self.bitstream != bitstream:
+            return f"it holds bitstream {self.bitstream!r}; this process decodes {bitstream!r}"
+        rec = self.blocks.get(layout.name)
+        if not isinstance(rec, dict):
+            return "it has no entry for the block"
+        if rec.get("layout") != build_manifest([layout]).digest:
+            return "the block's layout is another (chunk_mb, a dtype or a shape changed)"
+        if rec.get("sources") != _sources(origin):
+            return "the block's tensors in the checkpoint changed since it was written"
+        try:
+            enc = EncodedLayout(
+                layout.name, bitstream, layout.shard_nbytes, tuple(_piece(p) for p in rec["pieces"])
+            )
+            check_layout(enc, layout.shard_nbytes, layout.slice_nbytes)
+        except (KeyError, TypeError, ValueError, OffloadError) as e:
+            return f"its piece table is malformed ({e})"
+        entry = self.checkpoint.entries.get(layout.name)
+        if entry is None or entry.dtype != torch.uint8 or entry.nbytes != enc.nbytes:
+            return f"its tensor {layout.name!r} does not hold the {enc.nbytes} encoded bytes"
+        return enc
+
+    def read(self, name: str, dst: torch.Tensor) -> None:
+        self.checkpoint.read_into(name, 0, bytes_of(dst))
+
+
+def _piece(p: Any) -> Piece:
+    ro, rn, o, n, stored = p
+    if not all(type(v) is int for v in (ro, rn, o, n)) or type(stored) is not bool:
+        raise TypeError(f"piece {p!r} is not [int, int, int, int, bool]")
+    return Piece(ro, rn, o, n, stored)
+
+
+class EncodedFiles:
+    """The encoded checkpoints one enable reads: each opened once, closed by :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._files: dict[Path, _EncodedFile | None] = {}
+        self._misses: dict[tuple[Path, str], list[str]] = {}
+
+    def find(
+        self, layout: BlockLayout, origin: Origin | None, bitstream: str
+    ) -> tuple[EncodedLayout, Reader] | None:
+        """The piece table and the reader of ``layout``'s block from the encoded
+        checkpoint beside its tensors (see the note); None: it is encoded at enable."""
+        if layout.group_size != 1 or origin is None or origin.directory is None:
+            return None
+        f = self._open(origin.directory / ENCODED_FILE)
+        if f is None:
+            return None
+        found = f.match(layout, origin, bitstream)
+        if isinstance(found, str):  # logged once per file and reason, at close
+            self._misses.setdefault((f.path, found), []).append(layout.name)
+            return None
+        return found, functools.partial(f.read, layout.name)
+
+    def _open(self, path: Path) -> _EncodedFile | None:
+        if path not in self._files:
+            f = None
+            if path.is_file():
+                try:
+                    f = _EncodedFile(path)
+                except CheckpointError as e:
+                    logger.warning(
+                        "dlo: %s is not read (%s): blocks are encoded at enable", path, e
+                    )
+            self._files[path] = f
+        return self._files[path]
+
+    def close(self) -> None:
+        for (path, why), names in self._misses.items():
+            logger.warning(
+                "dlo: %s does not serve %d block(s) (%s), encoded at enable instead: %s",
+                path,
+                len(names),
+                why,
+                ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""),
+            )
+        self._misses.clear()
+        for f in self._files.values():
+            if f is not None:
+                f.checkpoint.close()
+        self._files.clear()
