@@ -121,3 +121,34 @@ def test_node_shared_copy_encoded_and_pinned_on_one_gpu(tmp_path: Any) -> None:
     b.disable()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     assert_same(before, model)
+
+
+def test_encoded_checkpoint_written_and_read_on_the_gpu(tmp_path: Any) -> None:
+    """nvCOMP's bitstream in an encoded checkpoint: a later enable reads every block from it,
+    verified, and runs bitwise (issue 22 item 3; [Note: encoded checkpoint])."""
+    from dlo.io.writer import save_checkpoint
+    from dlo.pipelines.load import load_pipeline
+
+    dt = torch.bfloat16
+    path = save_checkpoint(build_pipeline("tiny", dtype=dt), tmp_path / "ckpt")
+    ids, lat = make_inputs("tiny", seed=1, dtype=dt, device=DEV)
+    ref = build_pipeline("tiny", dtype=dt, device=DEV).generate(ids, lat, 2)
+    cfg = dlo.OffloadConfig(mode="layer", codec="ans", chunk_mb=1)
+
+    def load() -> Any:
+        return load_pipeline(
+            lambda: build_pipeline("tiny", dtype=dt, device="meta"), path, cfg, None, DEV
+        )
+
+    pipe, b = load()
+    assert b is not None and b.stats()["encoded_read_blocks"] == 0
+    (written,) = b.save_encoded()  # type: ignore[attr-defined]
+    n = sum(1 for blk in b._blocks if blk.encoded is not None)  # type: ignore[attr-defined]
+    b.disable()
+    pipe, b = load()
+    assert b is not None
+    st = b.stats()
+    assert st["encoded_read_blocks"] == n > 0 and st["codec_bitstream"] == "nvcomp-ans-f2"
+    assert torch.equal(pipe.generate(ids, lat, 2), ref)
+    b.disable()
+    assert written.exists() and (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
