@@ -73,6 +73,8 @@ class LayerState:
         decoders = transports.decoders if transports else []
         decode_ms = sum(d.decode_ms() for d in decoders)
         decode_loads = sum(d.num_loads for d in decoders)
+        tails = [d.decode_tail_ms() for d in decoders]
+        tail_ms, tail_loads = sum(t for t, _ in tails), sum(n for _, n in tails)
         if sched is not None:
             platform.synchronize()
             sched.harvest_all()
@@ -123,6 +125,8 @@ class LayerState:
             "encoded_h2d_nbytes": counters.encoded_h2d_nbytes,
             "decode_ms": decode_ms,
             "decode_ms_per_load": decode_ms / decode_loads if decode_loads else 0.0,
+            "decode_tail_ms_per_load": tail_ms / tail_loads if tail_loads else 0.0,
+            "decode_gbps": counters.decoded_nbytes / decode_ms / 1e6 if decode_ms else 0.0,
             "device_decode_staging_nbytes": sum(d.staging_nbytes for d in decoders),
             "device_slot_nbytes": pool.nbytes if pool else 0,
             "device_symmetric_nbytes": pool.symmetric_nbytes if pool else 0,

@@ -266,6 +266,8 @@ def _run_method(
                 + after["host_encoded_raw_nbytes"]
             )
             row["codec"], row["codec_ratio"] = codec, after["codec_ratio"]
+            row["decode_gbps"] = after["decode_gbps"]
+            row["decode_tail_ms_per_load"] = after["decode_tail_ms_per_load"]
             row["h2d_nbytes_per_forward"] = (after["h2d_nbytes"] - before["h2d_nbytes"]) / max(
                 1.0, timing["forwards"]
             )
@@ -292,7 +294,13 @@ def markdown_like(report: dict[str, Any]) -> str:
     for r in report["results"]:
         x = f"{r['x_h2d_limit']:.3f}" if r.get("x_h2d_limit") else "-"
         per = r.get("h2d_nbytes_per_forward")
-        name = r["method"] + (f" [codec {r['codec']}]" if r.get("codec", "none") != "none" else "")
+        name = r["method"] + (
+            f" [codec {r['codec']}: {r['codec_ratio']:.3f} of the bytes, decode "
+            f"{r.get('decode_gbps', 0.0):.0f} GB/s, +{r.get('decode_tail_ms_per_load', 0.0):.2f}"
+            " ms per load]"
+            if r.get("codec", "none") != "none"
+            else ""
+        )
         lines.append(
             f"| {name} | {r['tokens']} | {r['median_ms']:.1f} | {x} | "
             f"{r['peak_device_nbytes'] / 1e9:.2f} | {r['setup_s']:.1f} | "

@@ -295,7 +295,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "setting": ", ".join(
                         ([f"{st['num_slots']} slots, {chunk_mb} MiB"] if sweep else [])
                         + (
-                            [f"codec {codec}: {st['codec']} ({st['codec_ratio']:.3f} of the bytes)"]
+                            [
+                                f"codec {codec}: {st['codec']} ({st['codec_ratio']:.3f} of the "
+                                f"bytes; decode {st['decode_gbps']:.0f} GB/s, "
+                                f"+{st['decode_tail_ms_per_load']:.2f} ms per load)"
+                            ]
                             if codec != "none"
                             else []
                         )
@@ -306,6 +310,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "link_h2d_limit_ms": link_nbytes / (bw * GB) * 1e3 if bw else 0.0,
                     "host_encoded_nbytes": st["host_encoded_nbytes"],
                     "decode_ms_per_load": st["decode_ms_per_load"],
+                    "decode_tail_ms_per_load": st["decode_tail_ms_per_load"],
+                    "decode_gbps": st["decode_gbps"],
                 },
             )
             if st.get("policy") is not None:

@@ -85,6 +85,10 @@ class Decoder:
             [StreamTimer(platform) for _ in range(max_pieces)]
             for _ in range(DECODE_STAGING_BUFFERS)
         ]
+        # per staging buffer: from the last encoded byte's arrival to the block's last
+        # decode (copy stream to decode stream): how much later the block is ready than
+        # its bytes are there, the part of a load's latency the decode adds
+        self._tails = [StreamTimer(platform) for _ in range(DECODE_STAGING_BUFFERS)]
         self._turn = 0
         self.num_loads = 0
 
@@ -94,6 +98,13 @@ class Decoder:
             for t in row:
                 t.harvest(block_host=True)
         return sum(t.total_ms for row in self._timers for t in row)
+
+    def decode_tail_ms(self) -> tuple[float, int]:
+        """Device time from the last encoded byte of a load on the device to its last
+        decode, summed over the loads timed, and their count (0 on the CPU platform)."""
+        for t in self._tails:
+            t.harvest(block_host=True)
+        return sum(t.total_ms for t in self._tails), sum(t.count for t in self._tails)
 
     @property
     def staging_nbytes(self) -> int:
@@ -134,6 +145,8 @@ class Decoder:
         with nvtx_range("dlo::h2d"), pf.stream(copy_stream):
             staging[p.offset : end].copy_(shard.data[p.offset : end], non_blocking=True)
             copied.record(copy_stream)
+            if k == len(shard.layout.pieces) - 1:
+                self._tails[b].begin(copy_stream)
         with nvtx_range("dlo::decode"), pf.stream(self.stream):
             self.stream.wait_event(copied)
             timer = self._timers[b][k]
@@ -147,4 +160,5 @@ class Decoder:
         """Every piece of the load read from staging ``b`` is decoded (or enqueued)."""
         with self.platform.stream(self.stream):
             self._decoded[b].record(self.stream)
+            self._tails[b].end(self.stream)
         self.num_loads += 1
