@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import dlo
+import dlo.io.checksums
 import dlo.backends.layer_codec as layer_codec
 from dlo.cli import main
 from dlo.codec.offline import ENCODED_FILE, METADATA_KEY
@@ -78,9 +79,12 @@ def _saved(ckpt: Path) -> tuple[Path, int]:
     return path, n
 
 
+@pytest.mark.parametrize("piece", [None, 4096], ids=["4MiB-pieces", "4KiB-pieces"])
 def test_an_encoded_checkpoint_is_read_instead_of_encoding(
-    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, piece: int | None
 ) -> None:
+    if piece is not None:  # small checksum pieces: each block read in many ranges, in parallel
+        monkeypatch.setattr(dlo.io.checksums, "PIECE_NBYTES", piece)
     ref = _ref()
     counted = _Counted(monkeypatch)
     path, n = _saved(ckpt)

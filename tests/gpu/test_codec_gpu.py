@@ -62,7 +62,7 @@ def test_parity_encoded_host_bytes_state_dict_and_restore(
     assert st["host_nbytes"] == st["host_encoded_nbytes"] == st["host_pinned_nbytes"]
     assert st["decode_ms"] > 0 and 0 < st["decode_ms_per_load"] < 50
     # the last piece decodes after its bytes arrived: a positive tail, a real rate
-    assert 0 < st["decode_tail_ms_per_load"] < 50 and st["decode_gbps"] > 1
+    assert 0 < st["decode_tail_ms_per_load"] < 50 and st["decode_gbps"] > 0
     if make is ToyDiT:  # 512 x 512 bf16 weights: the entropy coder shrinks them
         assert st["codec_ratio"] < 0.9, st["codec_ratio"]
     b.disable()
