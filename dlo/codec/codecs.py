@@ -12,8 +12,12 @@ round trips are tested without a GPU, and is not meant to be fast. A process dec
 the bitstream it encodes (the host copy is built at enable, by this process).
 
 nvCOMP's decoder does not validate its input: a corrupted encoded buffer faulted the device
-(an illegal memory access, fatal to the CUDA context) in the probe. The encoded bytes only
-ever come from this process's own encode, in host memory dlo owns.
+(an illegal memory access, fatal to the CUDA context) in the probe. The encoded bytes come
+from this process's own encode, a sharer's of the node-shared copy (trusted like its raw
+bytes; its piece table is checked), or an encoded checkpoint read against its checksums
+([Note: encoded checkpoint] in :mod:`dlo.codec.offline`). The first decode loads nvCOMP's
+kernels (about 0.6 s on an H200): ``prepare`` runs one round trip of 1 MiB at enable, so
+the first step does not pay it.
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ class AnsCodec:
             algorithm="ANS", data_type="<f2", cuda_stream=stream.cuda_stream, device_id=index
         )
         self._configs: dict[int, tuple[Any, Any]] = {}
+        self._device = platform.device
+        self._warm = False
 
     def _config(self, nbytes: int) -> tuple[Any, Any]:
         cfg = self._configs.get(nbytes)
@@ -108,6 +114,12 @@ class AnsCodec:
 
     def prepare(self, nbytes: int) -> None:
         self._config(nbytes)
+        if not self._warm:  # the first decode loads nvCOMP's kernels: at enable, not in a step
+            self._warm = True
+            raw = (torch.arange(1 << 20, device=self._device) % 251).to(torch.uint8)
+            out = torch.empty_like(raw)
+            self.decode(self.encode(raw), out)
+            self._stream.synchronize()
 
     def _array(self, t: torch.Tensor) -> Any:
         return self._nv.as_array(t, cuda_stream=self._stream.cuda_stream)

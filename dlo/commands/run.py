@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dlo.commands.args import check_minimums, compile_blocks, parity_word
-from dlo.commands.run_flags import PIPELINE_ONLY, config_of
+from dlo.commands.run_flags import PIPELINE_ONLY, config_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.progress import progress_bar
@@ -118,6 +118,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
                 shard_non_block(pipe, cfg, par, device_type=device.type)
             backend.enable(pipe)
     enable_s = time.perf_counter() - t0
+    save_encoded_if_asked(args, backend, rank0)
     compile_blocks(pipe.transformer, args.compile)  # after enable, as diffusers documents
     enable_rss = process_peak_rss_bytes()  # VmHWM now: the build and enable, not the run
     platform.reset_peak_memory_stats()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, int_or_auto
@@ -178,6 +179,13 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         "decoded on the device (nvCOMP on CUDA): fewer bytes cross the link, same bits; auto: "
         "the policy decides per stack (needs --block-compute-ms to take ans)",
     )
+    r.add_argument(
+        "--save-encoded",
+        action="store_true",
+        help="with --codec ans and weights from --checkpoint or --pipeline: after enable, "
+        "write the encoded blocks beside their checkpoint files (dlo-encoded.safetensors), "
+        "so later runs read them instead of encoding",
+    )
 
 
 PIPELINE_CALL_FLAGS = {
@@ -269,3 +277,14 @@ def _json_object(text: str) -> Any:
     if not isinstance(data, dict):
         raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
     return data
+
+
+def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -> None:
+    """``--save-encoded``: rank 0 writes the encoded blocks beside their checkpoint (see
+    [Note: encoded checkpoint] in :mod:`dlo.codec.offline`); the paths go to stderr."""
+    if not getattr(args, "save_encoded", False) or not rank0:
+        return
+    if backend is None or not hasattr(backend, "save_encoded"):
+        raise ValueError("--save-encoded needs --mode layer with --codec ans")
+    for path in backend.save_encoded():
+        print(f"dlo: encoded blocks written to {path}", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dlo.commands.args import check_minimums, compile_blocks, parity_word
-from dlo.commands.run_flags import PIPELINE_CALL_FLAGS, config_of
+from dlo.commands.run_flags import PIPELINE_CALL_FLAGS, config_of, save_encoded_if_asked
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
 
@@ -223,6 +223,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         verify_checksum=args.verify_checksum,
     )
     load_s = time.perf_counter() - t0
+    save_encoded_if_asked(args, backend, rank0)
     for dit in dits_of(pipe):
         compile_blocks(dit, args.compile)
     load_rss = process_peak_rss_bytes()

@@ -211,6 +211,21 @@ def test_node_shared_sharers_read_their_blocks_from_the_encoded_checkpoint(
     assert sorted(r["read"] for r in res) == [n // 2, n - n // 2]  # each its 1/L
 
 
+def test_run_save_encoded_writes_them_for_the_next_run(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", "--checkpoint", str(ckpt), "--codec", "ans", "--steps", "1"]
+    assert main([*argv, "--save-encoded"]) == 0
+    first = capsys.readouterr()
+    assert f"encoded blocks written to {ckpt.parent / ENCODED_FILE}" in first.err
+    assert "0 block(s) read encoded" in first.out
+    assert main(argv) == 0
+    m = re.search(r"(\d+) block\(s\) read encoded", capsys.readouterr().out)
+    assert m is not None and int(m.group(1)) > 0
+    assert main(["run", "--steps", "1", "--save-encoded"]) != 0  # no codec: refused
+    assert "save_encoded needs an enabled backend with codec='ans'" in capsys.readouterr().err
+
+
 def test_save_checkpoint_with_codec_and_run_reads_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
