@@ -177,7 +177,8 @@ class HostCodec:
             raise ValueError(
                 "save_encoded writes encoded blocks beside the checkpoint they were loaded "
                 "from, but no encoded block of group size 1 (rank-local, node-shared) "
-                "aliases a checkpoint: load the model with dlo.load_pipeline (not copy=True)"
+                "aliases a checkpoint: load the model with dlo.load_pipeline (not copy=True, "
+                "and with torch_dtype the stored dtype or None: a tensor cast on load is a copy)"
             )
         return [
             write_encoded(d / ENCODED_FILE, self.bitstream, items) for d, items in by_dir.items()
