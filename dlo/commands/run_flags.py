@@ -286,5 +286,10 @@ def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -
         return
     if backend is None or not hasattr(backend, "save_encoded"):
         raise ValueError("--save-encoded needs --mode layer with --codec ans")
-    for path in backend.save_encoded():
+    try:
+        paths = backend.save_encoded()
+    except BaseException:
+        backend.disable()  # the run ends here: nothing stays enabled behind the error
+        raise
+    for path in paths:
         print(f"dlo: encoded blocks written to {path}", file=sys.stderr, flush=True)

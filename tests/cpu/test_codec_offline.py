@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import dlo
-import dlo.io.checksums
 import dlo.backends.layer_codec as layer_codec
+import dlo.io.checksums
 from dlo.cli import main
 from dlo.codec.offline import ENCODED_FILE, METADATA_KEY
 from dlo.host.region import LEDGER
@@ -224,6 +224,7 @@ def test_run_save_encoded_writes_them_for_the_next_run(
     assert m is not None and int(m.group(1)) > 0
     assert main(["run", "--steps", "1", "--save-encoded"]) != 0  # no codec: refused
     assert "save_encoded needs an enabled backend with codec='ans'" in capsys.readouterr().err
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)  # disabled behind the error
 
 
 def test_save_checkpoint_with_codec_and_run_reads_it(
