@@ -21,8 +21,7 @@ from dlo.codec.offline import (
     write_encoded,
 )
 from dlo.errors import OffloadError
-from dlo.host.node_share import raise_failed
-from dlo.parallel.store import share
+from dlo.host.node_share import share_step
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
@@ -117,16 +116,14 @@ class HostCodec:
         Returns:
             The piece table of every block in ``packs``, by manifest position.
         """
-        error, mine = "", []
-        try:
+
+        def encode_mine() -> list[tuple[int, EncodedLayout]]:
             self.encode(packs[rank])
-            mine = [(b[0], self.layout(b[0])) for b in packs[rank]]
-        except Exception as e:
-            if world_size == 1:
-                raise
-            error = f"{type(e).__name__}: {e}"
-        replies = share(
-            (error, mine),
+            return [(b[0], self.layout(b[0])) for b in packs[rank]]
+
+        replies = share_step(
+            encode_mine,
+            [],
             rank=rank,
             world_size=world_size,
             timeout_s=timeout_s,
@@ -135,10 +132,9 @@ class HostCodec:
             types=(EncodedLayout, Piece),
         )
         by_rank = dict(enumerate(replies)) if world_size > 1 else {rank: replies[0]}
-        raise_failed([(r, e) for r, (e, _) in by_rank.items() if e], rank)
         layouts: dict[int, EncodedLayout] = {}
         for r, blocks in packs.items():
-            tables = dict(by_rank[r][1])
+            tables = dict(by_rank[r])
             for index, name, layout, _, _ in blocks:
                 enc = tables.get(index)
                 if not isinstance(enc, EncodedLayout) or enc.name != name:

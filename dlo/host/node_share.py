@@ -47,6 +47,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -116,29 +117,29 @@ def share_host(
     """
     index, count = members.index(rank), len(members)
     region: HostRegion | None = None
-    unpinned: tuple[str, ...] = ()
-    error, offer = "", ""
     owner = _Descriptor()
-    try:
-        if index == 0:  # step 1: the first sharer creates the memory, named by nothing
-            owner.fd = create_memfd(f"dlo-{tokens[0]}")
-            journal.record("shared host memory", owner.close)
-            offer = f"/proc/{os.getpid()}/fd/{owner.fd}"
-    except Exception as e:
-        if world_size == 1:
-            raise
-        error = f"{type(e).__name__}: {e}"
-    offers = share(
-        (error, offer),
+
+    def offer() -> str:
+        if index != 0:
+            return ""
+        # step 1: the first sharer creates the memory, named by nothing
+        owner.fd = create_memfd(f"dlo-{tokens[0]}")
+        journal.record("shared host memory", owner.close)
+        return f"/proc/{os.getpid()}/fd/{owner.fd}"
+
+    offers = share_step(
+        offer,
+        "",
         rank=rank,
         world_size=world_size,
         timeout_s=timeout_s,
         topic="host-share-memory",
         what="node-shared host memory",
     )
-    raise_failed([(r, e) for r, (e, _) in enumerate(offers) if e], rank)
-    path = offers[members[0] if world_size > 1 else 0][1]  # alone: its own offer
-    try:
+    path = offers[members[0] if world_size > 1 else 0]  # alone: its own offer
+
+    def fill() -> tuple[str, ...]:  # steps 2 and 3: map, mark, pin, pack
+        nonlocal region
         check_offer(path, f"dlo-{tokens[0]}")
         region = HostRegion(
             [b.copy_nbytes for b in blocks],
@@ -148,6 +149,7 @@ def share_host(
         )
         journal.record("shared host region", region.close)
         _slot(region, index).copy_(_mark(tokens[index]))
+        unpinned: tuple[str, ...] = ()
         if pin:
             report = region.pin(
                 platform,
@@ -162,19 +164,17 @@ def share_host(
                     b.fill(region.view(i))
                 else:
                     pack_block(region.view(i), b.layout, 0, b.tensors)
-    except Exception as e:
-        if world_size == 1:
-            raise
-        error = f"{type(e).__name__}: {e}"
-    replies = share(
-        (error, unpinned),
+        return unpinned
+
+    replies = share_step(
+        fill,
+        (),
         rank=rank,
         world_size=world_size,
         timeout_s=timeout_s,
         topic="host-share",
         what="node-shared host copy",
     )
-    raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
     assert region is not None
     one_file = all(torch.equal(_slot(region, i), _mark(t)) for i, t in enumerate(tokens))
     seen = share(
@@ -193,9 +193,7 @@ def share_host(
             rank=rank,
         )
     owner.close()  # every sharer has it mapped (step 5): the mappings keep it
-    fallback, refused = pin_verdict(
-        [(r, names) for r, (_, names) in enumerate(replies)], pin_failure_policy
-    )
+    fallback, refused = pin_verdict(list(enumerate(replies)), pin_failure_policy)
     if refused:
         raise OffloadError(refused, rank=rank)
     return region, fallback
@@ -213,6 +211,41 @@ def _slot(region: HostRegion, index: int) -> torch.Tensor:
 def _mark(token: str) -> torch.Tensor:
     raw = token.encode()[:_MARK_NBYTES].ljust(_MARK_NBYTES, b"\0")
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def share_step(
+    step: Callable[[], Any],
+    empty: Any,
+    *,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    topic: str,
+    what: str,
+    types: Sequence[type] = (),
+) -> list[Any]:
+    """Run this rank's part of a step of the node-shared copy and exchange the outcomes:
+    a failure anywhere is one error on every rank (:func:`raise_failed`; alone, the
+    exception itself). Returns every rank's value of ``step`` (``empty`` where it failed),
+    by rank; alone, ``[its own]``."""
+    error, value = "", empty
+    try:
+        value = step()
+    except Exception as e:
+        if world_size == 1:
+            raise
+        error = f"{type(e).__name__}: {e}"
+    replies = share(
+        (error, value),
+        rank=rank,
+        world_size=world_size,
+        timeout_s=timeout_s,
+        topic=topic,
+        what=what,
+        types=types,
+    )
+    raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
+    return [v for _, v in replies]
 
 
 def raise_failed(failed: Sequence[tuple[int, str]], rank: int) -> None:
