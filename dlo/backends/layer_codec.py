@@ -117,6 +117,12 @@ class HostCodec:
             The piece table of every block in ``packs``, by manifest position.
         """
 
+        for blocks in packs.values():  # every block's origin, for save(): all sharers' too
+            for index, _, layout, tensors, _ in blocks:
+                origin = origin_of(tensors) if layout.group_size == 1 else None
+                if origin is not None:
+                    self.origins[index] = origin
+
         def encode_mine() -> list[tuple[int, EncodedLayout]]:
             self.encode(packs[rank])
             return [(b[0], self.layout(b[0])) for b in packs[rank]]

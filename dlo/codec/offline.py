@@ -12,8 +12,8 @@ block, named by the block's path, and under ``__metadata__["dlo.encoded"]`` a JS
 ``{"version": 1, "bitstream": B, "blocks": {path: {"layout": D, "sources": [[name, F], ...],
 "pieces": [[raw_offset, raw_nbytes, offset, nbytes, stored], ...]}}}``, D the digest of the
 block's layout (its tensors, dtypes and offsets, group size 1 and the chunk size the pieces
-follow) and F each source tensor's fingerprint (its dlo checksums, else its file's size and
-modification time and the tensor's place in it; a tensor the checkpoint does not hold, such
+follow) and F each source tensor's fingerprint (its file's size, modification time and
+inode and the tensor's place in it, with its dlo checksums where it has them; a tensor the checkpoint does not hold, such
 as a non-persistent buffer, has no name and the digest of its bytes).
 
 An entry serves a block only when the bitstream, the layout digest and every source name
@@ -33,7 +33,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,20 +89,29 @@ def origin_of(tensors: Sequence[torch.Tensor]) -> Origin | None:
     sources = tuple(
         (f[1], fingerprint(ckpt, f[1]))
         if f is not None
-        else ("", "bytes:" + hashlib.sha256(bytes_of(t.detach().cpu().contiguous())).hexdigest())
+        else ("", "bytes:" + hashlib.sha256(bytes_of(_raw(t))).hexdigest())
         for f, t in zip(found, tensors)
     )
     return Origin(ckpt, tuple(f[1] for f in found if f is not None), sources)
 
 
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 CPU tensor (any dtype: bf16 and fp8 have no numpy)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
 def fingerprint(checkpoint: Checkpoint, name: str) -> str:
-    """What identifies tensor ``name``'s bytes in ``checkpoint`` (see the note)."""
+    """What identifies tensor ``name``'s bytes in ``checkpoint`` (see the note): its file's
+    size, modification time and inode and the tensor's place in it, and its dlo checksums
+    where it has them (a tool that rewrites the data but copies the header's checksums over
+    still changes the file's time)."""
     e = checkpoint.entries[name]
-    if e.checksums is not None:
-        piece, sums = e.checksums
-        return f"sha256:{piece}:" + hashlib.sha256("".join(sums).encode()).hexdigest()
     st = e.file.stat()
-    return f"file:{e.file.name}:{st.st_size}:{st.st_mtime_ns}:{e.start}:{e.nbytes}"
+    where = f"file:{e.file.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{e.start}:{e.nbytes}"
+    if e.checksums is None:
+        return where
+    piece, sums = e.checksums
+    return f"{where}:sha256:{piece}:" + hashlib.sha256("".join(sums).encode()).hexdigest()
 
 
 def _sources(origin: Origin) -> list[list[str]]:
@@ -197,8 +206,14 @@ class _EncodedFile:
             pool.submit(self.checkpoint.read_into, name, at, out[at : at + step])
             for at in range(0, len(out), step)
         ]
-        for r in reads:
-            r.result()
+        try:
+            for r in reads:
+                r.result()
+        except BaseException:
+            for r in reads:  # no read keeps writing into the region behind the rollback
+                r.cancel()
+            wait(reads)
+            raise
 
 
 _PIECES_PER_READ = 4

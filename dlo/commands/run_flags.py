@@ -282,10 +282,16 @@ def _json_object(text: str) -> Any:
 def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -> None:
     """``--save-encoded``: rank 0 writes the encoded blocks beside their checkpoint (see
     [Note: encoded checkpoint] in :mod:`dlo.codec.offline`); the paths go to stderr."""
-    if not getattr(args, "save_encoded", False) or not rank0:
+    if not getattr(args, "save_encoded", False):
         return
+    # checked on every rank (alike everywhere), so no rank goes on while rank 0 fails
     if backend is None or not hasattr(backend, "save_encoded"):
         raise ValueError("--save-encoded needs --mode layer with --codec ans")
+    if not backend.stats()["host_encoded_nbytes"]:
+        backend.disable()
+        raise ValueError("save_encoded needs an enabled backend with codec='ans' blocks")
+    if not rank0:
+        return
     try:
         paths = backend.save_encoded()
     except BaseException:

@@ -242,3 +242,23 @@ def test_save_checkpoint_with_codec_and_run_reads_it(
         r"codec=ans \(ratio 0\.\d+, (\d+) block\(s\) read encoded\)", capsys.readouterr().out
     )
     assert m is not None and int(m.group(1)) >= len(build_pipeline("tiny").transformer.blocks)
+
+
+def test_a_block_written_in_place_after_load_is_encoded_not_read(ckpt: Path) -> None:
+    """A bf16 weight written in place after the load no longer aliases the file: it is
+    hashed by its bytes (bf16 has no numpy), the file's entry no longer matches, and that
+    block alone is encoded at enable."""
+    _, n = _saved(ckpt)
+
+    def touch(pipe: Any) -> None:
+        w = pipe.transformer.blocks[0].attn.qkv.weight
+        assert w.dtype == DTYPE
+        with torch.no_grad():
+            w.mul_(1)  # same values, a new version: not the file's bytes as far as dlo knows
+
+    pipe, backend = load_pipeline(_factory(), ckpt, _cfg(), None, "cpu", prepare=touch)
+    assert backend is not None
+    ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
+    assert torch.equal(pipe.generate(ids, lat, 2), _ref())
+    assert backend.stats()["encoded_read_blocks"] == n - 1
+    backend.disable()
