@@ -258,11 +258,12 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "what it does not hide is in `exposed_wait_ms`)",
         "decode_ms_per_load": "`decode_ms` per encoded load (0 before the first)",
         "decode_tail_ms_per_load": "device time from a load's last encoded byte on the device "
-        "to its last decode, per load: what the decode adds to a load's latency (a "
-        "transfer-bound ring waits about this much more per block than the copy alone; 0 on "
-        "the CPU platform)",
+        "to its last decode, per load: what the decode adds to a load's latency, an upper "
+        "bound (it includes the decoder's wait for the slot to be free when copies run "
+        "ahead; 0 on the CPU platform)",
         "decode_gbps": "raw bytes out of the decoder per second of `decode_ms` (GB/s; 0 on the "
-        "CPU platform)",
+        "CPU platform; a decode whose timing pair was dropped counts its bytes, not its time, "
+        "so read it as an upper bound)",
         "device_decode_staging_nbytes": "device bytes of the two staging buffers encoded "
         "blocks cross the link into (each the largest encoded block)",
         "device_slot_nbytes": "device bytes of the slots: `num_slots` x the largest padded "
