@@ -63,9 +63,7 @@ class HostCodec:
         for index, name, layout, tensors, group_rank in progress(
             blocks, desc="dlo: encode", total=len(blocks), unit="block"
         ):
-            origin = origin_of(tensors) if layout.group_size == 1 else None
-            if origin is not None:
-                self.origins[index] = origin
+            origin = self._origin(index, layout, tensors)
             found = self.files.find(layout, origin, self.bitstream)
             if found is not None:
                 self._pending[index] = found
@@ -77,6 +75,17 @@ class HostCodec:
                 self.platform, self.codec, name, layout, tensors, scratch, group_rank
             )
         return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
+
+    def _origin(
+        self, index: int, layout: BlockLayout, tensors: Sequence[torch.Tensor]
+    ) -> Origin | None:
+        """Block ``index``'s origin (group size 1 only), found once: its fingerprints stat
+        files and hash the tensors no checkpoint holds."""
+        if index not in self.origins and layout.group_size == 1:
+            origin = origin_of(tensors)
+            if origin is not None:
+                self.origins[index] = origin
+        return self.origins.get(index)
 
     def layout(self, index: int) -> EncodedLayout:
         """The piece table of block ``index``, encoded and not laid yet."""
@@ -119,9 +128,7 @@ class HostCodec:
 
         for blocks in packs.values():  # every block's origin, for save(): all sharers' too
             for index, _, layout, tensors, _ in blocks:
-                origin = origin_of(tensors) if layout.group_size == 1 else None
-                if origin is not None:
-                    self.origins[index] = origin
+                self._origin(index, layout, tensors)
 
         def encode_mine() -> list[tuple[int, EncodedLayout]]:
             self.encode(packs[rank])

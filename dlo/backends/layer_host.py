@@ -25,7 +25,7 @@ from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
-from dlo.host.node_share import SharedBlock, share_host, sharers
+from dlo.host.node_share import SharedBlock, packer, share_host, sharers
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
 from dlo.host.shards import copy_back, unpack_tensor, written_tensors
@@ -279,7 +279,7 @@ class LayerHost:
                     r: [
                         (b.index, b.name, b.layout, b.tensors, 0)
                         for k, b in encoded
-                        if k % len(members) == i
+                        if packer(k, len(members)) == i
                     ]
                     for i, r in enumerate(members)
                 },
@@ -294,7 +294,7 @@ class LayerHost:
                     b.layout,
                     b.tensors,
                     streamed=not b.resident,
-                    nbytes=layouts[b.index].nbytes if b.index in layouts else -1,
+                    nbytes=layouts[b.index].nbytes if b.index in layouts else None,
                     fill=functools.partial(self.codec.write, b.index)
                     if self.codec is not None and b.index in layouts
                     else None,

@@ -42,7 +42,7 @@ import torch
 
 from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
-from dlo.io.checkpoint import Checkpoint, bytes_of, read_metadata
+from dlo.io.checkpoint import Checkpoint, bytes_of, flat_uint8, read_metadata
 from dlo.io.header_checks import CheckpointError
 from dlo.io.materialize import mapped_source
 from dlo.io.writer import write_file
@@ -89,15 +89,10 @@ def origin_of(tensors: Sequence[torch.Tensor]) -> Origin | None:
     sources = tuple(
         (f[1], fingerprint(ckpt, f[1]))
         if f is not None
-        else ("", "bytes:" + hashlib.sha256(bytes_of(_raw(t))).hexdigest())
+        else ("", "bytes:" + hashlib.sha256(bytes_of(flat_uint8(t))).hexdigest())
         for f, t in zip(found, tensors)
     )
     return Origin(ckpt, tuple(f[1] for f in found if f is not None), sources)
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 CPU tensor (any dtype: bf16 and fp8 have no numpy)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def fingerprint(checkpoint: Checkpoint, name: str) -> str:

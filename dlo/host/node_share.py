@@ -71,8 +71,8 @@ class SharedBlock:
     tensors: list[torch.Tensor]
     streamed: bool
     """Pinned (streamed every forward); a resident block crosses the link once."""
-    nbytes: int = -1
-    """Its bytes in the shared copy (-1: its raw shard, ``layout.shard_nbytes``)."""
+    nbytes: int | None = None
+    """Its bytes in the shared copy (None: its raw shard, ``layout.shard_nbytes``)."""
     fill: Callable[[torch.Tensor], None] | None = None
     """Writes its bytes into its view of the copy (None: packs ``tensors``); called only on
     the sharer that packs it. With a codec the caller encoded it and exchanged the sizes
@@ -80,7 +80,13 @@ class SharedBlock:
 
     @property
     def copy_nbytes(self) -> int:
-        return self.layout.shard_nbytes if self.nbytes < 0 else self.nbytes
+        return self.layout.shard_nbytes if self.nbytes is None else self.nbytes
+
+
+def packer(position: int, count: int) -> int:
+    """The index, among ``count`` sharers, of the one that packs (and, with a codec,
+    encodes) the block at ``position`` of the shared copy: ``k % L`` (step 2)."""
+    return position % count
 
 
 def sharers(reports: Sequence[RankReport], group: Sequence[int], rank: int) -> list[int]:
@@ -158,7 +164,7 @@ def share_host(
             )
             unpinned = tuple(blocks[i].name for i in report.unpinned_blocks)
         for i, b in enumerate(blocks):
-            if i % count == index:
+            if packer(i, count) == index:
                 faults.check("host_fill")
                 if b.fill is not None:
                     b.fill(region.view(i))
@@ -225,7 +231,7 @@ def share_step(
     types: Sequence[type] = (),
 ) -> list[Any]:
     """Run this rank's part of a step of the node-shared copy and exchange the outcomes:
-    a failure anywhere is one error on every rank (:func:`raise_failed`; alone, the
+    a failure anywhere is one error on every rank (naming every failed rank; alone, the
     exception itself). Returns every rank's value of ``step`` (``empty`` where it failed),
     by rank; alone, ``[its own]``."""
     error, value = "", empty
@@ -244,11 +250,11 @@ def share_step(
         what=what,
         types=types,
     )
-    raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
+    _raise_failed([(r, e) for r, (e, _) in enumerate(replies) if e], rank)
     return [v for _, v in replies]
 
 
-def raise_failed(failed: Sequence[tuple[int, str]], rank: int) -> None:
+def _raise_failed(failed: Sequence[tuple[int, str]], rank: int) -> None:
     """One error on every rank naming every failed rank (``(rank, message)``, from an
     exchange of outcomes)."""
     if failed:

@@ -9,13 +9,8 @@ from pathlib import Path
 
 import torch
 
-from dlo.io.checkpoint import DTYPE_NAMES, bytes_of
+from dlo.io.checkpoint import DTYPE_NAMES, bytes_of, flat_uint8
 from dlo.io.checksums import METADATA_KEY, digests, metadata_value
-
-
-def _data(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 CPU tensor (a view where it is one already)."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
 def write_file(
@@ -31,7 +26,7 @@ def write_file(
     metadata = {"format": "pt", **(metadata or {})}
     if checksums:  # hashed before the header is written (see [Note: checkpoint checksums])
         metadata[METADATA_KEY] = metadata_value(
-            {name: digests(bytes_of(_data(t))) for name, t in tensors}
+            {name: digests(bytes_of(flat_uint8(t))) for name, t in tensors}
         )
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -51,7 +46,7 @@ def write_file(
         f.write(raw)
         for _name, t in tensors:
             if t.numel():
-                f.write(bytes_of(_data(t)))
+                f.write(bytes_of(flat_uint8(t)))
     os.replace(tmp, path)
 
 
