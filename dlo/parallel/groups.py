@@ -18,8 +18,10 @@ same order) and cached for the process lifetime, so re-enabling creates nothing 
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -152,6 +154,17 @@ def init(
     is checked against the world size. ``device`` (default: this rank's GPU, else the CPU)
     decides the backend: NCCL for CUDA, gloo for the CPU.
 
+    [Note: the group dlo creates]
+    A process group dlo initialized is dlo's to tear down: an ``atexit`` handler destroys
+    it while the interpreter is still whole, unless :func:`shutdown` or the user already
+    did. Left to interpreter finalization, gloo's worker threads can still hold tensors
+    whose release needs the GIL, and the process aborts ("terminate called without an
+    active exception", exit -6) after a run that succeeded; NCCL warns that the group was
+    never destroyed. The handler takes no barrier (on a failure path a barrier would wait
+    out the collective timeout for a peer that will not come) and waits at most 30 s for
+    the destroy, so a stuck peer cannot hold this rank's exit. A group the user initialized
+    is the user's.
+
     Raises:
         ValueError: ``par``'s sizes do not multiply to ``WORLD_SIZE`` (naming the fields).
     """
@@ -178,7 +191,31 @@ def init(
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
+    atexit.register(_destroy_at_exit)
     return current_world()
+
+
+def _destroy_at_exit(bound_s: float = 30.0) -> None:
+    """Destroy the process group :func:`init` created, at interpreter exit, waiting at most
+    ``bound_s`` (see [Note: the group dlo creates])."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # shutdown() or the user destroyed it
+    failed: list[BaseException] = []
+
+    def destroy() -> None:
+        try:
+            _GROUPS.clear()
+            dist.destroy_process_group()
+        except BaseException as e:  # exiting anyway: report it, never mask the exit status
+            failed.append(e)
+
+    worker = threading.Thread(target=destroy, name="dlo-destroy-group", daemon=True)
+    worker.start()
+    worker.join(bound_s)
+    if worker.is_alive():
+        logger.warning("dlo: destroying the process group at exit took over %.0f s", bound_s)
+    elif failed:
+        logger.warning("dlo: destroying the process group at exit failed: %r", failed[0])
 
 
 def hsdp_mesh(par: ParallelConfig, device_type: str | None = None) -> Any:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +14,8 @@ import torch.distributed as dist
 import dlo
 from dlo.parallel.groups import axis_groups, build_groups, group_of
 from tests.harness import assert_all_ok, run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_axis_groups_cover_the_world_once() -> None:
@@ -64,3 +70,66 @@ def _mismatch(rank: int, world: int) -> str:
 def test_sizes_not_matching_world_name_the_fields() -> None:
     outs = assert_all_ok(run_ranks(_mismatch, 2, timeout_s=60))
     assert all("data_parallel_size=3" in o and "WORLD_SIZE=2" in o for o in outs)
+
+
+_EXIT_PROGRAM = """
+import atexit, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+import dlo
+
+# registered before dlo's handler, so it runs after it (atexit runs last-in, first-out)
+atexit.register(lambda: print(f"group at exit: {dist.is_initialized()}", flush=True))
+if sys.argv[1] == "user":
+    dist.init_process_group("gloo")
+
+
+class Model(nn.Module):
+    _layerwise_offload_blocks_attrs = ["blocks"]
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+torch.manual_seed(0)
+model = Model()
+backend = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", transfer="allgather"))
+with torch.inference_mode():
+    model(torch.randn(2, 8))
+backend.disable()
+if sys.argv[1] == "user":
+    print(f"user group still there: {dist.is_initialized()}", flush=True)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("who", ["dlo", "user"])
+def test_the_group_dlo_creates_is_destroyed_at_exit(who: str, tmp_path: Path) -> None:
+    # [Note: the group dlo creates]: left to interpreter finalization, gloo can abort a
+    # successful run; a group the user created stays the user's
+    program = tmp_path / "program.py"
+    program.write_text(_EXIT_PROGRAM)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(program), who,
+    ]  # fmt: skip
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("group at exit: False") == 2, done.stdout + done.stderr
+    if who == "user":
+        assert done.stdout.count("user group still there: True") == 2, done.stdout
