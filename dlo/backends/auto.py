@@ -43,6 +43,7 @@ from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.layers import TensorDescription, payload_nbytes
 from dlo.plan.policy import decide
 from dlo.plan.policy_model import Measurements, PolicyDecision, PolicyInput, StackSpec
+from dlo.plan.subclasses import tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan, transfer_groups
 from dlo.platform.device import Platform
 from dlo.runtime import measure
@@ -275,7 +276,7 @@ def _policy_input(
     non_block, to_place = 0, 0
     for _name, t in non_block_state(pipeline, plan, block_tensor_ids):
         local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-        nbytes = local.numel() * local.element_size()
+        nbytes = tensor_nbytes(local)
         non_block += nbytes
         if local.device != platform.device:
             to_place += nbytes

@@ -35,7 +35,8 @@ from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
 from dlo.parallel.groups import World, current_world, group_of
 from dlo.plan.layers import BlockPlan, LayerPlan
-from dlo.plan.layout import BlockLayout
+from dlo.plan.layout import BlockLayout, module_wrappers
+from dlo.plan.subclasses import Wrapped
 from dlo.plan.topology import BlockStack
 from dlo.platform.device import Platform
 from dlo.platform.env import torchrun_env
@@ -67,6 +68,13 @@ class LayerBlock:
     """``disable(restore=True)`` gathered this AllGather block back into ordinary tensors."""
     encoded: EncodedShard | None = None
     """With a codec: the block's host copy, encoded (its region bytes)."""
+    wrapped: list[Wrapped] = field(init=False)
+    """Its wrapper-subclass tensors (``entries`` holds their inner tensors; see [Note:
+    tensor subclasses])."""
+    wrapper_devices: list[torch.device] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.wrapped = module_wrappers(self.module)
 
     @property
     def name(self) -> str:
@@ -330,8 +338,11 @@ class LayerHost:
 
     def release_originals(self, b: LayerBlock) -> None:
         b.original_devices = [t.device for t in b.tensors]
+        b.wrapper_devices = [w.tensor.device for w in b.wrapped]
         for t in b.tensors:
             t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
+        for w in b.wrapped:
+            w.retarget(self.platform.device)
 
     def release_gathered(self, b: LayerBlock) -> None:
         """The undo of an AllGather block's install: its weights go, unless
@@ -348,10 +359,11 @@ class LayerHost:
                 self._lose_mapped(b, e)
             for t, d in zip(b.tensors, data):
                 t.data = d
-            return
-        shard = b.encoded.raw(self.platform.device) if b.encoded else b.host_view()
-        for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
-            t.data = unpack_tensor(shard, spec, dev)
+        else:
+            shard = b.encoded.raw(self.platform.device) if b.encoded else b.host_view()
+            for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
+                t.data = unpack_tensor(shard, spec, dev)
+        restore_wrappers(b)
 
     def _lose_mapped(self, b: LayerBlock, e: Exception) -> NoReturn:
         """A mapped block whose checkpoint can no longer be read (truncated, rewritten, a disk
@@ -390,6 +402,13 @@ class LayerHost:
             )
             return
         copy_back(b.host_view(), written)
+
+
+def restore_wrappers(b: LayerBlock) -> None:
+    """Give ``b``'s wrappers back the devices they had before enable (their inner tensors
+    are back there)."""
+    for w, dev in zip(b.wrapped, b.wrapper_devices):
+        w.retarget(dev)
 
 
 def expected_sharers(parallel: ParallelConfig, world: World, axis: str, size: int) -> int:

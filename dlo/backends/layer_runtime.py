@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dlo import faults
-from dlo.backends.layer_host import LayerBlock, LayerHost
+from dlo.backends.layer_host import LayerBlock, LayerHost, restore_wrappers
 from dlo.backends.model_hooks import (
     gathered_loss,
     install_adapter_refusal,
@@ -22,7 +22,6 @@ from dlo.backends.model_hooks import (
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
     mark_released,
-    move_tensor,
     refuse_released_forward,
 )
 from dlo.codec.codecs import get_codec
@@ -36,6 +35,7 @@ from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
 from dlo.plan.layers import LayerPlan
+from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
@@ -230,8 +230,8 @@ def place_non_block_state(
         if t.device == device or is_dtensor(t):
             continue  # DTensors belong to FSDP2 (see [Note: one owner per parameter])
         origin = t.device
-        t.data = t.data.to(device)
-        moved += t.numel() * t.element_size()
+        move_tensor(t, device)
+        moved += tensor_nbytes(t)
         journal.record("place", functools.partial(move_tensor, t, origin))
     return moved
 
@@ -367,4 +367,5 @@ def restore_gathered(platform: Platform, host: LayerHost, transports: Transports
         assert buffer is not None
         for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
             t.data = unpack_tensor(buffer, spec, dev)
+        restore_wrappers(b)
         b.restored, b.device_buffer = True, None

@@ -76,10 +76,10 @@ from dlo.journal import Journal
 from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
 from dlo.parallel.groups import World, axis_groups, current_world, group_of, init
 from dlo.parallel.store import announce, describe_failure, exchanges_started, startup_failed
-from dlo.plan.checks import check_blocks
+from dlo.plan.checks import block_entries, check_blocks
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layers import LayerPlan, TensorDescription, check_stacks, plan_layers
-from dlo.plan.layout import describe_entries, module_tensor_entries
+from dlo.plan.layout import describe_entries
 from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
 from dlo.platform.device import Platform
 from dlo.platform.env import host_name, process_peak_rss_bytes, torchrun_env
@@ -221,7 +221,8 @@ class LayerwiseBackend(OffloadBackend):
         sizing_error: Exception | None = None
         try:
             entries = {
-                p: module_tensor_entries(get_by_path(pipeline, p)) for p in plan.all_block_paths
+                p: block_entries(p, get_by_path(pipeline, p), rank=world.rank)
+                for p in plan.all_block_paths
             }
             tensors = {p: describe_entries(e) for p, e in entries.items()}
         except Exception as e:

@@ -22,7 +22,7 @@ from dlo.host.mapped import MappedBlock
 from dlo.host.shards import shard_view
 from dlo.journal import Journal
 from dlo.plan.declarations import get_by_path
-from dlo.plan.layout import BlockLayout
+from dlo.plan.layout import BlockLayout, module_wrappers
 
 # id -> (weak reference, why) of tensors whose bytes a disable could not restore (an
 # AllGather rank held 1/G of them; a mapped block's checkpoint changed). Keyed by id because
@@ -91,11 +91,6 @@ def check_not_released(named: list[tuple[str, torch.Tensor]], *, rank: int) -> N
         )
 
 
-def move_tensor(t: torch.Tensor, device: torch.device) -> None:
-    """Move one tensor in place (same Python object); the undo of a device placement."""
-    t.data = t.data.to(device)
-
-
 def install_state_dict_hooks(
     registry: HookRegistry,
     module: nn.Module,
@@ -123,6 +118,7 @@ def install_state_dict_hooks(
     """
     # weak, by identity: a replaced tensor may die and its id be reused
     index = {id(t): (i, weakref.ref(t)) for i, t in enumerate(tensors)}
+    wrapped = {id(w.tensor): (w, weakref.ref(w.tensor)) for w in module_wrappers(module)}
 
     def state_dict_hook(mod: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         if layout.group_size > 1:
@@ -136,19 +132,28 @@ def install_state_dict_hooks(
         named = itertools.chain(
             mod.named_parameters(remove_duplicate=False), mod.named_buffers(remove_duplicate=False)
         )
-        raw: torch.Tensor | None = None  # an encoded block, decoded once per call
+        raw: list[torch.Tensor] = []  # an encoded block, decoded once per call
+
+        def host_tensor(i: int) -> torch.Tensor:
+            if isinstance(shard, MappedBlock):
+                t = shard.tensor(i)
+            elif isinstance(shard, EncodedShard):
+                raw[:] = raw or [shard.raw()]
+                t = shard_view(raw[0], layout.tensors[i])  # private memory already
+            else:
+                t = shard_view(shard, layout.tensors[i])
+            return t.clone() if copy else t
+
         for local, t in named:
-            i, ref = index.get(id(t), (-1, None))
             key = prefix + local
-            if ref is not None and ref() is t and key in state_dict:
-                if isinstance(shard, MappedBlock):
-                    t = shard.tensor(i)
-                elif isinstance(shard, EncodedShard):
-                    raw = shard.raw() if raw is None else raw
-                    t = shard_view(raw, layout.tensors[i])  # private memory already
-                else:
-                    t = shard_view(shard, layout.tensors[i])
-                state_dict[key] = t.clone() if copy else t
+            if key not in state_dict:
+                continue
+            i, ref = index.get(id(t), (-1, None))
+            w, wref = wrapped.get(id(t), (None, None))
+            if ref is not None and ref() is t:
+                state_dict[key] = host_tensor(i)
+            elif w is not None and wref is not None and wref() is t:  # [Note: tensor subclasses]
+                state_dict[key] = w.rebuild(lambda x: host_tensor(index[id(x)][0]))
 
     registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
     registry.register_load_state_dict_pre_hook(module, LOAD_REFUSAL, _refuse_load(name, rank))

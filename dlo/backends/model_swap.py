@@ -42,7 +42,6 @@ from dlo.backends.model_hooks import (
     install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
-    move_tensor,
 )
 from dlo.config.fields import COMPONENTS
 from dlo.config.offload import OffloadConfig
@@ -61,6 +60,7 @@ from dlo.plan.layout import (
     describe_entries,
     module_tensor_entries,
 )
+from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan, every_component, resolve_offload_plan
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer
@@ -184,7 +184,7 @@ class ModelSwapBackend(OffloadBackend):
         comps = [(p, get_by_path(pipeline, p)) for p, _ in units_paths]
         residents = [(p, get_by_path(pipeline, p)) for p in (*plan.vaes, *kept)]
         claim_components(comps + residents, owner, journal)
-        check_blocks(comps, every_component(pipeline, plan))
+        check_blocks(comps, every_component(pipeline, plan), wrappers=False)
         entries = {p: module_tensor_entries(m) for p, m in comps}
         check_not_released([(f"{p}.{n}", t) for p, e in entries.items() for n, _, t in e], rank=0)
         faults.check("manifest_build")
@@ -279,8 +279,8 @@ class ModelSwapBackend(OffloadBackend):
         for t in [p for p in module.parameters()] + [b for b in module.buffers()]:
             if t.device != device:
                 origin = t.device
-                t.data = t.data.to(device)
-                self._vae_nbytes += t.numel() * t.element_size()
+                move_tensor(t, device)
+                self._vae_nbytes += tensor_nbytes(t)
                 journal.record("place", functools.partial(move_tensor, t, origin))
 
     def _restore(self, u: _Unit) -> None:

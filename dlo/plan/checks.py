@@ -2,7 +2,7 @@
 
 Everything here reads module structure and tensor metadata only; it raises a clear error
 for every case of FAULTS.md section A that dlo refuses: meta tensors (listing every name),
-tensor-subclass parameters (DTensor and friends), inference tensors, parameters shared
+tensor subclasses other than traceable wrappers (DTensor and friends), inference tensors, parameters shared
 between two blocks or between a block and a non-block module (by object, or distinct tensors
 sharing one storage), and modules managed by another offloader.
 """
@@ -19,10 +19,32 @@ from torch import nn
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import find_foreign_offloaders
 from dlo.plan.declarations import get_by_path
-from dlo.plan.layout import module_tensor_entries
+from dlo.plan.layout import module_tensor_entries, module_wrappers
+from dlo.plan.subclasses import Wrapped, leaf_tensors
 from dlo.plan.topology import ResolvedOffloadPlan
 
 _PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def block_entries(
+    name: str, module: nn.Module, *, rank: int = 0
+) -> list[tuple[str, str, torch.Tensor]]:
+    """:func:`~dlo.plan.layout.module_tensor_entries` of block ``name``.
+
+    Raises:
+        OffloadError: a tensor subclass whose inner tensors dlo cannot read (naming it).
+    """
+    try:
+        return module_tensor_entries(module)
+    except TypeError as e:
+        raise OffloadError(str(e), rank=rank, block=name) from e
+
+
+def _wrappers(name: str, module: nn.Module, *, rank: int) -> list[Wrapped]:
+    try:
+        return module_wrappers(module)
+    except TypeError as e:
+        raise OffloadError(str(e), rank=rank, block=name) from e
 
 
 def check_blocks(
@@ -30,8 +52,10 @@ def check_blocks(
     components: Sequence[tuple[str, nn.Module]],
     *,
     rank: int = 0,
+    wrappers: bool = True,
 ) -> None:
     """Refuse blocks dlo cannot stream; ``components`` are the modules that own them.
+    ``wrappers=False`` refuses wrapper subclasses too (see [Note: tensor subclasses]).
 
     Raises:
         OffloadError: naming every offending tensor or module.
@@ -48,13 +72,28 @@ def check_blocks(
             "(dlo owns streamed blocks alone)",
             rank=rank,
         )
+    if not wrappers:
+        found = [
+            f"{b}.{w.name} ({type(w.tensor).__name__})"
+            for b, m in blocks
+            for w in module_wrappers(m)
+        ]
+        if found:
+            raise OffloadError(
+                "model-level swap moves plain tensors only; these are tensor subclasses: "
+                + ", ".join(found)
+                + " (mode='layer' streams them as stored)",
+                rank=rank,
+            )
     meta: list[str] = []
     subclass: list[str] = []
     inference: list[str] = []
     owner: dict[int, str] = {}
     storage_owner: dict[tuple[torch.device, int], str] = {}
     for bname, mod in blocks:
-        for tname, _kind, t in module_tensor_entries(mod):
+        for w in _wrappers(bname, mod, rank=rank):  # the block's, like its inner tensors
+            owner.setdefault(id(w.tensor), f"{bname}.{w.name}")
+        for tname, _kind, t in block_entries(bname, mod, rank=rank):
             full = f"{bname}.{tname}"
             if t.is_meta:
                 meta.append(full)
@@ -90,8 +129,9 @@ def check_blocks(
         )
     if subclass:
         raise OffloadError(
-            "tensor-subclass parameters cannot be streamed (dlo moves plain dense tensors "
-            "as bytes): " + ", ".join(subclass),
+            "these tensor subclasses cannot be streamed (dlo streams plain tensors and "
+            "traceable wrapper subclasses, such as torchao's, through their inner tensors; "
+            "a DTensor belongs to FSDP2 or tensor parallelism): " + ", ".join(subclass),
             rank=rank,
         )
     if inference:
@@ -156,7 +196,7 @@ def non_block_tensors(
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for name, t in _all_named_tensors(component):
-        if id(t) in block_tensor_ids or id(t) in seen:
+        if id(t) in seen or any(id(x) in block_tensor_ids for x in leaf_tensors(t)):
             continue
         seen.add(id(t))
         out.append((name, t))

@@ -26,12 +26,15 @@ layouts past 2**31 elements are computed exactly.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from dlo.plan.subclasses import Wrapped, flatten, is_wrapper
 
 ALIGN = 256
 """Byte alignment of every tensor inside a block and of every slice."""
@@ -223,19 +226,40 @@ def module_tensor_entries(
 ) -> list[tuple[str, str, torch.Tensor]]:
     """``(name, kind, tensor)`` of every parameter and buffer a block owns, in layout order.
 
-    Shared parameters appear once (under their first name); ``None`` buffers are skipped.
-    Reads only metadata, so it works on the meta device.
+    Shared parameters appear once (under their first name); ``None`` buffers are skipped. A
+    traceable wrapper subclass (a torchao quantized weight) appears as its plain inner
+    tensors, ``<name>.<attribute>`` (see [Note: tensor subclasses]). Reads only metadata, so
+    it works on the meta device.
+
+    Raises:
+        TypeError: a wrapper whose inner tensors dlo cannot read (naming it).
     """
     out: list[tuple[str, str, torch.Tensor]] = []
     seen: set[int] = set()
-    for pname, p in module.named_parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            out.append((pname, "param", p))
-    for bname, b in module.named_buffers():
-        if b is not None and id(b) not in seen:
-            seen.add(id(b))
-            out.append((bname, "buffer", b))
+    named = itertools.chain(
+        ((n, "param", p) for n, p in module.named_parameters()),
+        ((n, "buffer", b) for n, b in module.named_buffers() if b is not None),
+    )
+    for name, kind, t in named:
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        if is_wrapper(t):
+            out.extend((leaf, kind, x) for leaf, x in flatten(name, t).leaves())
+        else:
+            out.append((name, kind, t))
+    return out
+
+
+def module_wrappers(module: nn.Module) -> list[Wrapped]:
+    """The wrapper-subclass tensors a block owns (see [Note: tensor subclasses]), each once."""
+    out: list[Wrapped] = []
+    seen: set[int] = set()
+    named = itertools.chain(module.named_parameters(), module.named_buffers())
+    for name, t in named:
+        if t is not None and id(t) not in seen and is_wrapper(t):
+            seen.add(id(t))
+            out.append(flatten(name, t))
     return out
 
 
