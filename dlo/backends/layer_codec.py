@@ -1,11 +1,22 @@
 """The codec of one layerwise enable: blocks encoded before the host region exists (their
 sizes are known only then), laid into it, and decoded whole for disable and ``state_dict``
-(see [Note: encoded blocks] in :mod:`dlo.codec.format`)."""
+(see [Note: encoded blocks] in :mod:`dlo.codec.format`).
+
+[Note: released as encoded]
+A whole block (group size 1) encoded at enable releases the model's originals as soon as
+its pieces are held, so the host never holds the model and every encoded block at once:
+the peak is about the larger of the two, plus one raw shard. Until the block is laid into
+the host region, a failed enable rebuilds it from its pieces (:meth:`HostCodec.pending_raw`);
+once laid, from the region, which the journal closes only after every release is undone.
+A block read from an encoded checkpoint keeps its originals until it is laid (they alias
+the checkpoint file; nothing to gain), and so do AllGather slices (the region holds 1/G).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,10 +66,13 @@ class HostCodec:
     def bitstream(self) -> str:
         return self.codec.bitstream
 
-    def encode(self, blocks: Sequence[Block]) -> dict[int, int]:
+    def encode(
+        self, blocks: Sequence[Block], released: Callable[[int], Any] | None = None
+    ) -> dict[int, int]:
         """Encode ``blocks``, or find them in an encoded checkpoint (held until
         :meth:`lay`); returns each one's encoded bytes by manifest position. Host memory:
-        one raw shard and the encoded pieces of the blocks encoded here."""
+        one raw shard and the encoded pieces of the blocks encoded here. ``released(index)``
+        is called as soon as a block's pieces are held (see [Note: released as encoded])."""
         scratch: torch.Tensor | None = None
         for index, name, layout, tensors, group_rank in progress(
             blocks, desc="dlo: encode", total=len(blocks), unit="block"
@@ -74,7 +88,23 @@ class HostCodec:
             self._pending[index] = encode_block(
                 self.platform, self.codec, name, layout, tensors, scratch, group_rank
             )
+            if released is not None:
+                released(index)
         return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
+
+    def holds(self, index: int) -> bool:
+        """Block ``index``'s encoded pieces are held, not laid yet."""
+        entry = self._pending.get(index)
+        return entry is not None and not callable(entry[1])
+
+    def pending_raw(self, index: int, device: torch.device) -> torch.Tensor:
+        """Block ``index``'s raw shard, decoded from its pieces held (the rebuild of a block
+        released as encoded, when the enable fails before it is laid)."""
+        enc, datas = self._pending[index]
+        assert not callable(datas)
+        buffer = torch.empty(enc.nbytes, dtype=torch.uint8)
+        write_pieces(buffer, enc, datas)
+        return self.shard(enc, buffer).raw(device)
 
     def _origin(
         self, index: int, layout: BlockLayout, tensors: Sequence[torch.Tensor]
@@ -176,6 +206,23 @@ class HostCodec:
         Raises:
             ValueError: no block of group size 1 comes from a checkpoint.
         """
+        return [
+            write_encoded(d / ENCODED_FILE, self.bitstream, items)
+            for d, items in self._by_directory(blocks).items()
+        ]
+
+    def save_targets(self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard]]) -> list[Path]:
+        """The files :meth:`save` would write, writing nothing (every rank can check them:
+        each records every block's origin).
+
+        Raises:
+            ValueError: as :meth:`save`.
+        """
+        return [d / ENCODED_FILE for d in self._by_directory(blocks)]
+
+    def _by_directory(
+        self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard]]
+    ) -> dict[Path, list[tuple[BlockLayout, Origin, EncodedLayout, torch.Tensor]]]:
         by_dir: dict[Path, list[tuple[BlockLayout, Origin, EncodedLayout, torch.Tensor]]] = {}
         for layout, index, shard in blocks:
             origin = self.origins.get(index)
@@ -189,9 +236,7 @@ class HostCodec:
                 "aliases a checkpoint: load the model with dlo.load_pipeline (not copy=True, "
                 "and with torch_dtype the stored dtype or None: a tensor cast on load is a copy)"
             )
-        return [
-            write_encoded(d / ENCODED_FILE, self.bitstream, items) for d, items in by_dir.items()
-        ]
+        return by_dir
 
     def forget(self) -> None:
         """Drop encoded pieces not laid yet (a failed enable)."""

@@ -36,7 +36,7 @@ from dlo.parallel.agreement import RankReport
 from dlo.parallel.groups import World, current_world, group_of
 from dlo.plan.layers import BlockPlan, LayerPlan
 from dlo.plan.layout import BlockLayout, module_wrappers
-from dlo.plan.subclasses import Wrapped
+from dlo.plan.subclasses import Wrapped, retarget_all
 from dlo.plan.topology import BlockStack
 from dlo.platform.device import Platform
 from dlo.platform.env import torchrun_env
@@ -72,6 +72,8 @@ class LayerBlock:
     """Its wrapper-subclass tensors (``entries`` holds their inner tensors; see [Note:
     tensor subclasses])."""
     wrapper_devices: list[torch.device] = field(default_factory=list)
+    released: bool = False
+    """The model's originals were released (their bytes are in the host copy)."""
 
     def __post_init__(self) -> None:
         self.wrapped = module_wrappers(self.module)
@@ -162,17 +164,23 @@ class LayerHost:
                 ckpt.retain()
                 journal.record("checkpoint files", ckpt.release)
         sizes = plan.region_nbytes
+        # closed after every release below is undone: a block laid into the region is
+        # rebuilt from it (see [Note: released as encoded] in dlo.backends.layer_codec)
+        journal.record("host region", self._close_region)
         todo = [(i, self.blocks[i]) for i in plan.encoded if not self.blocks[i].node_shared]
         if todo:  # sizes known once encoded
             shards = [
                 (i, b.name, b.layout, b.tensors, group_rank(b.stack.group_axis)) for i, b in todo
             ]
-            for i, n in self._codec(journal).encode(shards).items():
+
+            def released(i: int) -> None:
+                if self.blocks[i].layout.group_size == 1:
+                    self.release(self.blocks[i], journal)
+
+            for i, n in self._codec(journal).encode(shards, released).items():
                 sizes[i] = n
         with atomic():  # [Note: interrupts during enable] in dlo.journal
-            region = HostRegion(sizes)
-            self.region = region
-            journal.record("host region", region.close)
+            region = self.region = HostRegion(sizes)
         if self.config.pin_memory:  # each block pinned once filled, behind the next fills
             with atomic():
                 pins = self._pins = region.pin_as_filled(
@@ -197,8 +205,12 @@ class LayerHost:
                 pack_block(region.view(i), b.layout, group_rank(b.stack.group_axis), b.tensors)
             if self._pins is not None:
                 self._pins.filled(i)
-            if b.layout.group_size == 1:
+            if b.layout.group_size == 1 and not b.released:
                 self.release(b, journal)
+
+    def _close_region(self) -> None:
+        if self.region is not None:
+            self.region.close()
 
     def _codec(self, journal: Journal) -> HostCodec:
         """The codec of the encoded blocks, made once (one codec per enable: ``"ans"``)."""
@@ -334,15 +346,14 @@ class LayerHost:
         rebuild from the host copy."""
         with atomic():
             self.release_originals(b)
+            b.released = True
             journal.record(f"release {b.name}", functools.partial(self.restore, b))
 
     def release_originals(self, b: LayerBlock) -> None:
         b.original_devices = [t.device for t in b.tensors]
-        b.wrapper_devices = [w.tensor.device for w in b.wrapped]
+        wrappers_to(b, self.platform.device)  # first: it may fail, nothing lost yet
         for t in b.tensors:
             t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
-        for w in b.wrapped:
-            w.retarget(self.platform.device)
 
     def release_gathered(self, b: LayerBlock) -> None:
         """The undo of an AllGather block's install: its weights go, unless
@@ -360,10 +371,19 @@ class LayerHost:
             for t, d in zip(b.tensors, data):
                 t.data = d
         else:
-            shard = b.encoded.raw(self.platform.device) if b.encoded else b.host_view()
+            shard = self._raw_copy(b)
             for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
                 t.data = unpack_tensor(shard, spec, dev)
         restore_wrappers(b)
+
+    def _raw_copy(self, b: LayerBlock) -> torch.Tensor:
+        """``b``'s whole-block host copy as raw bytes: decoded from its encoded copy, or from
+        its pieces not laid yet (released as encoded), else its region bytes."""
+        if b.encoded is not None:
+            return b.encoded.raw(self.platform.device)
+        if self.codec is not None and self.codec.holds(b.index):
+            return self.codec.pending_raw(b.index, self.platform.device)
+        return b.host_view()
 
     def _lose_mapped(self, b: LayerBlock, e: Exception) -> NoReturn:
         """A mapped block whose checkpoint can no longer be read (truncated, rewritten, a disk
@@ -404,11 +424,17 @@ class LayerHost:
         copy_back(b.host_view(), written)
 
 
+def wrappers_to(b: LayerBlock, device: torch.device) -> None:
+    """Record where ``b``'s wrappers are and make them report ``device``, where their
+    inner tensors go (see [Note: tensor subclasses])."""
+    b.wrapper_devices = [w.tensor.device for w in b.wrapped]
+    retarget_all(b.wrapped, [device] * len(b.wrapped))
+
+
 def restore_wrappers(b: LayerBlock) -> None:
     """Give ``b``'s wrappers back the devices they had before enable (their inner tensors
     are back there)."""
-    for w, dev in zip(b.wrapped, b.wrapper_devices):
-        w.retarget(dev)
+    retarget_all(b.wrapped, b.wrapper_devices)
 
 
 def expected_sharers(parallel: ParallelConfig, world: World, axis: str, size: int) -> int:

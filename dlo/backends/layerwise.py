@@ -422,23 +422,23 @@ class LayerwiseBackend(OffloadBackend):
         )
 
     # ------------------------------------------------------------------ telemetry
-    def save_encoded(self) -> list[Path]:
+    def save_encoded(self, *, dry_run: bool = False) -> list[Path]:
         """Write the encoded blocks (``codec`` on, group size 1) as encoded checkpoints, one
         beside each checkpoint they were loaded from, so later enables read them instead of
         encoding (see [Note: encoded checkpoint] in :mod:`dlo.codec.offline`). Call it on
-        one rank: every rank of a group of one holds the same encoded blocks.
+        one rank: every rank of a group of one holds the same encoded blocks; the others may
+        check with ``dry_run=True``, which writes nothing and raises the same errors.
 
         Returns:
-            The files written.
+            The files written (or that would be).
         Raises:
             ValueError: not enabled, no codec, or no encoded block comes from a checkpoint.
         """
         host = self._state.host
         if not self.is_enabled() or host is None or host.codec is None:
             raise ValueError("save_encoded needs an enabled backend with codec='ans' blocks")
-        return host.codec.save(
-            [(b.layout, b.index, b.encoded) for b in host.blocks if b.encoded is not None]
-        )
+        blocks = [(b.layout, b.index, b.encoded) for b in host.blocks if b.encoded is not None]
+        return host.codec.save_targets(blocks) if dry_run else host.codec.save(blocks)
 
     def stats(self) -> dict[str, Any]:
         """Plain-value statistics (DESIGN.md section 2); synchronizes the device."""

@@ -3,8 +3,9 @@
 Encoding a block takes one raw shard on the host (packed from the model's tensors) and, on
 CUDA, one on the device; its encoded pieces are kept (pageable, outside the ledger) until
 the caller lays every block's pieces into the host region, which exists only once every size
-is known (see [Note: encoded blocks] in :mod:`dlo.codec.format`): at the peak of enable the
-host holds the model's tensors and every encoded piece.
+is known (see [Note: encoded blocks] in :mod:`dlo.codec.format`); the caller releases a
+whole block's originals once its pieces are held (see [Note: released as encoded] in
+:mod:`dlo.backends.layer_codec`).
 """
 
 from __future__ import annotations

@@ -290,12 +290,12 @@ def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -
     if not backend.stats()["host_encoded_nbytes"]:
         backend.disable()
         raise ValueError("save_encoded needs an enabled backend with codec='ans' blocks")
-    if not rank0:
-        return
-    try:
-        paths = backend.save_encoded()
+    try:  # rank 0 writes; the others check the same (no rank goes on while rank 0 fails)
+        paths = backend.save_encoded(dry_run=not rank0)
     except BaseException:
         backend.disable()  # the run ends here: nothing stays enabled behind the error
         raise
+    if not rank0:
+        return
     for path in paths:
         print(f"dlo: encoded blocks written to {path}", file=sys.stderr, flush=True)

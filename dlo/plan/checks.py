@@ -154,7 +154,11 @@ def check_blocks(
                 if t is None:
                     continue
                 where = ".".join(p for p in (cname, mname, tname) if p)
-                other = owner.get(id(t))
+                try:  # a wrapper: its inner tensors too (see [Note: tensor subclasses])
+                    leaves = leaf_tensors(t)
+                except TypeError as e:
+                    raise OffloadError(f"non-block {where}: {e}", rank=rank) from e
+                other = next((o for x in (t, *leaves) if (o := owner.get(id(x)))), None)
                 if other is not None:
                     raise OffloadError(
                         f"tensor shared between block tensor {other} and non-block {where}; "
@@ -162,8 +166,8 @@ def check_blocks(
                         "block resident)",
                         rank=rank,
                     )
-                key = _storage_key(t) if type(t) in _PLAIN else None
-                other = storage_owner.get(key) if key is not None else None
+                keys = [_storage_key(x) for x in leaves if type(x) in _PLAIN]
+                other = next((o for k in keys if k and (o := storage_owner.get(k))), None)
                 if other is not None:
                     raise OffloadError(
                         f"block tensor {other} and non-block {where} share one storage (one "

@@ -22,7 +22,7 @@ swap refuses wrappers in the components it swaps (its units move plain tensors o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,11 +135,29 @@ def retarget(t: torch.Tensor, device: torch.device, *, name: str = "") -> None:
 
 def move_tensor(t: torch.Tensor, device: torch.device) -> None:
     """Move one tensor in place (the same Python object): a plain tensor's data, or a
-    wrapper's inner tensors and then the wrapper. Also the undo of a device placement."""
+    wrapper's inner tensors and the wrapper, all or none of them. Also the undo of a
+    device placement."""
     if not is_wrapper(t):
         t.data = t.data.to(device)
         return
     w = flatten("", t)
-    for _, x in w.leaves():
-        x.data = x.data.to(device)
-    w.retarget(device)
+    leaves = [x for _, x in w.leaves()]
+    moved = [x.data.to(device) for x in leaves]  # may fail (memory): nothing changed yet
+    retarget_all([w], [device])
+    for x, data in zip(leaves, moved):
+        x.data = data
+
+
+def retarget_all(wrapped: Sequence[Wrapped], devices: Sequence[torch.device]) -> None:
+    """Retarget each of ``wrapped`` to its device, all or none: a failure puts back the
+    ones already moved before it raises."""
+    done: list[tuple[Wrapped, torch.device]] = []
+    try:
+        for w, dev in zip(wrapped, devices):
+            before = w.tensor.device
+            w.retarget(dev)
+            done.append((w, before))
+    except BaseException:
+        for w, before in reversed(done):
+            w.retarget(before)
+        raise

@@ -109,7 +109,9 @@ def test_codec_per_component_with_the_demo_pipeline() -> None:
     assert torch.equal(pipe.generate(ids, latents, 2), ref)
 
 
-@pytest.mark.parametrize(("point", "after"), [("encode", 0), ("encode", 2), ("decode", 0)])
+@pytest.mark.parametrize(
+    ("point", "after"), [("encode", 0), ("encode", 2), ("host_fill", 3), ("decode", 0)]
+)
 def test_an_encode_or_decode_failure_rolls_back_everything(point: str, after: int) -> None:
     model = ToyPipeline()
     before = snapshot(model)
@@ -132,6 +134,27 @@ def test_an_encode_or_decode_failure_rolls_back_everything(point: str, after: in
     x = torch.randn(2, 5, 16)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
+    b.disable()
+
+
+def test_blocks_are_released_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: released as encoded]: when block k is encoded, the k blocks before it hold
+    no original any more (the host never holds the model and every encoded block)."""
+    import dlo.backends.layer_codec as layer_codec
+
+    model = ToyDiT(5)
+    released: list[int] = []
+    real = layer_codec.encode_block
+
+    def encode_block(*args: Any, **kw: Any) -> Any:
+        released.append(sum(blk.lin.weight.numel() == 0 for blk in model.blocks))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(layer_codec, "encode_block", encode_block)
+    ref = _run(clone(model), 2)
+    b = _enable(model)
+    assert released == [0, 1, 2, 3, 4]
+    assert all(torch.equal(x, y) for x, y in zip(ref, _run(model, 2)))
     b.disable()
 
 

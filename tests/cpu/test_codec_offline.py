@@ -5,6 +5,7 @@ fails the enable, which rolls back. CPU platform (the reference codec)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import logging
@@ -21,6 +22,7 @@ import dlo.backends.layer_codec as layer_codec
 import dlo.io.checksums
 from dlo.cli import main
 from dlo.codec.offline import ENCODED_FILE, METADATA_KEY
+from dlo.commands.run_flags import save_encoded_if_asked
 from dlo.host.region import LEDGER
 from dlo.io.writer import save_checkpoint
 from dlo.models import build_pipeline, make_inputs
@@ -183,7 +185,21 @@ def test_save_encoded_needs_encoded_blocks_from_a_checkpoint(ckpt: Path) -> None
         backend.save_encoded()  # type: ignore[attr-defined]
 
 
-def _node_shared(rank: int, world: int, path: str) -> dict[str, Any]:
+def test_save_encoded_dry_run_checks_without_writing(ckpt: Path) -> None:
+    _, backend, _ = _load(ckpt)
+    (target,) = backend.save_encoded(dry_run=True)
+    assert target == ckpt.parent / ENCODED_FILE and not target.exists()
+    backend.disable()
+    # --save-encoded on a rank other than 0: the same refusal as rank 0's, and disabled
+    pipe = build_pipeline("tiny", dtype=DTYPE)
+    backend = dlo.enable_offload(pipe, _cfg(), device="cpu")
+    args = argparse.Namespace(save_encoded=True)
+    with pytest.raises(ValueError, match="no encoded block of group size 1"):
+        save_encoded_if_asked(args, backend, rank0=False)
+    assert not backend.is_enabled() and (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def _node_shared(rank: int, world: int, path: str, save: bool = False) -> dict[str, Any]:
     pipe, backend = load_pipeline(
         _factory(),
         path,
@@ -195,8 +211,16 @@ def _node_shared(rank: int, world: int, path: str) -> dict[str, Any]:
     ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
     out = pipe.generate(ids, lat, 2)
     st = backend.stats()
+    written = backend.save_encoded(dry_run=rank != 0) if save else []
+    encoded = len([b for b in backend._blocks if b.encoded is not None])
     backend.disable()
-    return {"out": out, "read": st["encoded_read_blocks"], "ledger": LEDGER.host_nbytes}
+    return {
+        "out": out,
+        "read": st["encoded_read_blocks"],
+        "ledger": LEDGER.host_nbytes,
+        "written": [str(p) for p in written],
+        "encoded": encoded,
+    }
 
 
 def test_node_shared_sharers_read_their_blocks_from_the_encoded_checkpoint(
@@ -209,6 +233,24 @@ def test_node_shared_sharers_read_their_blocks_from_the_encoded_checkpoint(
     )
     assert all(torch.equal(r["out"], ref) and r["ledger"] == 0 for r in res)
     assert sorted(r["read"] for r in res) == [n // 2, n - n // 2]  # each its 1/L
+
+
+def test_a_node_shared_backend_saves_every_block_for_the_next_enable(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    """Each sharer encodes 1/L of the blocks; rank 0 writes all of them (it holds every
+    encoded block's table and origin); the next enable reads them all, bitwise."""
+    env = {"DLO_SHM_DIR": str(tmp_path)}
+    first = assert_all_ok(run_ranks(_node_shared, 2, str(ckpt), True, timeout_s=120, env=env))
+    path = ckpt.parent / ENCODED_FILE
+    assert [r["written"] for r in first] == [[str(path)], [str(path)]] and path.exists()
+    assert [r["read"] for r in first] == [0, 0]
+    n = first[0]["encoded"]
+    assert n > 0 and first[1]["encoded"] == n
+    again = assert_all_ok(run_ranks(_node_shared, 2, str(ckpt), timeout_s=120, env=env))
+    ref = _ref()
+    assert all(torch.equal(r["out"], ref) and r["ledger"] == 0 for r in first + again)
+    assert sum(r["read"] for r in again) == n
 
 
 def test_run_save_encoded_writes_them_for_the_next_run(

@@ -18,6 +18,7 @@ import dlo
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.errors import OffloadError
 from dlo.host.region import LEDGER
+from dlo.plan import subclasses
 from dlo.plan.layout import module_tensor_entries, module_wrappers
 from dlo.plan.subclasses import flatten, leaf_tensors, move_tensor, tensor_nbytes
 from dlo.platform.device import CpuPlatform
@@ -137,14 +138,38 @@ def test_quantized_blocks_stream_as_stored(
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
-def _gathered(rank: int, world: int, transfer: str, kind: str) -> dict[str, Any]:
+class _Retargets:
+    """Counts the retargets of block wrappers (named; non-block ones are moved unnamed):
+    on the CPU every device is the same, so the count is what shows they happen."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        real = subclasses.Wrapped.retarget
+
+        def retarget(w: subclasses.Wrapped, device: torch.device) -> None:
+            if w.name:
+                self.calls.append(w.name)
+            real(w, device)
+
+        subclasses.Wrapped.retarget = retarget  # type: ignore[method-assign]
+
+
+def _gathered(rank: int, world: int, transfer: str, kind: str, resident: int) -> dict[str, Any]:
     xs = _xs(rank)
     want = _run(QDiT(kind, 5), xs)
     model = QDiT(kind, 5)
     before = _inner(model)
-    cfg = dlo.OffloadConfig(mode="layer", transfer=transfer, chunk_mb=1, collective_timeout_s=20.0)
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        transfer=transfer,
+        chunk_mb=1,
+        collective_timeout_s=20.0,
+        resident_layers=resident,
+    )
     b = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    spy = _Retargets()  # in this rank's process only
     b.enable(model)
+    enabled = len(spy.calls)
     got = _run(model, xs)
     st = b.stats()
     b.disable(restore=True)
@@ -158,18 +183,26 @@ def _gathered(rank: int, world: int, transfer: str, kind: str) -> dict[str, Any]
         "transfer": st["transfer"],
         "restored": restored,
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+        "retargets": (enabled, len(spy.calls) - enabled),
     }
 
 
 @pytest.mark.parametrize(
-    ("world", "transfer", "kind"),
-    [(2, "allgather", "int8"), (3, "allgather", "fp8"), (2, "node-shared", "int8")],
+    ("world", "transfer", "kind", "resident"),
+    [
+        (2, "allgather", "int8", 0),
+        (2, "allgather", "int8", 1),
+        (3, "allgather", "fp8", 0),
+        (2, "node-shared", "int8", 0),
+    ],
 )
-def test_quantized_blocks_across_ranks(world: int, transfer: str, kind: str) -> None:
-    res = assert_all_ok(run_ranks(_gathered, world, transfer, kind, timeout_s=180))
+def test_quantized_blocks_across_ranks(world: int, transfer: str, kind: str, resident: int) -> None:
+    res = assert_all_ok(run_ranks(_gathered, world, transfer, kind, resident, timeout_s=180))
     for rank, r in enumerate(res):
         assert r["same"] and r["restored"], rank
         assert r["transfer"] == transfer and r["ledger"] == (0, 0), rank
+        # every block wrapper (5 blocks x 2 weights) to the device at enable, and back
+        assert r["retargets"] == (10, 10), (rank, r["retargets"])
 
 
 def test_model_swap_refuses_wrappers_naming_them() -> None:
@@ -253,3 +286,48 @@ def test_compiled_quantized_blocks_are_bitwise_without_recompiles(kind: str) -> 
     assert all(torch.equal(a, c) for a, c in zip(want, again))
     assert first == counter.frame_count == ref_counter.frame_count
     b.disable()
+
+
+def test_a_failed_retarget_loses_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapper torch will not move (the third one here) fails the enable, which rolls
+    back: every wrapper and inner tensor as before, nothing held."""
+    model = QDiT("int8", 3)
+    before = _inner(model)
+    xs = _xs()
+    want = _run(QDiT("int8", 3), xs)
+    calls: list[str] = []
+    real = subclasses.retarget
+
+    def retarget(t: torch.Tensor, device: torch.device, *, name: str = "") -> None:
+        calls.append(name)
+        if len(calls) == 3:
+            raise TypeError(f"{name} cannot move (injected)")
+        real(t, device, name=name)
+
+    monkeypatch.setattr(subclasses, "retarget", retarget)
+    with pytest.raises(TypeError, match="injected"):
+        dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
+    _assert_inner_same(before, model)
+    assert all(torch.equal(a, c) for a, c in zip(want, _run(model, xs)))
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    # move_tensor: all or nothing too
+    w = model.head.weight
+    leaves = [(id(x), x.data_ptr()) for x in leaf_tensors(w)]
+    calls[:] = ["", ""]  # the next call is the third: it fails
+    with pytest.raises(TypeError, match="injected"):
+        move_tensor(w, torch.device("cpu"))
+    assert [(id(x), x.data_ptr()) for x in leaf_tensors(w)] == leaves
+
+
+def test_a_non_block_wrapper_sharing_a_block_tensor_is_refused() -> None:
+    model = QDiT("int8", 2)
+    model.head.weight.scale = model.blocks[0].up.weight.scale  # a block's scale, shared
+    with pytest.raises(OffloadError, match=r"blocks\.0\.up\.weight\.scale.*head\.weight"):
+        dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
+    model = QDiT("int8", 2)
+    bad = _BadWrapper(torch.zeros(64), torch.ones(64))
+    bad.label = "not a tensor"  # type: ignore[attr-defined]
+    model.head.register_buffer("odd", bad)
+    with pytest.raises(OffloadError, match=r"non-block head\.odd: .*'label'"):
+        dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
