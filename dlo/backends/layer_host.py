@@ -28,7 +28,7 @@ from dlo.host.mapped import MappedBlock
 from dlo.host.node_share import SharedBlock, packer, share_host, sharers
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
-from dlo.host.shards import copy_back, unpack_tensor, written_tensors
+from dlo.host.shards import copy_back, placeholder, unpack_tensor, written_tensors
 from dlo.io.header_checks import CheckpointError
 from dlo.io.materialize import mapped_source
 from dlo.journal import Journal, atomic
@@ -353,7 +353,7 @@ class LayerHost:
         b.original_devices = [t.device for t in b.tensors]
         wrappers_to(b, self.platform.device)  # first: it may fail, nothing lost yet
         for t in b.tensors:
-            t.data = torch.empty(0, dtype=t.dtype, device=self.platform.device)
+            t.data = placeholder(t, self.platform.device)
 
     def release_gathered(self, b: LayerBlock) -> None:
         """The undo of an AllGather block's install: its weights go, unless

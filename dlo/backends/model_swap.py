@@ -50,7 +50,14 @@ from dlo.errors import OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.registry import HookRegistry
 from dlo.host.region import HostRegion
-from dlo.host.shards import copy_back, pack_shard, shard_view, unpack_tensor, written_tensors
+from dlo.host.shards import (
+    copy_back,
+    pack_shard,
+    placeholder,
+    shard_view,
+    unpack_tensor,
+    written_tensors,
+)
 from dlo.journal import Journal, atomic
 from dlo.plan.checks import check_blocks
 from dlo.plan.declarations import SupportsModelOffload, get_by_path
@@ -203,9 +210,7 @@ class ModelSwapBackend(OffloadBackend):
             faults.check("host_fill")
             pack_shard(self._region.view(i), u.layout, 0, u.tensors)
             u.original_devices = [t.device for t in u.tensors]
-            u.placeholders = [
-                torch.empty(0, dtype=t.dtype, device=self.platform.device) for t in u.tensors
-            ]
+            u.placeholders = [placeholder(t, self.platform.device) for t in u.tensors]
             with atomic():
                 self._rebind(u, u.placeholders)
                 journal.record(f"release {u.path}", functools.partial(self._restore, u))

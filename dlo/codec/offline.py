@@ -42,7 +42,7 @@ import torch
 
 from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
-from dlo.io.checkpoint import Checkpoint, bytes_of, flat_uint8, read_metadata
+from dlo.io.checkpoint import Checkpoint, bytes_of, flat_uint8
 from dlo.io.header_checks import CheckpointError
 from dlo.io.materialize import mapped_source
 from dlo.io.writer import write_file
@@ -148,7 +148,9 @@ class _EncodedFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        record = read_metadata(path).get(METADATA_KEY)
+        # one header read: the record and the entries it describes come from the same file
+        self.checkpoint = Checkpoint(path, verify_checksum=True)
+        record = self.checkpoint.metadata[path].get(METADATA_KEY)
         try:
             value = json.loads(record) if isinstance(record, str) else None
         except json.JSONDecodeError as e:
@@ -164,7 +166,6 @@ class _EncodedFile:
             )
         self.bitstream: str = value["bitstream"]
         self.blocks: dict[str, Any] = value["blocks"]
-        self.checkpoint = Checkpoint(path, verify_checksum=True)
 
     def match(self, layout: BlockLayout, origin: Origin, bitstream: str) -> EncodedLayout | str:
         """The piece table serving ``layout``'s block, or why there is none."""

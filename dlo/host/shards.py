@@ -12,6 +12,14 @@ import torch
 from dlo.plan.layout import BlockLayout, TensorSpec, extent_numel
 
 
+def placeholder(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """The empty tensor a streamed tensor ``t`` holds while its block is not loaded: no
+    element, ``t``'s dtype and number of dimensions (a wrapper subclass rebuilt around its
+    placeholders, as torch's ``state_dict`` does with ``detach``, keeps the ranks its
+    checks expect; see [Note: tensor subclasses])."""
+    return torch.empty((0,) * max(t.dim(), 1), dtype=t.dtype, device=device)
+
+
 # ----------------------------------------------------------------------------- packing
 def span_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of the memory a tensor addresses, from its first to its last element."""

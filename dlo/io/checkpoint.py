@@ -129,16 +129,6 @@ def _load_header(p: Path) -> tuple[dict[str, Any], int, int]:
     return header, 8 + n, size
 
 
-def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``__metadata__`` of a ``.safetensors`` header (empty without one).
-
-    Raises:
-        CheckpointError: as :func:`read_header`.
-    """
-    meta = _load_header(Path(path))[0].get("__metadata__")
-    return meta if isinstance(meta, dict) else {}
-
-
 def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     """Parse and check one ``.safetensors`` header (see [Note: safetensors format]).
 
@@ -147,7 +137,11 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     Raises:
         CheckpointError: unreadable or inconsistent header, naming the file and the tensor.
     """
-    p = Path(path)
+    return _read_file_header(Path(path))[0]
+
+
+def _read_file_header(p: Path) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """:func:`read_header` and the ``__metadata__`` of the same read."""
     header, base, size = _load_header(p)
     out: dict[str, TensorEntry] = {}
     for name, info in header.items():
@@ -175,10 +169,11 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
             raise CheckpointError(f"{p}: tensor {name!r}: data past the end of the file")
         out[name] = TensorEntry(name, p, dtype, shape_t, base + begin, expected)
     _check_disjoint(p, out)
-    sums = checksums.parse(p, header.get("__metadata__"), {n: e.nbytes for n, e in out.items()})
+    meta = header.get("__metadata__")
+    sums = checksums.parse(p, meta, {n: e.nbytes for n, e in out.items()})
     if sums:
         out = {n: replace(e, checksums=(sums[n][0], tuple(sums[n][1]))) for n, e in out.items()}
-    return out
+    return out, meta if isinstance(meta, dict) else {}
 
 
 def _find_files(path: Path) -> tuple[list[Path], Path | None]:
@@ -255,6 +250,8 @@ class Checkpoint:
             items = [("", Path(sources))]
         self.entries: dict[str, TensorEntry] = {}
         self.files: list[Path] = []
+        self.metadata: dict[Path, dict[str, Any]] = {}
+        """Each file's ``__metadata__``, from the header its entries were read from."""
         for prefix, path in items:
             for name, entry in self._read_source(path).items():
                 full = f"{prefix}.{name}" if prefix else name
@@ -288,7 +285,8 @@ class Checkpoint:
         out: dict[str, TensorEntry] = {}
         for f in files:
             self.files.append(f)
-            for name, entry in read_header(f).items():
+            entries, self.metadata[f] = _read_file_header(f)
+            for name, entry in entries.items():
                 if name in out:
                     raise CheckpointError(
                         f"tensor {name!r} is stored twice: in {out[name].file} and in {f}"

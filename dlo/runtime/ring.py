@@ -55,7 +55,7 @@ from torch import nn
 from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
-from dlo.host.shards import copy_back, shard_view, written_tensors
+from dlo.host.shards import copy_back, placeholder, shard_view, written_tensors
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
@@ -172,9 +172,7 @@ class RingScheduler:
     def add_ring(self, ring: BlockRing) -> None:
         for b in ring.blocks:
             b.views = [self._views(b, slot) for slot in self.pool.slots]
-            b.placeholders = [
-                torch.empty(0, dtype=t.dtype, device=self.platform.device) for t in b.tensors
-            ]
+            b.placeholders = [placeholder(t, self.platform.device) for t in b.tensors]
             b.wait = StreamTimer(self.platform)
         self.rings.append(ring)
 

@@ -29,6 +29,9 @@ torchao_quant = pytest.importorskip("torchao.quantization")
 CONFIGS = {
     "int8": lambda: torchao_quant.Int8WeightOnlyConfig(),
     "fp8": lambda: torchao_quant.Float8WeightOnlyConfig(),
+    # int8 weights with activations quantized per call; int8-unpacked grouped weights
+    "int8-dynamic": lambda: torchao_quant.Int8DynamicActivationInt8WeightConfig(),
+    "intx": lambda: torchao_quant.IntxWeightOnlyConfig(),
 }
 
 
@@ -96,7 +99,7 @@ def _assert_inner_same(before: dict[str, Any], model: nn.Module) -> None:
             assert torch.equal(v[-1].view(torch.uint8), w[-1].view(torch.uint8)), k
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", list(CONFIGS))
 @pytest.mark.parametrize(
     ("num_slots", "resident", "codec"), [(1, 0, "none"), (2, 1, "none"), (2, 0, "ans")]
 )
