@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -56,6 +56,13 @@ for s in $steps; do
         tests/multigpu/test_node_shared_gpu.py "tests/multigpu/test_dlo_nccl.py::test_nccl_parity_half_bytes_no_alloc" ;;
     runns) [ "$ngpu" -ge 2 ] && step run_node_shared 300 torchrun --nproc-per-node="$ngpu" -m dlo \
         run --preset "$preset" --steps 4 --tokens 4096 --transfer node-shared --check ;;
+    codec)  # issue 22 on issue 24's machine: the codec under AllGather and node-shared, torchao under AllGather
+      [ "$ngpu" -ge 2 ] && step codec_tests 300 python3 -m pytest -v -p no:cacheprovider -rs \
+        tests/multigpu/test_codec_multigpu.py
+      [ "$ngpu" -ge 2 ] && step bench_codec 420 torchrun --nproc-per-node="$ngpu" -m dlo bench \
+        --preset "$preset" --tokens 4096 --codec none,ans \
+        --methods resident,dlo-allgather,dlo-allgather-copy,dlo-node-shared \
+        --json "$out/bench_codec.json" --markdown "$out/bench_codec.md" ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/multigpu/test_dlo_nccl.py -k "copy and not one_rank_failing" ;;
     run)

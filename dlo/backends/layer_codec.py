@@ -233,8 +233,8 @@ class HostCodec:
             raise ValueError(
                 "save_encoded writes encoded blocks beside the checkpoint they were loaded "
                 "from, but no encoded block of group size 1 (rank-local, node-shared) "
-                "aliases a checkpoint: load the model with dlo.load_pipeline (not copy=True, "
-                "and with torch_dtype the stored dtype or None: a tensor cast on load is a copy)"
+                "comes from a checkpoint: load the model with dlo.load_pipeline (a tensor "
+                "written or replaced since the load no longer comes from it)"
             )
         return by_dir
 

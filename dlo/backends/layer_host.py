@@ -30,7 +30,7 @@ from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
 from dlo.host.shards import copy_back, placeholder, unpack_tensor, written_tensors
 from dlo.io.header_checks import CheckpointError
-from dlo.io.materialize import mapped_source
+from dlo.io.sources import mapped_source
 from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
 from dlo.parallel.groups import World, current_world, group_of

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--codec",
         default="none",
-        help="codecs of the whole-block dlo rows (dlo-ring, dlo-rank-local), comma-separated "
+        help="codecs of the manual dlo rows (ring, rank-local, node-shared, AllGather), comma-separated "
         f"from {','.join(CODECS)}: e.g. none,ans adds a row per codec; auto gives the "
         "dlo-auto rows codec='auto' (see [Note: block codecs])",
     )

@@ -191,8 +191,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "dlo-allgather-copy-kernel",
         ]
     )
-    # (method, slots, chunk, token counts, block_compute_ms, codec); a codec only where it
-    # applies (whole blocks of a rank's own region)
+    # (method, slots, chunk, token counts, block_compute_ms, codec): every manual dlo row
+    # runs once per explicit codec (rank-local, node-shared and AllGather all take one)
     codecs = codec_list(args.codec)
     explicit_codecs = manual_codecs(codecs)
     auto_codec = "auto" if "auto" in codecs else "none"  # the dlo-auto rows' policy decides
@@ -201,7 +201,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for m in dlo_methods
         if m in methods
         for s, c in settings
-        for k in (explicit_codecs if m in ("dlo-ring", "dlo-rank-local") else ["none"])
+        for k in explicit_codecs
     ]
     if "dlo-auto" in methods:
         runs.append(("dlo-auto", "auto", chunks[0], tokens_list, None, auto_codec))

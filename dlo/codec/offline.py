@@ -2,9 +2,10 @@
 
 [Note: encoded checkpoint]
 Encoding at enable costs time (FLUX.1-dev: 22 s against 4 s) and, until every size is
-known, host memory for the encoded pieces. A block whose tensors all alias one checkpoint
-(loaded by :func:`dlo.load_pipeline`; :func:`~dlo.io.materialize.mapped_source`) is instead
-read, encoded, from :data:`ENCODED_FILE` in the directory of its tensors' files, straight
+known, host memory for the encoded pieces. A block whose tensors all come from one
+checkpoint (loaded by :func:`dlo.load_pipeline`: aliasing its mapping,
+:func:`~dlo.io.sources.mapped_source`, or read from it into private memory, cast on load or
+copied, :func:`~dlo.io.sources.derived_source`) is instead read, encoded, from :data:`ENCODED_FILE` in the directory of its tensors' files, straight
 into its bytes of the host region. ``dlo save-checkpoint --codec`` writes that file, and so
 does ``backend.save_encoded()`` after any enable that encoded blocks of a checkpoint (a
 pipeline folder's component directory, say). The file is safetensors: one uint8 tensor per
@@ -13,7 +14,8 @@ block, named by the block's path, and under ``__metadata__["dlo.encoded"]`` a JS
 "pieces": [[raw_offset, raw_nbytes, offset, nbytes, stored], ...]}}}``, D the digest of the
 block's layout (its tensors, dtypes and offsets, group size 1 and the chunk size the pieces
 follow) and F each source tensor's fingerprint (its file's size, modification time and
-inode and the tensor's place in it, with its dlo checksums where it has them; a tensor the checkpoint does not hold, such
+inode and the tensor's place in it, with its dlo checksums where it has them, and for a tensor
+read as another dtype than stored that dtype; a tensor the checkpoint does not hold, such
 as a non-persistent buffer, has no name and the digest of its bytes).
 
 An entry serves a block only when the bitstream, the layout digest and every source name
@@ -44,7 +46,7 @@ from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
 from dlo.io.checkpoint import Checkpoint, bytes_of, flat_uint8
 from dlo.io.header_checks import CheckpointError
-from dlo.io.materialize import mapped_source
+from dlo.io.sources import derived_source, mapped_source
 from dlo.io.writer import write_file
 from dlo.plan.layout import BlockLayout, build_manifest
 from dlo.platform.env import cpu_share
@@ -79,15 +81,23 @@ class Origin:
 
 def origin_of(tensors: Sequence[torch.Tensor]) -> Origin | None:
     """Where ``tensors`` (a block's, in layout order) come from: None unless some alias a
-    checkpoint, all of them the same one. The others are hashed (small, as a rule: buffers
-    computed at construction)."""
-    found = [mapped_source(t) for t in tensors]
+    checkpoint or were read from it into private memory (cast on load, or copied), all of
+    them the same one. The others are hashed (small, as a rule: buffers computed at
+    construction); a tensor read as another dtype than stored is named by its file's
+    fingerprint and that dtype (the cast is exact and deterministic)."""
+    found: list[tuple[Checkpoint, str, str] | None] = []
+    for t in tensors:
+        m = mapped_source(t)
+        d = derived_source(t) if m is None else None
+        found.append(
+            (m[0], m[1], "") if m is not None else (d[0], d[1], f":as:{d[2]}") if d else None
+        )
     ckpts = {id(f[0]): f[0] for f in found if f is not None}
     if len(ckpts) != 1:
         return None
     (ckpt,) = ckpts.values()
     sources = tuple(
-        (f[1], fingerprint(ckpt, f[1]))
+        (f[1], fingerprint(ckpt, f[1]) + f[2])
         if f is not None
         else ("", "bytes:" + hashlib.sha256(bytes_of(flat_uint8(t))).hexdigest())
         for f, t in zip(found, tensors)

@@ -11,7 +11,7 @@ import torch
 
 from dlo.host.shards import pack_shard, shard_copies, span_bytes
 from dlo.io.checkpoint import Checkpoint, bytes_of
-from dlo.io.materialize import mapped_source
+from dlo.io.sources import mapped_source
 from dlo.plan.layout import BlockLayout
 from dlo.platform.env import cpu_share
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +55,8 @@ from torch import nn
 
 from dlo.io.checkpoint import Checkpoint, CheckpointError
 from dlo.io.reads import PendingReads, read_copies
+from dlo.io.sources import forget_derived, register_derived, register_mapping, unregister_mapping
 from dlo.journal import Journal, atomic
-from dlo.platform.env import copied_on_write
 
 logger = logging.getLogger(__name__)
 
@@ -220,80 +219,6 @@ def plan_load(model: nn.Module, checkpoint: Checkpoint, *, cast: bool = False) -
     return LoadPlan(model, checkpoint, targets, computed)
 
 
-# ----------------------------------------------------------------------------- mapping registry
-@dataclass(frozen=True)
-class _Mapping:
-    """A tensor whose bytes alias a checkpoint mapping, as it was when mapped."""
-
-    ref: weakref.ref[torch.Tensor]
-    checkpoint: Checkpoint
-    name: str
-    data_ptr: int
-    version: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    file_backed: bool
-    """The tensor is the file's mapping (False: unaligned data, a placeholder nothing reads,
-    see :func:`_file_served`)."""
-
-    def still_aliases(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` still holds the file's bytes: the same object on the same memory,
-        of the same dtype and shape, not written in place since (a disable gives a block
-        private memory again, ``.to()`` new memory, ``load_state_dict`` an in-place copy)."""
-        return (
-            self.ref() is t
-            and t.data_ptr() == self.data_ptr
-            and t._version == self.version
-            and t.dtype == self.dtype
-            and tuple(t.shape) == self.shape
-            # a write through ``t.data`` (PEFT's fuse_lora) leaves the version as it was:
-            # the private mapping's pages it wrote are copies now, and the page table says so
-            # (None: the page table cannot be read; then pack from memory, which is right
-            # either way)
-            and not (
-                self.file_backed
-                and copied_on_write(t.data_ptr(), t.numel() * t.element_size()) is not False
-            )
-        )
-
-
-# id(tensor) -> its _Mapping: tensors whose bytes alias a checkpoint mapping, so that the
-# backend packs them from the file (pack_block). Keyed by id because tensors compare
-# elementwise.
-_MAPPED: dict[int, _Mapping] = {}
-
-
-def _forget(key: int, _ref: object) -> None:
-    _MAPPED.pop(key, None)
-
-
-def _register(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
-    ref = weakref.ref(t, functools.partial(_forget, id(t)))
-    _MAPPED[id(t)] = _Mapping(
-        ref,
-        checkpoint,
-        name,
-        t.data_ptr(),
-        t._version,
-        t.dtype,
-        tuple(t.shape),
-        checkpoint.is_aligned(name),
-    )
-
-
-def _unregister(t: torch.Tensor) -> None:
-    _MAPPED.pop(id(t), None)
-
-
-def mapped_source(t: torch.Tensor) -> tuple[Checkpoint, str] | None:
-    """``(checkpoint, name)`` when ``t`` still aliases the checkpoint mapping
-    :func:`materialize` gave it (its bytes can be read from the file), else None."""
-    item = _MAPPED.get(id(t))
-    if item is None or not item.still_aliases(t):
-        return None
-    return item.checkpoint, item.name
-
-
 # ----------------------------------------------------------------------------- materialize
 def _copy_reason(target: _Target, mapped: bool, stored: torch.dtype) -> str | None:
     if not mapped:
@@ -375,8 +300,8 @@ def materialize(
         reason = _copy_reason(target, block, entry.dtype)
         if reason is None:
             new = _install(target, _file_served(ckpt, target.source), journal)
-            _register(new, ckpt, target.source)
-            journal.record(f"map {target.name}", functools.partial(_unregister, new))
+            register_mapping(new, ckpt, target.source)
+            journal.record(f"map {target.name}", functools.partial(unregister_mapping, new))
             report.num_mapped += 1
             report.mapped_nbytes += nbytes
             continue
@@ -401,7 +326,9 @@ def materialize(
             _install(target, data, journal)
     now = [(t, j) for t, deferred, j in jobs if not deferred]
     for (target, _), data in zip(now, read_copies(ckpt, [j for _, j in now])):
-        _install(target, data, journal)
+        new = _install(target, data, journal)
+        register_derived(new, ckpt, target.source)  # an encoded checkpoint may describe it
+        journal.record(f"derive {target.name}", functools.partial(forget_derived, new))
     modules: list[nn.Module] = []
     for module, local in plan.computed_buffers:
         old = module._buffers[local]

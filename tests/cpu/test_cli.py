@@ -409,3 +409,24 @@ def test_bench_says_what_it_runs_and_why_it_skips(caplog: pytest.LogCaptureFixtu
     for method in ("dlo-allgather", "dlo-swap", "fsdp2-offload"):
         assert f"{method}: skipped: " in text, method
     assert text.index("dlo bench: preset tiny") < text.index("resident ")
+
+
+def test_torchrun_bench_codec_rows_for_every_transfer(tmp_path: Path) -> None:
+    """``--codec none,ans``: a row per codec for node-shared and AllGather too (each takes
+    the codec since issue 22), the encoded host copy smaller."""
+    path = tmp_path / "b.json"
+    proc = _torchrun(
+        "bench", "--preset", "tiny", "--tokens", "32", "--warmup", "1", "--reps", "2",
+        "--methods", "resident,dlo-node-shared,dlo-allgather", "--codec", "none,ans",
+        "--json", str(path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        (r["method"], r.get("codec", "none")): r for r in json.loads(path.read_text())["results"]
+    }
+    for method in ("dlo-node-shared", "dlo-allgather"):
+        plain, encoded = rows[(method, "none")], rows[(method, "ans")]
+        assert encoded["codec_ratio"] < 1 and encoded["host_nbytes"] < plain["host_nbytes"], method
+        assert plain["transfer"] == encoded["transfer"] == method.removeprefix("dlo-")
+        # node-shared: this rank is charged 1/L of the node's encoded copy
+        assert 0 < encoded["host_nbytes"] <= encoded["host_encoded_nbytes"], method

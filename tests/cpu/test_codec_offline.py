@@ -26,7 +26,9 @@ from dlo.commands.run_flags import save_encoded_if_asked
 from dlo.host.region import LEDGER
 from dlo.io.writer import save_checkpoint
 from dlo.models import build_pipeline, make_inputs
+from dlo.pipelines.layouts import FOLDERS
 from dlo.pipelines.load import load_pipeline
+from dlo.pipelines.synth import save_folder
 from tests.harness import assert_all_ok, run_ranks
 
 DTYPE = torch.bfloat16
@@ -197,6 +199,61 @@ def test_save_encoded_dry_run_checks_without_writing(ckpt: Path) -> None:
     with pytest.raises(ValueError, match="no encoded block of group size 1"):
         save_encoded_if_asked(args, backend, rank0=False)
     assert not backend.is_enabled() and (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_copied_blocks_are_read_encoded_next_time(ckpt: Path) -> None:
+    """Tensors read into private memory (``copy=True``) are not the file's bytes, but the
+    file still names them: the encoded file describes them, and the next load reads them."""
+    ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
+
+    def run() -> tuple[torch.Tensor, int, Any]:
+        pipe, backend = load_pipeline(_factory(), ckpt, _cfg(), None, "cpu", copy=True)
+        assert backend is not None
+        return pipe.generate(ids, lat, 2), backend.stats()["encoded_read_blocks"], backend
+
+    first, read, backend = run()
+    assert read == 0
+    (written,) = backend.save_encoded()  # type: ignore[attr-defined]
+    assert written == ckpt.parent / ENCODED_FILE
+    backend.disable()
+    again, read, backend = run()
+    backend.disable()
+    assert read > 0 and torch.equal(first, again) and torch.equal(first, _ref())
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_blocks_cast_on_load_are_read_encoded_next_time(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A float32 folder loaded as bfloat16: the blocks are casts, named by their file and
+    the dtype; the encoded file serves the next bfloat16 load, bitwise, and not a float32
+    one (another layout: encoded at enable, the log says why)."""
+    folder = tmp_path / "flux"
+    save_folder(FOLDERS["tiny-flux"], folder, max_shard_size=40_000)
+    cfg = dlo.OffloadConfig(mode="layer", codec="ans", chunk_mb=1)
+    call: dict[str, Any] = {**FOLDERS["tiny-flux"].call, "output_type": "pt"}
+    call.update(prompt="a red fox", num_inference_steps=2)
+
+    def run(dtype: torch.dtype) -> tuple[torch.Tensor, int, Any]:
+        pipe, backend = load_pipeline(folder, cfg, device="cpu", torch_dtype=dtype)
+        assert backend is not None
+        pipe.set_progress_bar_config(disable=True)
+        out = pipe(**call, generator=torch.Generator().manual_seed(3)).images
+        return out, backend.stats()["encoded_read_blocks"], backend
+
+    first, read, backend = run(torch.bfloat16)
+    assert read == 0
+    (written,) = backend.save_encoded()  # type: ignore[attr-defined]
+    assert written == folder / "transformer" / ENCODED_FILE
+    backend.disable()
+    again, read, backend = run(torch.bfloat16)
+    backend.disable()
+    assert read > 0 and torch.equal(first, again)
+    with caplog.at_level(logging.WARNING):
+        _, read, backend = run(torch.float32)
+    backend.disable()
+    assert read == 0 and "layout is another" in caplog.text
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
 def _node_shared(rank: int, world: int, path: str, save: bool = False) -> dict[str, Any]:

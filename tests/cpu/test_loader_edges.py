@@ -19,7 +19,7 @@ import dlo
 from dlo.host.packer import fill_ranges
 from dlo.host.region import LEDGER
 from dlo.io.checkpoint import Checkpoint, CheckpointError
-from dlo.io.materialize import mapped_source
+from dlo.io.sources import mapped_source
 from dlo.io.writer import save_checkpoint
 from dlo.pipelines.load import load_pipeline
 from tests.harness import assert_all_ok, run_ranks
@@ -110,17 +110,17 @@ def test_reenable_packs_the_models_weights_not_the_files(ckpt: str) -> None:
 
 
 def test_a_tensor_written_in_place_is_not_served_from_the_file(ckpt: str) -> None:
-    from dlo.io.materialize import _register, _unregister
+    from dlo.io.sources import register_mapping, unregister_mapping
 
     t = Checkpoint(ckpt).tensor("blocks.0.lin.weight")
-    _register(t, Checkpoint(ckpt), "blocks.0.lin.weight")
+    register_mapping(t, Checkpoint(ckpt), "blocks.0.lin.weight")
     try:
         assert mapped_source(t) is not None
         with torch.no_grad():
             t.add_(1.0)  # a private page now; the file still has the old bytes
         assert mapped_source(t) is None
     finally:
-        _unregister(t)
+        unregister_mapping(t)
 
 
 def test_reenable_with_mapped_backing_after_disable_is_a_clear_error(ckpt: str) -> None:
