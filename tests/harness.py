@@ -16,10 +16,13 @@ import os
 import pickle
 import queue
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 _CTX = mp.get_context("forkserver")
@@ -217,3 +220,31 @@ def forward_outcomes(model: Any, inputs: list[Any]) -> list[str]:
             log.append(f"{type(e).__name__}: {e}")
             break
     return log
+
+
+def run_program(
+    program: Any, *args: str, ranks: int = 1, timeout_s: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """Run the script ``program`` (a Path) on the CPU as a user would: one process, or
+    ``ranks`` under torchrun (``--standalone``); dlo from this checkout, no inherited
+    torchrun variables."""
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(root),
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(var, None)
+    launch = [sys.executable]
+    if ranks > 1:
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    return subprocess.run(
+        [*launch, str(program), *args],
+        cwd=Path(program).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )

@@ -124,11 +124,12 @@ class HostCodec:
     def write(self, index: int, dst: torch.Tensor) -> None:
         """Write block ``index``'s encoded bytes into ``dst`` (its bytes in the host region):
         its pieces, freed, or read from its encoded checkpoint (verified)."""
-        enc, datas = self._pending.pop(index)
+        enc, datas = self._pending[index]
         if callable(datas):
             datas(dst)
         else:
             write_pieces(dst, enc, datas)
+        del self._pending[index]  # only once laid: until then a rollback rebuilds from them
         if not self._pending:
             self.files.close()
 

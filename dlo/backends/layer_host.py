@@ -39,7 +39,6 @@ from dlo.plan.layout import BlockLayout, module_wrappers
 from dlo.plan.subclasses import Wrapped, retarget_all
 from dlo.plan.topology import BlockStack
 from dlo.platform.device import Platform
-from dlo.platform.env import torchrun_env
 from dlo.platform.progress import progress
 
 logger = logging.getLogger(__name__)
@@ -200,7 +199,8 @@ class LayerHost:
                 continue
             faults.check("host_fill")
             if self.codec is not None and b.stack.codec != "none":
-                b.encoded = self.codec.lay(i, region.view(i))
+                with atomic():  # laid and known as laid together ([Note: released as encoded])
+                    b.encoded = self.codec.lay(i, region.view(i))
             else:  # pack_shard, or straight from the file for checkpoint-mapped tensors
                 pack_block(region.view(i), b.layout, group_rank(b.stack.group_axis), b.tensors)
             if self._pins is not None:
@@ -383,6 +383,8 @@ class LayerHost:
             return b.encoded.raw(self.platform.device)
         if self.codec is not None and self.codec.holds(b.index):
             return self.codec.pending_raw(b.index, self.platform.device)
+        if b.stack.codec != "none" and self.codec is not None:  # never encoded bytes as raw
+            raise OffloadError(f"block {b.name!r} has no host copy to rebuild it from")
         return b.host_view()
 
     def _lose_mapped(self, b: LayerBlock, e: Exception) -> NoReturn:
@@ -435,15 +437,3 @@ def restore_wrappers(b: LayerBlock) -> None:
     """Give ``b``'s wrappers back the devices they had before enable (their inner tensors
     are back there)."""
     retarget_all(b.wrapped, b.wrapper_devices)
-
-
-def expected_sharers(parallel: ParallelConfig, world: World, axis: str, size: int) -> int:
-    """L before the agreement names the hosts: the ranks of this rank's share group (the
-    weight axis ``axis`` of ``size`` ranks) on its node, as torchrun places them
-    (``LOCAL_WORLD_SIZE`` consecutive ranks per node)."""
-    if not world.distributed or size == 1:
-        return 1
-    per_node = max(1, torchrun_env().local_world_size)
-    node = world.rank // per_node
-    group = group_of(parallel, axis, world.rank)
-    return max(1, sum(r // per_node == node for r in group))

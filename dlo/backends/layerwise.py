@@ -57,7 +57,7 @@ import torch
 from dlo import faults
 from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
 from dlo.backends.base import OffloadBackend, claim_components
-from dlo.backends.layer_host import LayerBlock, LayerHost, expected_sharers
+from dlo.backends.layer_host import LayerBlock, LayerHost
 from dlo.backends.layer_runtime import (
     allocate_slots,
     build_transports,
@@ -74,7 +74,7 @@ from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.host.region import HostRegion
 from dlo.journal import Journal
 from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
-from dlo.parallel.groups import World, axis_groups, current_world, group_of, init
+from dlo.parallel.groups import World, axis_groups, current_world, expected_sharers, group_of, init
 from dlo.parallel.store import announce, describe_failure, exchanges_started, startup_failed
 from dlo.plan.checks import block_entries, check_blocks
 from dlo.plan.declarations import get_by_path

@@ -5,7 +5,8 @@ Encoding at enable costs time (FLUX.1-dev: 22 s against 4 s) and, until every si
 known, host memory for the encoded pieces. A block whose tensors all come from one
 checkpoint (loaded by :func:`dlo.load_pipeline`: aliasing its mapping,
 :func:`~dlo.io.sources.mapped_source`, or read from it into private memory, cast on load or
-copied, :func:`~dlo.io.sources.derived_source`) is instead read, encoded, from :data:`ENCODED_FILE` in the directory of its tensors' files, straight
+copied, :func:`~dlo.io.sources.derived_source`, for the enable of its own load only: a write
+through ``.data`` leaves private memory without a trace) is instead read, encoded, from :data:`ENCODED_FILE` in the directory of its tensors' files, straight
 into its bytes of the host region. ``dlo save-checkpoint --codec`` writes that file, and so
 does ``backend.save_encoded()`` after any enable that encoded blocks of a checkpoint (a
 pipeline folder's component directory, say). The file is safetensors: one uint8 tensor per
@@ -89,9 +90,7 @@ def origin_of(tensors: Sequence[torch.Tensor]) -> Origin | None:
     for t in tensors:
         m = mapped_source(t)
         d = derived_source(t) if m is None else None
-        found.append(
-            (m[0], m[1], "") if m is not None else (d[0], d[1], f":as:{d[2]}") if d else None
-        )
+        found.append((m[0], m[1], "") if m is not None else (d[0], d[1], _cast(d)) if d else None)
     ckpts = {id(f[0]): f[0] for f in found if f is not None}
     if len(ckpts) != 1:
         return None
@@ -103,6 +102,13 @@ def origin_of(tensors: Sequence[torch.Tensor]) -> Origin | None:
         for f, t in zip(found, tensors)
     )
     return Origin(ckpt, tuple(f[1] for f in found if f is not None), sources)
+
+
+def _cast(derived: tuple[Checkpoint, str, torch.dtype]) -> str:
+    """The fingerprint suffix of a tensor read as ``dtype`` (none where that is the stored
+    dtype: a copy holds the file's bytes)."""
+    ckpt, name, dtype = derived
+    return "" if ckpt.entries[name].dtype == dtype else f":as:{dtype}"
 
 
 def fingerprint(checkpoint: Checkpoint, name: str) -> str:

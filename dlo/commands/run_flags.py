@@ -290,7 +290,9 @@ def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -
     if not backend.stats()["host_encoded_nbytes"]:
         backend.disable()
         raise ValueError("save_encoded needs an enabled backend with codec='ans' blocks")
-    try:  # rank 0 writes; the others check the same (no rank goes on while rank 0 fails)
+    # rank 0 writes; the others check the same conditions, so a refusal is every rank's (a
+    # failed write ends rank 0 alone, and torchrun then ends its peers)
+    try:
         paths = backend.save_encoded(dry_run=not rank0)
     except BaseException:
         backend.disable()  # the run ends here: nothing stays enabled behind the error

@@ -104,6 +104,18 @@ class LoadReport:
     """With ``materialize(defer_reads=True)``: the reads of the copied tensors that are not
     block tensors, still running into the tensors already in the model; wait before anything
     reads them."""
+    derived: list[torch.Tensor] = field(default_factory=list)
+    """The copies registered as read from the checkpoint (:func:`~dlo.io.sources.derived_source`):
+    the caller forgets them once it has enabled offload (see :func:`forget_derived_copies`)."""
+
+
+def forget_derived_copies(report: LoadReport) -> None:
+    """Stop naming ``report``'s copies by the checkpoint: a write through ``.data`` (a LoRA
+    fused in place) changes private memory without a trace, so only the enable that
+    follows the load, with no user code between them, may rely on them."""
+    for t in report.derived:
+        forget_derived(t)
+    report.derived.clear()
 
 
 def _join(names: list[str]) -> str:
@@ -328,6 +340,7 @@ def materialize(
     for (target, _), data in zip(now, read_copies(ckpt, [j for _, j in now])):
         new = _install(target, data, journal)
         register_derived(new, ckpt, target.source)  # an encoded checkpoint may describe it
+        report.derived.append(new)
         journal.record(f"derive {target.name}", functools.partial(forget_derived, new))
     modules: list[nn.Module] = []
     for module, local in plan.computed_buffers:

@@ -286,3 +286,17 @@ def shutdown() -> None:
         _GROUPS.clear()  # drop dlo's communicators before the default group goes
         dist.barrier()
         dist.destroy_process_group()
+
+
+def expected_sharers(parallel: ParallelConfig, world: World, axis: str, size: int) -> int:
+    """L before the agreement names the hosts: the ranks of this rank's share group (the
+    weight axis ``axis`` of ``size`` ranks) on its node, as torchrun places them
+    (``LOCAL_WORLD_SIZE`` consecutive ranks per node)."""
+    if not world.distributed or size == 1:
+        return 1
+    from dlo.platform.env import torchrun_env
+
+    per_node = max(1, torchrun_env().local_world_size)
+    node = world.rank // per_node
+    group = group_of(parallel, axis, world.rank)
+    return max(1, sum(r // per_node == node for r in group))

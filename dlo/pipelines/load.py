@@ -23,7 +23,13 @@ from dlo.backends.layerwise import LayerwiseBackend
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.io.checkpoint import Checkpoint
-from dlo.io.materialize import LoadPlan, materialize, plan_load
+from dlo.io.materialize import (
+    LoadPlan,
+    LoadReport,
+    forget_derived_copies,
+    materialize,
+    plan_load,
+)
 from dlo.journal import Journal, atomic
 from dlo.parallel.groups import current_world
 from dlo.pipelines import folder
@@ -228,6 +234,7 @@ def _fill_and_enable(
     if defer:
         ckpt.retain()  # open until the deferred reads have stopped (a failed enable's
         # rollback may release the files a mapped backing retained)
+    report = LoadReport()
     try:
         t0 = time.perf_counter()
         # the non-block weights arrive behind the layerwise enable, which reads none of
@@ -242,6 +249,7 @@ def _fill_and_enable(
         )
         t_mapped = time.perf_counter()
         if prepare is not None:
+            forget_derived_copies(report)  # prepare may write them (a LoRA fused in place)
             prepare(pipe)
         if backend is not None:
             backend.enable(pipe)
@@ -259,6 +267,7 @@ def _fill_and_enable(
                 journal.rollback()
         raise
     finally:
+        forget_derived_copies(report)  # the enable is done: user code may write them now
         if defer:
             ckpt.release()
         ckpt.close()

@@ -154,9 +154,8 @@ def retarget_all(wrapped: Sequence[Wrapped], devices: Sequence[torch.device]) ->
     done: list[tuple[Wrapped, torch.device]] = []
     try:
         for w, dev in zip(wrapped, devices):
-            before = w.tensor.device
+            done.append((w, w.tensor.device))  # first: a failed one may have moved nested ones
             w.retarget(dev)
-            done.append((w, before))
     except BaseException:
         for w, before in reversed(done):
             w.retarget(before)

@@ -158,6 +158,33 @@ def test_blocks_are_released_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch
     b.disable()
 
 
+def test_an_interrupt_while_a_block_is_laid_restores_it_from_its_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ctrl-C while the second encoded block is written into the region: it was released
+    as encoded, and its pieces are still held until it is laid, so the rollback rebuilds it
+    bitwise (never from half-laid region bytes read as raw)."""
+    import dlo.backends.layer_codec as layer_codec
+
+    model = ToyDiT(4)
+    before = snapshot(model)
+    calls = []
+    real = layer_codec.write_pieces
+
+    def write_pieces(*args: Any) -> None:
+        calls.append(1)
+        if len(calls) == 2:
+            real(*args)  # half of what a real interrupt could leave: the bytes, not the mark
+            raise KeyboardInterrupt
+        real(*args)
+
+    monkeypatch.setattr(layer_codec, "write_pieces", write_pieces)
+    with pytest.raises(KeyboardInterrupt):
+        _enable(model)
+    assert_same(before, model)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
 def test_a_failed_decode_in_a_forward_is_raised_and_the_next_forward_is_bitwise() -> None:
     model = ToyDiT(4)
     ref = _run(clone(model), 2)

@@ -222,6 +222,43 @@ def test_copied_blocks_are_read_encoded_next_time(ckpt: Path) -> None:
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
+def test_copies_written_after_the_load_are_encoded_not_read(ckpt: Path) -> None:
+    """A copy is named by the checkpoint only for the enable of its own load: weights
+    written through ``.data`` afterwards (no version bump: a LoRA fused in place), or in
+    ``prepare``, are encoded at enable, never served stale from the file. A copy with the
+    stored dtype holds the file's bytes: its file serves a mapped load too."""
+    ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
+    _, backend = load_pipeline(_factory(), ckpt, _cfg(), None, "cpu", copy=True)
+    assert backend is not None
+    backend.save_encoded()  # type: ignore[attr-defined]
+    backend.disable()
+    _, mapped, _ = _load(ckpt)  # not copied: the same bytes, the same sources
+    assert mapped.stats()["encoded_read_blocks"] > 0
+    mapped.disable()
+
+    def scale(pipe: Any) -> None:
+        pipe.transformer.blocks[1].mlp.fc1.weight.data.mul_(0.5)  # _version unchanged
+
+    for how in ("after", "prepare"):
+        ref = build_pipeline("tiny", dtype=DTYPE)
+        scale(ref)
+        want = ref.generate(ids, lat, 2)
+        if how == "after":
+            pipe, none = load_pipeline(_factory(), ckpt, None, None, "cpu", copy=True)
+            assert none is None
+            scale(pipe)
+            backend = dlo.enable_offload(pipe, _cfg(), device="cpu")
+        else:
+            pipe, backend = load_pipeline(
+                _factory(), ckpt, _cfg(), None, "cpu", copy=True, prepare=scale
+            )
+        assert backend is not None
+        assert backend.stats()["encoded_read_blocks"] == 0, how
+        assert torch.equal(pipe.generate(ids, lat, 2), want), how
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
 def test_blocks_cast_on_load_are_read_encoded_next_time(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +10,7 @@ import torch.distributed as dist
 
 import dlo
 from dlo.parallel.groups import axis_groups, build_groups, group_of
-from tests.harness import assert_all_ok, run_ranks
+from tests.harness import assert_all_ok, run_program, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -116,19 +113,7 @@ def test_the_group_dlo_creates_is_destroyed_at_exit(who: str, tmp_path: Path) ->
     # successful run; a group the user created stays the user's
     program = tmp_path / "program.py"
     program.write_text(_EXIT_PROGRAM)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "CUDA_VISIBLE_DEVICES": "",
-        "OMP_NUM_THREADS": "1",
-    }
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-        str(program), who,
-    ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = run_program(program, who, ranks=2)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("group at exit: False") == 2, done.stdout + done.stderr
     if who == "user":

@@ -3,13 +3,12 @@ gloo), each checking its output bit for bit against the resident run."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.harness import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKER = "<!-- program: my_pipeline.py -->"
@@ -27,22 +26,7 @@ def _program() -> str:
 def test_readme_program_runs_as_written(ranks: int, tmp_path: Path) -> None:
     program = tmp_path / "my_pipeline.py"
     program.write_text(_program())
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "CUDA_VISIBLE_DEVICES": "",
-        "OMP_NUM_THREADS": "1",
-    }
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    if ranks == 1:
-        cmd = [sys.executable, str(program)]
-    else:
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={ranks}", str(program),
-        ]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = run_program(program, ranks=ranks)
     assert done.returncode == 0, done.stdout + done.stderr
     # the ranks print at the same time: count the reports, not the lines
     reports = re.findall(

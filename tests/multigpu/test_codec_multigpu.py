@@ -91,6 +91,7 @@ def _quantized(rank: int, world: int) -> dict[str, Any]:
     on_device = all(p.device == dev for p in model.parameters())
     with torch.no_grad():
         got = [model(x) for x in xs]
+    st = b.stats()
     b.disable(restore=True)
     with torch.no_grad():
         host = [QDiT("int8", 5)(x.cpu()) for x in xs]
@@ -101,6 +102,7 @@ def _quantized(rank: int, world: int) -> dict[str, Any]:
         "back_on_host": all(p.device.type == "cpu" for p in model.parameters()),
         "restored": all(torch.equal(a, c) for a, c in zip(host, back)),
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+        "gathered": (st["transfer"], st["group_size"], st["allgather_nbytes"] > 0),
     }
 
 
@@ -110,3 +112,4 @@ def test_torchao_weights_under_allgather_on_two_gpus() -> None:
     for rank, r in enumerate(res):
         assert r["same"] and r["on_device"] and r["back_on_host"] and r["restored"], (rank, r)
         assert r["ledger"] == (0, 0), rank
+        assert r["gathered"] == ("allgather", 2, True), (rank, r["gathered"])
