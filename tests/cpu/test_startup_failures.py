@@ -120,6 +120,7 @@ def test_failure_between_exchanges_stops_the_waiting_peer_naming_it() -> None:
 
 
 def _peer_exits_or_idles(rank: int, world: int, exits: bool) -> tuple[float, str]:
+    dist.barrier()  # both ranks' gloo setup done before rank 1 may exit
     backend = _backend(world)
     if rank == 1:
         if exits:
@@ -145,6 +146,7 @@ def test_a_missing_rank_is_named_as_exited_or_running(exits: bool) -> None:
 
 
 def _store_host_exits(rank: int, world: int) -> str:
+    dist.barrier()  # both ranks' gloo setup done: rank 0's exit must not cut rank 1's short
     if rank == 0:
         os._exit(0)  # rank 0 serves the job's TCPStore
     time.sleep(0.5)
