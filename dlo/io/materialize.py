@@ -286,6 +286,7 @@ def materialize(
     mapped: Callable[[str], bool] = lambda name: False,
     device: torch.device | str = "cpu",
     defer_reads: bool = False,
+    read_unaligned: bool = False,
 ) -> LoadReport:
     """Give every tensor of the skeleton its bytes (see [Note: loading from a checkpoint]).
 
@@ -301,6 +302,9 @@ def materialize(
             them (the layerwise enable, filling the host shards from the file) and waits
             before anything does; the journal cancels them on a rollback. Block tensors are
             always read before this returns (the backend packs them).
+        read_unaligned: read the mapped tensors whose file data cannot be aliased (not
+            aligned to their dtype) instead of leaving uninitialized memory the backend
+            never reads (for a caller whose code reads the weights before the enable).
     """
     report = LoadReport()
     ckpt = plan.checkpoint
@@ -310,6 +314,8 @@ def materialize(
         nbytes = entry.nbytes
         block = mapped(target.name)
         reason = _copy_reason(target, block, entry.dtype)
+        if reason is None and read_unaligned and not ckpt.is_aligned(target.source):
+            reason = "not aligned to its dtype in the file, and read before the enable"
         if reason is None:
             new = _install(target, _file_served(ckpt, target.source), journal)
             register_mapping(new, ckpt, target.source)

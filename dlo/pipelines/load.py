@@ -80,10 +80,10 @@ def load_pipeline(
         prepare: called with the filled pipeline before offload is enabled, for what must
             happen in between, such as ``lambda p: shard_non_block(p, config, parallel)``
             for HSDP (:mod:`dlo.backends.hsdp`). A failure rolls the load back; what
-            ``prepare`` itself changed is its own to undo. ``prepare`` must not read the
-            streamed blocks' weights: they are served from the file when the backend packs
-            them, and a block tensor whose data is not aligned to its dtype in the file
-            holds uninitialized memory until then.
+            ``prepare`` itself changed is its own to undo. ``prepare`` may read and
+            replace the streamed blocks' weights (quantize them with torchao, fuse a
+            LoRA): with a ``prepare``, a block tensor whose data is not aligned to its
+            dtype in the file is read into memory instead of served from the file.
         torch_dtype: folders only: the dtype floating weights run in (cast on load, except
             the classes' keep-in-fp32 modules); None keeps each tensor's stored dtype.
         verify_checksum: check every byte read from the checkpoint against the checksums
@@ -246,6 +246,7 @@ def _fill_and_enable(
             mapped=functools.partial(_in_blocks, blocks),
             device=target,
             defer_reads=defer,
+            read_unaligned=prepare is not None,  # prepare may read the blocks' weights
         )
         t_mapped = time.perf_counter()
         if prepare is not None:

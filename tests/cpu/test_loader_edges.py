@@ -154,6 +154,28 @@ def test_unaligned_checkpoint_is_read_slice_by_slice(ckpt: str, tmp_path: Path) 
     assert [r["read"] for r in odd] == [r["read"] for r in aligned]
 
 
+def test_prepare_reads_real_weights_from_an_unaligned_checkpoint(ckpt: str, tmp_path: Path) -> None:
+    """``prepare`` may read and change the blocks' weights (quantizing them, say): a block
+    tensor the file cannot alias is read for it, never left uninitialized."""
+    unaligned = _unaligned_copy(ckpt, tmp_path / "unaligned.safetensors")
+    seen: list[torch.Tensor] = []
+
+    def prepare(pipe: Any) -> None:
+        seen.append(pipe.blocks[1].lin.weight.detach().clone())
+        with torch.no_grad():
+            pipe.blocks[1].lin.weight.mul_(2)
+
+    pipe, backend = load_pipeline(_model, unaligned, _cfg(), None, "cpu", prepare=prepare)
+    assert backend is not None
+    ref = _model()
+    assert torch.equal(seen[0], ref.blocks[1].lin.weight)
+    with torch.no_grad():
+        ref.blocks[1].lin.weight.mul_(2)
+        assert torch.equal(pipe(_x()), ref(_x()))
+    backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
 def test_unaligned_checkpoint_serves_the_mapped_backing(ckpt: str, tmp_path: Path) -> None:
     unaligned = _unaligned_copy(ckpt, tmp_path / "unaligned.safetensors")
     pipe, backend = load_pipeline(_model, unaligned, _cfg(host_backing="mapped"), None, "cpu")

@@ -334,3 +334,33 @@ def test_a_non_block_wrapper_sharing_a_block_tensor_is_refused() -> None:
     with pytest.raises(OffloadError, match=r"non-block head\.odd: .*'label'"):
         dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_quantized_in_load_pipelines_prepare(tmp_path: Any) -> None:
+    """The documented path for a checkpoint: load, quantize in ``prepare`` (the weights
+    leave the file's mapping for torchao's int8 tensors), enable; bitwise against the same
+    quantization of the resident model."""
+    import functools
+
+    from dlo.io.writer import save_checkpoint
+    from dlo.models import build_pipeline, make_inputs
+
+    ckpt = save_checkpoint(build_pipeline("tiny", dtype=torch.bfloat16), tmp_path / "ckpt")
+    ids, lat = make_inputs("tiny", seed=1, dtype=torch.bfloat16)
+    ref = build_pipeline("tiny", dtype=torch.bfloat16)
+    torchao_quant.quantize_(ref.transformer, CONFIGS["int8"]())
+    want = ref.generate(ids, lat, 2)
+
+    def quantize(pipe: Any) -> None:
+        torchao_quant.quantize_(pipe.transformer, CONFIGS["int8"]())
+
+    factory = functools.partial(build_pipeline, "tiny", dtype=torch.bfloat16, device="meta")
+    pipe, b = dlo.load_pipeline(
+        factory, ckpt, dlo.OffloadConfig(mode="layer"), device="cpu", prepare=quantize
+    )
+    assert b is not None
+    assert torch.equal(pipe.generate(ids, lat, 2), want)
+    names = [s.name for s in b.layer_plan.blocks[0].layout.tensors]  # type: ignore[attr-defined]
+    assert any(n.endswith(".qdata") for n in names), names
+    b.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
