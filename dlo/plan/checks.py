@@ -76,7 +76,7 @@ def check_blocks(
         found = [
             f"{b}.{w.name} ({type(w.tensor).__name__})"
             for b, m in blocks
-            for w in module_wrappers(m)
+            for w in _wrappers(b, m, rank=rank)
         ]
         if found:
             raise OffloadError(

@@ -240,6 +240,8 @@ def test_subclasses_dlo_cannot_stream_are_refused_naming_tensor_and_type() -> No
     model.blocks[0].register_buffer("odd", bad)
     with pytest.raises(OffloadError, match=r"block 'blocks\.0': odd \(_BadWrapper\).*'label'.*str"):
         dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
+    with pytest.raises(OffloadError, match=r"odd \(_BadWrapper\).*'label'.*str"):
+        dlo.enable_offload(model, dlo.OffloadConfig(mode="module"), device="cpu")
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
