@@ -350,8 +350,7 @@ class LayerHost:
             journal.record(f"release {b.name}", functools.partial(self.restore, b))
 
     def release_originals(self, b: LayerBlock) -> None:
-        b.original_devices = [t.device for t in b.tensors]
-        wrappers_to(b, self.platform.device)  # first: it may fail, nothing lost yet
+        leave_host(b, self.platform.device)  # first: it may fail, nothing lost yet
         for t in b.tensors:
             t.data = placeholder(t, self.platform.device)
 
@@ -426,9 +425,10 @@ class LayerHost:
         copy_back(b.host_view(), written)
 
 
-def wrappers_to(b: LayerBlock, device: torch.device) -> None:
-    """Record where ``b``'s wrappers are and make them report ``device``, where their
-    inner tensors go (see [Note: tensor subclasses])."""
+def leave_host(b: LayerBlock, device: torch.device) -> None:
+    """Record where ``b``'s tensors and wrappers are (what a restore gives back) and make
+    the wrappers report ``device``, where the tensors go (see [Note: tensor subclasses])."""
+    b.original_devices = [t.device for t in b.tensors]
     b.wrapper_devices = [w.tensor.device for w in b.wrapped]
     retarget_all(b.wrapped, [device] * len(b.wrapped))
 

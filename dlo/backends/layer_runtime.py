@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from dlo import faults
-from dlo.backends.layer_host import LayerBlock, LayerHost, restore_wrappers, wrappers_to
+from dlo.backends.layer_host import LayerBlock, LayerHost, leave_host, restore_wrappers
 from dlo.backends.model_hooks import (
     gathered_loss,
     install_adapter_refusal,
@@ -259,8 +259,7 @@ def load_resident(
             continue
         buffer = b.device_buffer = _gather(platform, b, transports)
         if b.layout.group_size > 1:
-            b.original_devices = [t.device for t in b.tensors]
-            wrappers_to(b, platform.device)
+            leave_host(b, platform.device)
         for spec, t in zip(b.layout.tensors, b.tensors):
             t.data = shard_view(buffer, spec)
         if b.layout.group_size > 1:  # group size 1: the release step's undo restores it
@@ -346,8 +345,7 @@ def install_rings(
     install_adapter_refusal(registry, pipeline, [b.name for b in blocks], journal, rank=rank)
     for b in blocks:
         if not b.resident and b.layout.group_size > 1:  # what restore=True gives back
-            b.original_devices = [t.device for t in b.tensors]
-            wrappers_to(b, platform.device)
+            leave_host(b, platform.device)
     for ring in scheduler.rings:
         for sb in ring.blocks:
             for t, ph in zip(sb.tensors, sb.placeholders):

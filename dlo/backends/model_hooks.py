@@ -132,14 +132,15 @@ def install_state_dict_hooks(
         named = itertools.chain(
             mod.named_parameters(remove_duplicate=False), mod.named_buffers(remove_duplicate=False)
         )
-        raw: list[torch.Tensor] = []  # an encoded block, decoded once per call
+        raw: torch.Tensor | None = None  # an encoded block, decoded once per call
 
         def host_tensor(i: int) -> torch.Tensor:
+            nonlocal raw
             if isinstance(shard, MappedBlock):
                 t = shard.tensor(i)
             elif isinstance(shard, EncodedShard):
-                raw[:] = raw or [shard.raw()]
-                t = shard_view(raw[0], layout.tensors[i])  # private memory already
+                raw = shard.raw() if raw is None else raw
+                t = shard_view(raw, layout.tensors[i])  # private memory already
             else:
                 t = shard_view(shard, layout.tensors[i])
             return t.clone() if copy else t

@@ -58,40 +58,39 @@ class _Mapping:
 # elementwise.
 _MAPPED: dict[int, _Mapping] = {}
 
-
-def _forget(key: int, _ref: object) -> None:
-    _MAPPED.pop(key, None)
-
-
-def register_mapping(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
-    ref = weakref.ref(t, functools.partial(_forget, id(t)))
-    _MAPPED[id(t)] = _Mapping(
-        ref,
-        checkpoint,
-        name,
-        t.data_ptr(),
-        t._version,
-        t.dtype,
-        tuple(t.shape),
-        checkpoint.is_aligned(name),
-    )
-
-
-def unregister_mapping(t: torch.Tensor) -> None:
-    _MAPPED.pop(id(t), None)
-
-
 # id(tensor) -> its _Mapping (file_backed False): block tensors read from a checkpoint into
 # private memory (cast to another dtype, or a copy requested): not packable from the file,
 # but an encoded checkpoint can still describe them (see [Note: encoded checkpoint])
 _DERIVED: dict[int, _Mapping] = {}
 
 
-def register_derived(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
-    key = id(t)
-    ref = weakref.ref(t, lambda _ref: _DERIVED.pop(key, None))
+def _register(
+    table: dict[int, _Mapping], t: torch.Tensor, checkpoint: Checkpoint, name: str, backed: bool
+) -> None:
+    ref = weakref.ref(t, functools.partial(_forget, table, id(t)))
     shape = tuple(t.shape)
-    _DERIVED[key] = _Mapping(ref, checkpoint, name, t.data_ptr(), t._version, t.dtype, shape, False)
+    table[id(t)] = _Mapping(ref, checkpoint, name, t.data_ptr(), t._version, t.dtype, shape, backed)
+
+
+def _forget(table: dict[int, _Mapping], key: int, _ref: object) -> None:
+    table.pop(key, None)
+
+
+def _current(table: dict[int, _Mapping], t: torch.Tensor) -> _Mapping | None:
+    item = table.get(id(t))
+    return item if item is not None and item.still_aliases(t) else None
+
+
+def register_mapping(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
+    _register(_MAPPED, t, checkpoint, name, checkpoint.is_aligned(name))
+
+
+def unregister_mapping(t: torch.Tensor) -> None:
+    _MAPPED.pop(id(t), None)
+
+
+def register_derived(t: torch.Tensor, checkpoint: Checkpoint, name: str) -> None:
+    _register(_DERIVED, t, checkpoint, name, False)
 
 
 def forget_derived(t: torch.Tensor) -> None:
@@ -102,16 +101,12 @@ def derived_source(t: torch.Tensor) -> tuple[Checkpoint, str, torch.dtype] | Non
     """``(checkpoint, name, dtype)`` when ``t`` still holds what :func:`materialize` read
     from the checkpoint's tensor ``name`` into private memory, as ``dtype`` (unchanged
     since: same object, memory, version, dtype and shape), else None."""
-    item = _DERIVED.get(id(t))
-    if item is None or not item.still_aliases(t):
-        return None
-    return item.checkpoint, item.name, item.dtype
+    item = _current(_DERIVED, t)
+    return None if item is None else (item.checkpoint, item.name, item.dtype)
 
 
 def mapped_source(t: torch.Tensor) -> tuple[Checkpoint, str] | None:
     """``(checkpoint, name)`` when ``t`` still aliases the checkpoint mapping
     :func:`materialize` gave it (its bytes can be read from the file), else None."""
-    item = _MAPPED.get(id(t))
-    if item is None or not item.still_aliases(t):
-        return None
-    return item.checkpoint, item.name
+    item = _current(_MAPPED, t)
+    return None if item is None else (item.checkpoint, item.name)

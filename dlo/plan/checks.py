@@ -9,8 +9,9 @@ sharing one storage), and modules managed by another offloader.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -34,15 +35,21 @@ def block_entries(
     Raises:
         OffloadError: a tensor subclass whose inner tensors dlo cannot read (naming it).
     """
-    try:
+    with _naming_block(name, rank):
         return module_tensor_entries(module)
-    except TypeError as e:
-        raise OffloadError(str(e), rank=rank, block=name) from e
 
 
 def _wrappers(name: str, module: nn.Module, *, rank: int) -> list[Wrapped]:
-    try:
+    with _naming_block(name, rank):
         return module_wrappers(module)
+
+
+@contextlib.contextmanager
+def _naming_block(name: str, rank: int) -> Iterator[None]:
+    """A wrapper whose inner tensors cannot be read (``TypeError``) as block ``name``'s
+    :class:`OffloadError`."""
+    try:
+        yield
     except TypeError as e:
         raise OffloadError(str(e), rank=rank, block=name) from e
 
