@@ -32,6 +32,7 @@ from dlo.codec.offline import (
     write_encoded,
 )
 from dlo.errors import OffloadError
+from dlo.host.bounce import Bounce
 from dlo.host.node_share import share_step
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
@@ -73,23 +74,25 @@ class HostCodec:
         :meth:`lay`); returns each one's encoded bytes by manifest position. Host memory:
         one raw shard and the encoded pieces of the blocks encoded here. ``released(index)``
         is called as soon as a block's pieces are held (see [Note: released as encoded])."""
-        scratch: torch.Tensor | None = None
-        for index, name, layout, tensors, group_rank in progress(
-            blocks, desc="dlo: encode", total=len(blocks), unit="block"
-        ):
-            origin = self._origin(index, layout, tensors)
-            found = self.files.find(layout, origin, self.bitstream)
-            if found is not None:
-                self._pending[index] = found
-                self.read_blocks += 1
-                continue
-            if scratch is None:
-                scratch = torch.empty(max(b[2].shard_nbytes for b in blocks), dtype=torch.uint8)
-            self._pending[index] = encode_block(
-                self.platform, self.codec, name, layout, tensors, scratch, group_rank
-            )
-            if released is not None:
-                released(index)
+        bounce = Bounce(self.platform)  # [Note: bounce buffer]
+        try:
+            for index, name, layout, tensors, group_rank in progress(
+                blocks, desc="dlo: encode", total=len(blocks), unit="block"
+            ):
+                origin = self._origin(index, layout, tensors)
+                found = self.files.find(layout, origin, self.bitstream)
+                if found is not None:
+                    self._pending[index] = found
+                    self.read_blocks += 1
+                    continue
+                bounce.view(max(b[2].shard_nbytes for b in blocks))  # sized once
+                self._pending[index] = encode_block(
+                    self.platform, self.codec, name, layout, tensors, bounce, group_rank
+                )
+                if released is not None:
+                    released(index)
+        finally:
+            bounce.close()
         return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
 
     def holds(self, index: int) -> bool:
@@ -240,6 +243,8 @@ class HostCodec:
         return by_dir
 
     def forget(self) -> None:
-        """Drop encoded pieces not laid yet (a failed enable)."""
+        """Drop encoded pieces not laid yet (a failed enable), and the decoder's bounce
+        buffer (recorded before any block is released: runs after every restore)."""
         self._pending.clear()
         self.files.close()
+        self.decoder.close()

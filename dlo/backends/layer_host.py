@@ -378,8 +378,9 @@ class LayerHost:
     def _raw_copy(self, b: LayerBlock) -> torch.Tensor:
         """``b``'s whole-block host copy as raw bytes: decoded from its encoded copy, or from
         its pieces not laid yet (released as encoded), else its region bytes."""
-        if b.encoded is not None:
-            return b.encoded.raw(self.platform.device)
+        if b.encoded is not None:  # to the host at once where the tensors go back there
+            host = all(d.type == "cpu" for d in b.original_devices)
+            return b.encoded.raw("cpu" if host else self.platform.device, keep=True)
         if self.codec is not None and self.codec.holds(b.index):
             return self.codec.pending_raw(b.index, self.platform.device)
         if b.stack.codec != "none" and self.codec is not None:  # never encoded bytes as raw

@@ -1,11 +1,13 @@
 """Encoding a block's shard at enable, and decoding it whole (disable, ``state_dict``).
 
-Encoding a block takes one raw shard on the host (packed from the model's tensors) and, on
-CUDA, one on the device; its encoded pieces are kept (pageable, outside the ledger) until
-the caller lays every block's pieces into the host region, which exists only once every size
-is known (see [Note: encoded blocks] in :mod:`dlo.codec.format`); the caller releases a
-whole block's originals once its pieces are held (see [Note: released as encoded] in
-:mod:`dlo.backends.layer_codec`).
+Encoding a block takes one raw shard on the host (packed from the model's tensors into the
+pass's bounce buffer) and, on CUDA, one on the device; its encoded pieces come back through
+the same buffer into one pageable buffer of the block's (outside the ledger), kept until the
+caller lays every block's pieces into the host region, which exists only once every size is
+known (see [Note: encoded blocks] in :mod:`dlo.codec.format`); the caller releases a whole
+block's originals once its pieces are held (see [Note: released as encoded] in
+:mod:`dlo.backends.layer_codec`). Whole-block copies between host and device go through a
+pinned :class:`~dlo.host.bounce.Bounce` (see [Note: bounce buffer]).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from dlo import faults
 from dlo.codec.codecs import Codec
 from dlo.codec.format import EncodedLayout, Piece, encode_pieces
+from dlo.host.bounce import Bounce
 from dlo.host.packer import pack_block
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
@@ -33,9 +36,11 @@ class EncodedShard:
     """The encoded buffer (uint8, a view of the host region)."""
     decoder: BlockDecoder
 
-    def raw(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The block's raw shard bytes, decoded into new memory on ``device``."""
-        return self.decoder.decode(self, torch.device(device))
+    def raw(self, device: torch.device | str = "cpu", *, keep: bool = False) -> torch.Tensor:
+        """The block's raw shard bytes, decoded into new memory on ``device``; ``keep``: the
+        decoder keeps its bounce buffer for the next block (a restore pass, which closes it:
+        :meth:`BlockDecoder.close`)."""
+        return self.decoder.decode(self, torch.device(device), keep=keep)
 
 
 def decode_piece(codec: Codec, p: Piece, src: torch.Tensor, out: torch.Tensor) -> None:
@@ -53,8 +58,10 @@ class BlockDecoder:
 
     def __init__(self, platform: Platform, codec: Codec, stream: Any) -> None:
         self.platform, self.codec, self.stream = platform, codec, stream
+        self.bounce = Bounce(platform)
+        """A decode to the host comes back through it (see [Note: bounce buffer])."""
 
-    def decode(self, shard: EncodedShard, device: torch.device) -> torch.Tensor:
+    def decode(self, shard: EncodedShard, device: torch.device, keep: bool = False) -> torch.Tensor:
         pf, enc = self.platform, shard.layout
         faults.check("decode")
         where = pf.device if pf.has_streams else torch.device("cpu")
@@ -63,13 +70,29 @@ class BlockDecoder:
         # caller's work so far
         out = torch.empty(enc.raw_nbytes, dtype=torch.uint8, device=where)
         self.stream.wait_stream(pf.current_stream())
-        with pf.stream(self.stream):
-            src = shard.data.to(where, non_blocking=True) if pf.has_streams else shard.data
-            for p in enc.pieces:
-                piece = src[p.offset : p.offset + p.nbytes]
-                decode_piece(self.codec, p, piece, out[p.raw_offset :][: p.raw_nbytes])
-        self.stream.synchronize()
-        return out.to(device)
+        try:
+            with pf.stream(self.stream):
+                src = shard.data
+                if pf.has_streams and not src.is_pinned():  # pieces not laid yet, say
+                    src = self.bounce.view(enc.nbytes)
+                    src.copy_(shard.data)
+                src = src.to(where, non_blocking=True) if pf.has_streams else src
+                for p in enc.pieces:
+                    piece = src[p.offset : p.offset + p.nbytes]
+                    decode_piece(self.codec, p, piece, out[p.raw_offset :][: p.raw_nbytes])
+            self.stream.synchronize()
+            if out.device == device or device.type != "cpu":
+                return out.to(device)
+            back = self.bounce.view(out.numel())
+            back.copy_(out)  # through pinned memory, then into the caller's new memory
+            return torch.empty_like(back).copy_(back)
+        finally:
+            if not keep:
+                self.bounce.close()
+
+    def close(self) -> None:
+        """Release the bounce buffer a ``keep`` decode left (idempotent)."""
+        self.bounce.close()
 
 
 def encode_block(
@@ -78,19 +101,32 @@ def encode_block(
     name: str,
     layout: BlockLayout,
     tensors: Sequence[torch.Tensor],
-    scratch: torch.Tensor,
+    bounce: Bounce,
     group_rank: int = 0,
 ) -> tuple[EncodedLayout, list[torch.Tensor]]:
-    """Pack ``group_rank``'s shard of ``tensors`` into ``scratch`` (a host uint8 buffer of at
-    least the shard's size) and encode it in pieces of one slice each (one per chunk); returns
-    the piece table and each piece's bytes on the host."""
+    """Pack ``group_rank``'s shard of ``tensors`` into ``bounce`` and encode it in pieces of
+    one slice each (one per chunk); returns the piece table and each piece's bytes on the
+    host (views of one new buffer of the block's)."""
     faults.check("encode")
-    raw = scratch[: layout.shard_nbytes]
+    raw = bounce.view(layout.shard_nbytes)
     pack_block(raw, layout, group_rank, tensors)
-    src = raw.to(platform.device) if platform.has_streams else raw
+    if not platform.has_streams:  # encoded where it lies; a stored piece is a view of raw
+        enc, datas = encode_pieces(name, raw, layout.slice_nbytes, codec.bitstream, codec.encode)
+        return enc, [d.clone() if p.stored else d for p, d in zip(enc.pieces, datas)]
+    src = raw.to(platform.device, non_blocking=True)  # the codec's stream waits for it
     enc, datas = encode_pieces(name, src, layout.slice_nbytes, codec.bitstream, codec.encode)
-    # on the host, a stored piece is a view of the scratch the next block overwrites
-    return enc, [
-        d.cpu() if d.device.type != "cpu" else d.clone() if p.stored else d
-        for p, d in zip(enc.pieces, datas)
-    ]
+    # the codec's encodes are done (each synchronized), so ``raw`` is free: the pieces come
+    # back through it, then into the block's own memory
+    total = sum(d.numel() for d in datas)
+    back = bounce.view(total)
+    at = 0
+    for d in datas:
+        back[at : at + d.numel()].copy_(d, non_blocking=True)
+        at += d.numel()
+    platform.current_stream().synchronize()
+    host = torch.empty_like(back).copy_(back)  # pageable: the region is pinned later
+    pieces, at = [], 0
+    for d in datas:
+        pieces.append(host[at : at + d.numel()])
+        at += d.numel()
+    return enc, pieces

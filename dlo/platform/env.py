@@ -12,6 +12,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import torch
+
 _IMPORTED = time.time()
 
 
@@ -153,7 +155,6 @@ def host_available_bytes() -> int | None:
     return None
 
 
-_PAGEMAP_PRESENT = 1 << 63
 _PAGEMAP_SWAPPED = 1 << 62
 _PAGEMAP_FILE_OR_SHARED = 1 << 61
 
@@ -175,16 +176,13 @@ def copied_on_write(address: int, nbytes: int) -> bool | None:
         return None
     if len(raw) != (last - first + 1) * 8:
         return None
-    import array
-
-    entries = array.array("Q")
-    entries.frombytes(raw)
+    entries = torch.frombuffer(bytearray(raw), dtype=torch.int64)  # one scan, not per page
     # a swapped-out page of a private file mapping can only be a copy (the file's own
     # pages are dropped, never swapped)
-    return any(
-        e & _PAGEMAP_SWAPPED or (e & _PAGEMAP_PRESENT and not e & _PAGEMAP_FILE_OR_SHARED)
-        for e in entries
-    )
+    present = entries < 0  # bit 63, the sign bit of an int64
+    swapped = (entries & _PAGEMAP_SWAPPED) != 0
+    anonymous = (entries & _PAGEMAP_FILE_OR_SHARED) == 0
+    return bool((swapped | (present & anonymous)).any())
 
 
 def process_start_time() -> float:

@@ -367,3 +367,54 @@ def test_quantized_weights_stream_as_stored_and_subclasses_are_refused(codec: st
         dlo.enable_offload(sub, dlo.OffloadConfig(mode="layer", codec=codec), device="cpu")
     assert_same(before, sub)
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_encode_and_restore_go_through_one_pinned_bounce_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: bounce buffer]: every block is packed into the same buffer, pinned once for
+    the encode pass and released at its end (the host holds only the region then), and
+    everything pinned is unpinned by the disable; bitwise throughout. (The decodes to the
+    host go through it on CUDA only: tests/gpu/test_codec_gpu.py.)"""
+    import dlo.codec.blocks as blocks
+
+    class Pinning(CpuPlatform):
+        can_pin = True
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.pinned: list[int] = []
+            self.unpinned: list[int] = []
+
+        def register_host(self, tensor: torch.Tensor) -> bool:
+            self.pinned.append(tensor.numel())
+            return True
+
+        def unregister_host(self, tensor: torch.Tensor) -> None:
+            self.unpinned.append(tensor.numel())
+
+    packed: list[int] = []
+    real = blocks.pack_block
+
+    def pack_block(dst: torch.Tensor, *args: Any) -> None:
+        packed.append(dst.untyped_storage().data_ptr())
+        real(dst, *args)
+
+    monkeypatch.setattr(blocks, "pack_block", pack_block)
+    model = ToyDiT(4)
+    ref, before = _run(clone(model)), snapshot(model)
+    pf = Pinning()
+    cfg = dlo.OffloadConfig(mode="layer", codec="ans", pin_memory=True)
+    b = LayerwiseBackend(cfg, dlo.ParallelConfig(), pf)
+    b.enable(model)
+    assert len(packed) == 4 and len(set(packed)) == 1  # one buffer, every block
+    st = b.stats()
+    assert LEDGER.host_nbytes == st["host_region_nbytes"]  # the bounce is gone
+    assert LEDGER.pinned_nbytes == st["host_pinned_nbytes"] > 0
+    shard = max(blk.layout.shard_nbytes for blk in b._state.host.blocks)
+    assert pf.pinned[0] == shard and pf.unpinned[0] == shard  # pinned for the pass only
+    assert all(torch.equal(x, y) for x, y in zip(ref, _run(model)))
+    b.disable(restore=True)
+    assert_same(before, model)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    assert sorted(pf.pinned) == sorted(pf.unpinned)

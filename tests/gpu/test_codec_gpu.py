@@ -83,11 +83,13 @@ def test_no_device_allocation_after_warmup_with_the_codec() -> None:
     with torch.no_grad():
         model(x)
         torch.cuda.synchronize()
-        a0 = _allocs()
+        a0, free0 = _allocs(), torch.cuda.mem_get_info(DEV)[0]
         for _ in range(3):
             model(x)
         torch.cuda.synchronize()
         assert (_allocs() - a0) / 3 == resident_allocs  # the decoder allocates nothing
+        # nor does nvCOMP outside torch's allocator (its scratch is set up at enable)
+        assert torch.cuda.mem_get_info(DEV)[0] == free0
     b.disable()
 
 

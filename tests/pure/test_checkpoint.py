@@ -516,3 +516,34 @@ def test_an_interrupt_while_pinning_finishes_leaves_no_registration(workers: int
         if not hit:
             break
     assert target > 5  # the interrupts landed inside finish
+
+
+def test_the_bounce_buffer_is_pinned_grown_and_released() -> None:
+    from dlo.host.bounce import Bounce
+    from dlo.host.region import LEDGER
+
+    before = (LEDGER.host_nbytes, LEDGER.pinned_nbytes)
+    registered: list[int] = []
+
+    class Counting(_Pins):
+        def register_host(self, tensor: torch.Tensor) -> bool:
+            registered.append(tensor.numel())
+            return True
+
+    b = Bounce(Counting(set(), []))
+    v = b.view(5000)
+    assert v.numel() == 5000 and b.pinned and registered == [5000]
+    v[:] = 7
+    assert b.view(100).data_ptr() == v.data_ptr() and registered == [5000]  # reused
+    assert LEDGER.pinned_nbytes == before[1] + 5000
+    w = b.view(9000)  # grown: a new buffer, the old one released
+    assert w.numel() == 9000 and registered == [5000, 9000]
+    assert LEDGER.pinned_nbytes == before[1] + 9000
+    assert b.view(0).numel() == 0
+    b.close()
+    b.close()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == before and not b.pinned
+    c = Bounce(_Pins({64}, []))  # a failed registration: ordinary memory, same bytes
+    assert c.view(64).numel() == 64 and not c.pinned
+    c.close()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == before

@@ -4,6 +4,7 @@ selection, host-memory helpers, and that a CPU ring never initializes CUDA."""
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import subprocess
 import sys
@@ -329,3 +330,25 @@ def test_cpu_share_divides_the_cpus_among_the_ranks_of_a_node(
     assert cpu_share() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert cpu_share() == 1  # never zero
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="Linux page table only")
+def test_copied_on_write_sees_exactly_the_written_pages(tmp_path: Path) -> None:
+    from dlo.platform.env import copied_on_write, page_size
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\x01" * (64 << 20))
+    with open(path, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 64 << 20, flags=mmap.MAP_PRIVATE)
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    assert int(t[:: page_size()].sum()) == (64 << 20) // page_size()  # every page read
+    base, page = t.data_ptr(), page_size()
+    assert copied_on_write(base, t.numel()) is False
+    t[40 << 20] = 3  # one page copied
+    assert copied_on_write(base, t.numel()) is True
+    assert copied_on_write(base, 40 << 20) is False
+    assert copied_on_write(base + (40 << 20), page) is True
+    assert copied_on_write(base + (40 << 20) + page, 8 << 20) is False
+    assert copied_on_write(base, 0) is False
+    del t
+    m.close()
