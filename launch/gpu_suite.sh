@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -63,6 +63,19 @@ for s in $steps; do
         --preset "$preset" --tokens 4096 --codec none,ans \
         --methods resident,dlo-allgather,dlo-allgather-copy,dlo-node-shared \
         --json "$out/bench_codec.json" --markdown "$out/bench_codec.md" ;;
+    compile2)  # issue 24: compile under AllGather and node-shared against compiled resident and FSDP2
+      [ "$ngpu" -ge 2 ] && step bench_compile 540 torchrun --nproc-per-node="$ngpu" -m dlo bench \
+        --preset "$preset" --compile --tokens "$tokens" \
+        --methods resident,dlo-allgather-copy,dlo-node-shared,dlo-auto,fsdp2-offload \
+        --json "$out/bench_compile.json" --markdown "$out/bench_compile.md" ;;
+    pipeline2)  # issue 24: a saved Wan 14B-like folder, one GPU against N (peak RSS, cold start)
+      step wan_save 300 python3 -m dlo save-pipeline --like wan2.1-t2v-14b /dev/shm/dlo_wan
+      wan_args="--pipeline /dev/shm/dlo_wan --height 480 --width 832 --frames 81 --steps 3 --json"
+      step wan_1gpu 400 python3 -m dlo run $wan_args
+      for t in auto allgather; do
+        [ "$ngpu" -ge 2 ] && step "wan_ngpu_$t" 400 torchrun --nproc-per-node="$ngpu" -m dlo run \
+          $wan_args --transfer "$t"
+      done ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/multigpu/test_dlo_nccl.py -k "copy and not one_rank_failing" ;;
     run)

@@ -14,13 +14,15 @@ the checkpoint file; nothing to gain), and so do AllGather slices (the region ho
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dlo.codec.blocks import BlockDecoder, EncodedShard, encode_block
+from dlo.codec.blocks import BlockDecoder, EncodedShard, encode_packed, pack_raw
 from dlo.codec.codecs import get_codec
 from dlo.codec.format import EncodedLayout, Piece, check_bitstream, check_layout, write_pieces
 from dlo.codec.offline import (
@@ -72,28 +74,55 @@ class HostCodec:
     ) -> dict[int, int]:
         """Encode ``blocks``, or find them in an encoded checkpoint (held until
         :meth:`lay`); returns each one's encoded bytes by manifest position. Host memory:
-        one raw shard and the encoded pieces of the blocks encoded here. ``released(index)``
+        two raw shards (pinned) and the encoded pieces of the blocks encoded here. ``released(index)``
         is called as soon as a block's pieces are held (see [Note: released as encoded])."""
-        bounce = Bounce(self.platform)  # [Note: bounce buffer]
+        todo: list[Block] = []
+        for block in blocks:
+            index, _, layout, tensors, _ = block
+            origin = self._origin(index, layout, tensors)
+            found = self.files.find(layout, origin, self.bitstream)
+            if found is None:
+                todo.append(block)
+            else:
+                self._pending[index] = found
+                self.read_blocks += 1
+        if todo:
+            self._encode(todo, released)
+        return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
+
+    def _encode(self, todo: Sequence[Block], released: Callable[[int], Any] | None) -> None:
+        """Encode ``todo`` in order: block k + 1 is packed on a thread into one bounce buffer
+        while block k is encoded from the other (see [Note: bounce buffer])."""
+        nbytes = max(b[2].shard_nbytes for b in todo)
+        bounces = (Bounce(self.platform), Bounce(self.platform))
+
+        def pack(k: int) -> torch.Tensor:
+            _, _, layout, tensors, group_rank = todo[k]
+            return pack_raw(layout, tensors, bounces[k % 2], group_rank)
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="dlo-encode-pack")
+        ahead: Future[torch.Tensor] | None = None
         try:
-            for index, name, layout, tensors, group_rank in progress(
-                blocks, desc="dlo: encode", total=len(blocks), unit="block"
-            ):
-                origin = self._origin(index, layout, tensors)
-                found = self.files.find(layout, origin, self.bitstream)
-                if found is not None:
-                    self._pending[index] = found
-                    self.read_blocks += 1
-                    continue
-                bounce.view(max(b[2].shard_nbytes for b in blocks))  # sized once
-                self._pending[index] = encode_block(
-                    self.platform, self.codec, name, layout, tensors, bounce, group_rank
+            for b in bounces:
+                b.view(nbytes)  # sized once, before the thread writes into either
+            ahead = pool.submit(pack, 0)
+            for k in progress(range(len(todo)), desc="dlo: encode", total=len(todo), unit="block"):
+                assert ahead is not None  # block k's pack, submitted before
+                raw = ahead.result()
+                ahead = pool.submit(pack, k + 1) if k + 1 < len(todo) else None
+                index, name, layout, _, _ = todo[k]
+                self._pending[index] = encode_packed(
+                    self.platform, self.codec, name, layout, raw, bounces[k % 2]
                 )
                 if released is not None:
                     released(index)
         finally:
-            bounce.close()
-        return {i: enc.nbytes for i, (enc, _) in self._pending.items()}
+            if ahead is not None and not ahead.cancel():  # never free what a pack still writes
+                with contextlib.suppress(BaseException):
+                    ahead.result()
+            pool.shutdown(wait=True)
+            for b in bounces:
+                b.close()
 
     def holds(self, index: int) -> bool:
         """Block ``index``'s encoded pieces are held, not laid yet."""

@@ -12,6 +12,7 @@ pinned :class:`~dlo.host.bounce.Bounce` (see [Note: bounce buffer]).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,6 +61,8 @@ class BlockDecoder:
         self.platform, self.codec, self.stream = platform, codec, stream
         self.bounce = Bounce(platform)
         """A decode to the host comes back through it (see [Note: bounce buffer])."""
+        self._lock = threading.Lock()
+        """Decodes take turns in the bounce buffer (``state_dict()`` runs on any thread)."""
 
     def decode(self, shard: EncodedShard, device: torch.device, keep: bool = False) -> torch.Tensor:
         pf, enc = self.platform, shard.layout
@@ -70,6 +73,13 @@ class BlockDecoder:
         # caller's work so far
         out = torch.empty(enc.raw_nbytes, dtype=torch.uint8, device=where)
         self.stream.wait_stream(pf.current_stream())
+        with self._lock:
+            return self._decode(shard, out, device, keep)
+
+    def _decode(
+        self, shard: EncodedShard, out: torch.Tensor, device: torch.device, keep: bool
+    ) -> torch.Tensor:
+        pf, enc, where = self.platform, shard.layout, out.device
         try:
             with pf.stream(self.stream):
                 src = shard.data
@@ -87,29 +97,37 @@ class BlockDecoder:
             back.copy_(out)  # through pinned memory, then into the caller's new memory
             return torch.empty_like(back).copy_(back)
         finally:
+            self.stream.synchronize()  # a failed decode leaves no copy out of the bounce
             if not keep:
                 self.bounce.close()
 
     def close(self) -> None:
         """Release the bounce buffer a ``keep`` decode left (idempotent)."""
-        self.bounce.close()
+        with self._lock:
+            self.bounce.close()
 
 
-def encode_block(
+def pack_raw(
+    layout: BlockLayout, tensors: Sequence[torch.Tensor], bounce: Bounce, group_rank: int = 0
+) -> torch.Tensor:
+    """``group_rank``'s raw shard of ``tensors``, packed into ``bounce`` (a view of it)."""
+    raw = bounce.view(layout.shard_nbytes)
+    pack_block(raw, layout, group_rank, tensors)
+    return raw
+
+
+def encode_packed(
     platform: Platform,
     codec: Codec,
     name: str,
     layout: BlockLayout,
-    tensors: Sequence[torch.Tensor],
+    raw: torch.Tensor,
     bounce: Bounce,
-    group_rank: int = 0,
 ) -> tuple[EncodedLayout, list[torch.Tensor]]:
-    """Pack ``group_rank``'s shard of ``tensors`` into ``bounce`` and encode it in pieces of
-    one slice each (one per chunk); returns the piece table and each piece's bytes on the
-    host (views of one new buffer of the block's)."""
+    """Encode block ``name``'s raw shard ``raw`` (packed into ``bounce`` by :func:`pack_raw`)
+    in pieces of one slice each (one per chunk); returns the piece table and each piece's
+    bytes on the host (views of one new buffer of the block's)."""
     faults.check("encode")
-    raw = bounce.view(layout.shard_nbytes)
-    pack_block(raw, layout, group_rank, tensors)
     if not platform.has_streams:  # encoded where it lies; a stored piece is a view of raw
         enc, datas = encode_pieces(name, raw, layout.slice_nbytes, codec.bitstream, codec.encode)
         return enc, [d.clone() if p.stored else d for p, d in zip(enc.pieces, datas)]

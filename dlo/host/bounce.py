@@ -6,8 +6,10 @@ A copy between the device and pageable memory runs at a fraction of the link: on
 (``.cpu()``), against 55 GB/s both ways through pinned memory (docs/benchmarks.md,
 2026-12-02g). The codec's passes move every block once outside the ring (the encode at
 enable, the decode of a disable's restore and of ``state_dict()``), so each goes through one
-buffer of the largest block it moves: filled, copied, and reused block after block, pinned
-once for the pass and released when it ends. The ledger counts it while it lives; it is not
+buffer of the largest block it moves (the encode pass two, one packed on a thread while the
+other's block is encoded): filled, copied, and reused block after block, pinned once for the
+pass (a restore, one ``state_dict()`` call) and released when it ends; decodes take turns
+in it (a lock), since ``state_dict()`` may run on any thread. The ledger counts it while it lives; it is not
 charged to ``pin_budget_gb`` (it lives only during the pass, one block's bytes). Where it
 cannot be pinned (a platform without pinning, a failed registration) it is ordinary memory:
 slower, the same bytes.
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from dlo.host.region import HostRegion
+from dlo.journal import atomic
 from dlo.platform.device import Platform
 
 
@@ -36,14 +39,15 @@ class Bounce:
         region = self._region
         if region is None or region.block_nbytes[0] < nbytes:
             self.close()
-            region = HostRegion([nbytes])
-            try:
-                if self.platform.can_pin:
-                    region.pin(self.platform, num_workers=1)
-            except BaseException:
-                region.close()
-                raise
-            self._region = region
+            with atomic():  # [Note: interrupts during enable]: made and known together
+                region = HostRegion([nbytes])
+                try:
+                    if self.platform.can_pin:
+                        region.pin(self.platform, num_workers=1)
+                except BaseException:
+                    region.close()
+                    raise
+                self._region = region
         return region.view(0)[:nbytes]
 
     @property
@@ -51,7 +55,12 @@ class Bounce:
         return self._region is not None and self._region.is_pinned(0)
 
     def close(self) -> None:
-        """Unpin and release the buffer (idempotent); the next :meth:`view` makes a new one."""
+        """Unpin and release the buffer (idempotent); the next :meth:`view` makes a new one.
+        The device is synchronized first: a pass that failed or was interrupted may have left
+        a copy into or out of it queued."""
         if self._region is not None:
-            region, self._region = self._region, None
-            region.close()
+            if self._region.is_pinned(0):
+                self.platform.synchronize()
+            with atomic():
+                region, self._region = self._region, None
+                region.close()

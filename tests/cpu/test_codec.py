@@ -144,13 +144,13 @@ def test_blocks_are_released_as_they_are_encoded(monkeypatch: pytest.MonkeyPatch
 
     model = ToyDiT(5)
     released: list[int] = []
-    real = layer_codec.encode_block
+    real = layer_codec.encode_packed
 
-    def encode_block(*args: Any, **kw: Any) -> Any:
+    def encode_packed(*args: Any, **kw: Any) -> Any:
         released.append(sum(blk.lin.weight.numel() == 0 for blk in model.blocks))
         return real(*args, **kw)
 
-    monkeypatch.setattr(layer_codec, "encode_block", encode_block)
+    monkeypatch.setattr(layer_codec, "encode_packed", encode_packed)
     ref = _run(clone(model), 2)
     b = _enable(model)
     assert released == [0, 1, 2, 3, 4]
@@ -372,8 +372,9 @@ def test_quantized_weights_stream_as_stored_and_subclasses_are_refused(codec: st
 def test_encode_and_restore_go_through_one_pinned_bounce_buffer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """[Note: bounce buffer]: every block is packed into the same buffer, pinned once for
-    the encode pass and released at its end (the host holds only the region then), and
+    """[Note: bounce buffer]: the blocks are packed into two buffers in turn (the next one
+    on a thread while one is encoded), each pinned once for the encode pass and released at
+    its end (the host holds only the region then), and
     everything pinned is unpinned by the disable; bitwise throughout. (The decodes to the
     host go through it on CUDA only: tests/gpu/test_codec_gpu.py.)"""
     import dlo.codec.blocks as blocks
@@ -407,12 +408,13 @@ def test_encode_and_restore_go_through_one_pinned_bounce_buffer(
     cfg = dlo.OffloadConfig(mode="layer", codec="ans", pin_memory=True)
     b = LayerwiseBackend(cfg, dlo.ParallelConfig(), pf)
     b.enable(model)
-    assert len(packed) == 4 and len(set(packed)) == 1  # one buffer, every block
+    assert len(packed) == 4 and len(set(packed)) == 2  # two buffers in turn
+    assert packed[0] == packed[2] != packed[1] == packed[3]
     st = b.stats()
     assert LEDGER.host_nbytes == st["host_region_nbytes"]  # the bounce is gone
     assert LEDGER.pinned_nbytes == st["host_pinned_nbytes"] > 0
     shard = max(blk.layout.shard_nbytes for blk in b._state.host.blocks)
-    assert pf.pinned[0] == shard and pf.unpinned[0] == shard  # pinned for the pass only
+    assert pf.pinned[:2] == pf.unpinned[:2] == [shard, shard]  # pinned for the pass only
     assert all(torch.equal(x, y) for x, y in zip(ref, _run(model)))
     b.disable(restore=True)
     assert_same(before, model)

@@ -53,13 +53,13 @@ class _Counted:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.names: list[str] = []
-        real = layer_codec.encode_block
+        real = layer_codec.encode_packed
 
-        def encode_block(*args: Any, **kw: Any) -> Any:
+        def encode_packed(*args: Any, **kw: Any) -> Any:
             self.names.append(args[2])
             return real(*args, **kw)
 
-        monkeypatch.setattr(layer_codec, "encode_block", encode_block)
+        monkeypatch.setattr(layer_codec, "encode_packed", encode_packed)
 
 
 def _load(path: Path, seed: int = 0, **kw: Any) -> tuple[Any, Any, torch.Tensor]:

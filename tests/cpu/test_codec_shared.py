@@ -43,13 +43,13 @@ def _xs(rank: int) -> list[torch.Tensor]:
 
 def _shared(rank: int, world: int, resident: int) -> dict[str, Any]:
     encoded: list[str] = []
-    real = layer_codec.encode_block
+    real = layer_codec.encode_packed
 
-    def encode_block(*args: Any, **kw: Any) -> Any:
+    def encode_packed(*args: Any, **kw: Any) -> Any:
         encoded.append(args[2])  # (platform, codec, name, ...)
         return real(*args, **kw)
 
-    layer_codec.encode_block = encode_block  # type: ignore[assignment]
+    layer_codec.encode_packed = encode_packed  # type: ignore[assignment]
     model = Fp8DiT(5)  # bf16 weights, fp32 norms, fp8 weights with fp32 scales
     ref = clone(model)
     with torch.no_grad():

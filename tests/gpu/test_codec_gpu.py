@@ -156,3 +156,22 @@ def test_encoded_checkpoint_written_and_read_on_the_gpu(tmp_path: Any) -> None:
     assert torch.equal(pipe.generate(ids, lat, 2), ref)
     b.disable()
     assert written.exists() and (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_state_dict_from_several_threads_is_bitwise_and_leaves_nothing_pinned() -> None:
+    """[Note: bounce buffer]: decodes to the host take turns in the decoder's buffer, so
+    concurrent ``state_dict()`` calls each get their own blocks' bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = ToyDiT(6, dim=512)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    b = _enable(model)
+    pinned = LEDGER.pinned_nbytes
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda _: model.state_dict(), range(8)))
+    for sd in got:
+        assert sd.keys() == want.keys()
+        assert all(torch.equal(sd[k].cpu(), want[k]) for k in want)
+    assert LEDGER.pinned_nbytes == pinned  # every call's bounce released
+    b.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)

@@ -12,7 +12,7 @@ run() {  # tree name, command...
 echo "== $(date +%T) save-checkpoint"
 run new python3 -m dlo save-checkpoint --preset medium --out /dev/shm/ckpt > "$out/save.log" 2>&1
 for tree in old new; do
-  for c in none ans; do
+  for c in ${DLO_AB_CODECS:-none ans}; do
     echo "== $(date +%T) $tree ckpt $c"
     run $tree python3 -m dlo run --preset medium --checkpoint /dev/shm/ckpt --codec $c --steps 2 \
       --tokens 4096 --json > "$out/run_ckpt_${tree}_$c.json" 2> "$out/run_ckpt_${tree}_$c.err"
@@ -23,8 +23,8 @@ for tree in old new; do
 done
 echo "== $(date +%T) gpu tests"
 PYTHONPATH=$root:$site timeout 200 python3 -m pytest -q -p no:cacheprovider -rs \
-  tests/gpu/test_codec_gpu.py tests/gpu/test_subclasses_gpu.py tests/gpu/test_ring_gpu.py \
-  tests/gpu/test_pipelines_gpu.py > "$out/gpu_tests.log" 2>&1
+  ${DLO_AB_TESTS:-tests/gpu/test_codec_gpu.py tests/gpu/test_subclasses_gpu.py tests/gpu/test_ring_gpu.py tests/gpu/test_pipelines_gpu.py} \
+  > "$out/gpu_tests.log" 2>&1
 tail -3 "$out/gpu_tests.log"
 echo "== $(date +%T) flux"
 run new timeout 120 python3 -m dlo save-pipeline --like flux.1-dev /dev/shm/flux > "$out/flux_save.log" 2>&1
