@@ -2,7 +2,7 @@
 of dlo's code that ``enable`` runs on the tiny demo pipeline (CI samples every 5th:
 tests/cpu/test_interrupt_atomic.py); prints the points that leave something behind.
 
-    PYTHONPATH=. python launch/interrupt_probe.py layer|module [STRIDE] [enable|disable]
+    PYTHONPATH=. python launch/interrupt_probe.py layer|module|layer-codec [STRIDE] [enable|disable]
 
 2026-12-02 (CPU, torch 2.13): before dlo.journal.atomic layer 22 of 1160 points and module
 21 of 639 broke; after it none of 1184 and 660 (about 3-7 min per mode on 2 cores).

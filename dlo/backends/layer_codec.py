@@ -36,6 +36,7 @@ from dlo.codec.offline import (
 from dlo.errors import OffloadError
 from dlo.host.bounce import Bounce
 from dlo.host.node_share import share_step
+from dlo.journal import atomic
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
@@ -54,6 +55,9 @@ class HostCodec:
         stream = platform.new_stream()  # the codec's, so the decoder's copies are ordered
         self.codec = get_codec(platform, name, stream)
         self.decoder = BlockDecoder(platform, self.codec, stream)
+        self._bounces = (Bounce(platform), Bounce(platform))
+        """The encode pass's (see [Note: bounce buffer]): released at its end, or by
+        :meth:`forget` if an interrupt came before that."""
         self._pending: dict[int, tuple[EncodedLayout, list[torch.Tensor] | Reader]] = {}
         """Encoded blocks not laid yet: their pieces, or the reader of their encoded bytes
         in an encoded checkpoint."""
@@ -94,7 +98,7 @@ class HostCodec:
         """Encode ``todo`` in order: block k + 1 is packed on a thread into one bounce buffer
         while block k is encoded from the other (see [Note: bounce buffer])."""
         nbytes = max(b[2].shard_nbytes for b in todo)
-        bounces = (Bounce(self.platform), Bounce(self.platform))
+        bounces = self._bounces
 
         def pack(k: int) -> torch.Tensor:
             _, _, layout, tensors, group_rank = todo[k]
@@ -117,12 +121,13 @@ class HostCodec:
                 if released is not None:
                     released(index)
         finally:
-            if ahead is not None and not ahead.cancel():  # never free what a pack still writes
-                with contextlib.suppress(BaseException):
-                    ahead.result()
-            pool.shutdown(wait=True)
-            for b in bounces:
-                b.close()
+            with atomic():  # [Note: interrupts during enable]: nothing left behind
+                if ahead is not None and not ahead.cancel():  # never free what a pack writes
+                    with contextlib.suppress(BaseException):
+                        ahead.result()
+                pool.shutdown(wait=True)
+                for b in bounces:
+                    b.close()
 
     def holds(self, index: int) -> bool:
         """Block ``index``'s encoded pieces are held, not laid yet."""
@@ -272,8 +277,10 @@ class HostCodec:
         return by_dir
 
     def forget(self) -> None:
-        """Drop encoded pieces not laid yet (a failed enable), and the decoder's bounce
-        buffer (recorded before any block is released: runs after every restore)."""
+        """Drop encoded pieces not laid yet (a failed enable), and the bounce buffers
+        (recorded before any block is released: runs after every restore)."""
         self._pending.clear()
         self.files.close()
         self.decoder.close()
+        for b in self._bounces:
+            b.close()

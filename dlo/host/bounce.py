@@ -58,9 +58,9 @@ class Bounce:
         """Unpin and release the buffer (idempotent); the next :meth:`view` makes a new one.
         The device is synchronized first: a pass that failed or was interrupted may have left
         a copy into or out of it queued."""
-        if self._region is not None:
-            if self._region.is_pinned(0):
-                self.platform.synchronize()
-            with atomic():
+        with atomic():  # released and known as released together
+            if self._region is not None:
+                if self._region.is_pinned(0):
+                    self.platform.synchronize()
                 region, self._region = self._region, None
                 region.close()
