@@ -78,8 +78,9 @@ class HostCodec:
     ) -> dict[int, int]:
         """Encode ``blocks``, or find them in an encoded checkpoint (held until
         :meth:`lay`); returns each one's encoded bytes by manifest position. Host memory:
-        two raw shards (pinned) and the encoded pieces of the blocks encoded here. ``released(index)``
-        is called as soon as a block's pieces are held (see [Note: released as encoded])."""
+        two raw shards (pinned) and the encoded pieces of the blocks encoded here.
+        ``released(index)`` is called as soon as a block's pieces are held (see [Note:
+        released as encoded])."""
         todo: list[Block] = []
         for block in blocks:
             index, _, layout, tensors, _ = block

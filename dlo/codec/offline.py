@@ -6,8 +6,9 @@ known, host memory for the encoded pieces. A block whose tensors all come from o
 checkpoint (loaded by :func:`dlo.load_pipeline`: aliasing its mapping,
 :func:`~dlo.io.sources.mapped_source`, or read from it into private memory, cast on load or
 copied, :func:`~dlo.io.sources.derived_source`, for the enable of its own load only: a write
-through ``.data`` leaves private memory without a trace) is instead read, encoded, from :data:`ENCODED_FILE` in the directory of its tensors' files, straight
-into its bytes of the host region. ``dlo save-checkpoint --codec`` writes that file, and so
+through ``.data`` leaves private memory without a trace) is instead read, encoded, from
+:data:`ENCODED_FILE` in the directory of its tensors' files, straight into its bytes of the
+host region. ``dlo save-checkpoint --codec`` writes that file, and so
 does ``backend.save_encoded()`` after any enable that encoded blocks of a checkpoint (a
 pipeline folder's component directory, say). The file is safetensors: one uint8 tensor per
 block, named by the block's path, and under ``__metadata__["dlo.encoded"]`` a JSON record

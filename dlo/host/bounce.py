@@ -9,10 +9,10 @@ enable, the decode of a disable's restore and of ``state_dict()``), so each goes
 buffer of the largest block it moves (the encode pass two, one packed on a thread while the
 other's block is encoded): filled, copied, and reused block after block, pinned once for the
 pass (a restore, one ``state_dict()`` call) and released when it ends; decodes take turns
-in it (a lock), since ``state_dict()`` may run on any thread. The ledger counts it while it lives; it is not
-charged to ``pin_budget_gb`` (it lives only during the pass, one block's bytes). Where it
-cannot be pinned (a platform without pinning, a failed registration) it is ordinary memory:
-slower, the same bytes.
+in it (a lock), since ``state_dict()`` may run on any thread. The ledger counts it while it
+lives; it is not charged to ``pin_budget_gb`` (it lives only during the pass, one or two
+blocks' bytes). Where it cannot be pinned (a platform without pinning, a failed
+registration) it is ordinary memory: slower, the same bytes.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -235,15 +235,7 @@ def module_tensor_entries(
         TypeError: a wrapper whose inner tensors dlo cannot read (naming it).
     """
     out: list[tuple[str, str, torch.Tensor]] = []
-    seen: set[int] = set()
-    named = itertools.chain(
-        ((n, "param", p) for n, p in module.named_parameters()),
-        ((n, "buffer", b) for n, b in module.named_buffers() if b is not None),
-    )
-    for name, kind, t in named:
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
+    for name, kind, t in _owned_tensors(module):
         if is_wrapper(t):
             out.extend((leaf, kind, x) for leaf, x in flatten(name, t).leaves())
         else:
@@ -253,14 +245,21 @@ def module_tensor_entries(
 
 def module_wrappers(module: nn.Module) -> list[Wrapped]:
     """The wrapper-subclass tensors a block owns (see [Note: tensor subclasses]), each once."""
-    out: list[Wrapped] = []
+    return [flatten(name, t) for name, _, t in _owned_tensors(module) if is_wrapper(t)]
+
+
+def _owned_tensors(module: nn.Module) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """``(name, kind, tensor)`` of a block's parameters, then its buffers: each tensor once
+    (under its first name), ``None`` buffers skipped."""
     seen: set[int] = set()
-    named = itertools.chain(module.named_parameters(), module.named_buffers())
-    for name, t in named:
-        if t is not None and id(t) not in seen and is_wrapper(t):
+    named = itertools.chain(
+        ((n, "param", p) for n, p in module.named_parameters()),
+        ((n, "buffer", b) for n, b in module.named_buffers() if b is not None),
+    )
+    for name, kind, t in named:
+        if id(t) not in seen:
             seen.add(id(t))
-            out.append(flatten(name, t))
-    return out
+            yield name, kind, t
 
 
 def describe_entries(
