@@ -1,6 +1,11 @@
 """The model table of ``docs/compatibility.md``, from the zoo: ``python -m tests.zoo.table``
 rewrites it; ``tests/cpu/test_zoo.py`` fails while it differs from what this produces.
 
+The table's first line records the diffusers and transformers versions it was made with.
+Where pip resolves others (a fresh install picks the newest within the test extras' bounds),
+the rows of the classes both versions have must still be what the zoo gives; classes that only
+one of them has are listed by :func:`compare`, not failed on (see :func:`compare`).
+
 Each row is a class of the installed diffusers (every transformer class) or one of the text
 encoders, as dlo finds it with no declaration: the stacks it streams and how it found them.
 "Out of the box" is backed by ``tests/cpu/test_zoo.py``: every built class runs bitwise
@@ -9,6 +14,8 @@ under the ring and the model swap with exactly the configuration the row names.
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
 from pathlib import Path
 
@@ -51,11 +58,60 @@ def _row(case: Case, encoder: bool) -> str:
     return f"| `{case.name}` | {stacks or '-'} | {by or '-'} | {status} |"
 
 
+def versions_line(diffusers_version: str, transformers_version: str) -> str:
+    """The table's first line: the versions it was generated with."""
+    return (
+        f"diffusers {diffusers_version}, transformers {transformers_version}; tiny "
+        "configs (`tests/zoo`), random weights. Regenerate: `python -m tests.zoo.table`."
+    )
+
+
+_VERSIONS = re.compile(r"^diffusers (\S+), transformers (\S+); ")
+
+
+def recorded_versions(body: str) -> tuple[str, str]:
+    """The (diffusers, transformers) versions a generated section names on its first line."""
+    match = _VERSIONS.match(body)
+    if match is None:
+        raise ValueError(f"the table's first line names no versions: {body.splitlines()[:1]}")
+    return match.group(1), match.group(2)
+
+
+def _rows(body: str) -> dict[str, str]:
+    """Each model row of a section by its class cell (both tables: DiTs, then encoders)."""
+    return {
+        line.split("|")[1].strip(): line for line in body.splitlines() if line.startswith("| `")
+    }
+
+
+def compare(doc: str, now: str) -> tuple[list[str], list[str]]:
+    """(mismatches, notes) between the documented section ``doc`` and the generated ``now``.
+
+    With the same versions, the sections must be equal line for line. With other versions,
+    the row of every class both sections have must be equal (the prose and the order too),
+    and the classes only one side has become notes: a newer diffusers adding a class is not
+    a failure of dlo, a row that changed is.
+    """
+    if recorded_versions(doc) == recorded_versions(now):
+        if doc == now:
+            return [], []
+        diff = difflib.unified_diff(doc.splitlines(), now.splitlines(), "doc", "now", lineterm="")
+        return ["\n".join(diff)], []
+    old, new = _rows(doc), _rows(now)
+    shared = [k for k in old if k in new]
+    mismatches = [f"doc:  {old[k]}\nnow:  {new[k]}" for k in shared if old[k] != new[k]]
+    prose = [ln for ln in doc.splitlines()[1:] if not ln.startswith("| `")]
+    if prose != [ln for ln in now.splitlines()[1:] if not ln.startswith("| `")]:
+        mismatches.append("the prose or headers around the rows differ")
+    notes = [f"only in the doc: {k}" for k in old if k not in new]
+    notes += [f"only in the installed versions: {k}" for k in new if k not in old]
+    return mismatches, notes
+
+
 def table() -> str:
     """The generated section's body."""
     lines = [
-        f"diffusers {diffusers.__version__}, transformers {transformers.__version__}; tiny "
-        "configs (`tests/zoo`), random weights. Regenerate: `python -m tests.zoo.table`.",
+        versions_line(diffusers.__version__, transformers.__version__),
         "",
         "| class | streamed stacks (tiny config) | found by | status |",
         "|---|---|---|---|",
