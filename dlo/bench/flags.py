@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlo.bench.cost import DEFAULT_TOKENS, LIKE_DEFAULT_TOKENS
 from dlo.bench.like import LIKE
 from dlo.bench.methods import METHODS
 from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP
@@ -24,8 +25,18 @@ def int_list(flag: str, text: Any) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``dlo bench``."""
-    p.add_argument("--preset", default="medium", help=PRESET_HELP)
-    p.add_argument("--tokens", default="4096,16384", help="comma-separated token counts")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help=PRESET_HELP + " (default: medium on a GPU; tiny on a CPU, where medium takes hours)",
+    )
+    p.add_argument(
+        "--tokens",
+        default=None,
+        help="comma-separated token counts (default: the preset's: "
+        + "; ".join(f"{k} {v}" for k, v in DEFAULT_TOKENS.items())
+        + f"; with --like {LIKE_DEFAULT_TOKENS})",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="weight dtype")
     p.add_argument(
         "--methods",

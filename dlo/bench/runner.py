@@ -35,6 +35,14 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
+from dlo.bench.cost import (
+    LIKE_DEFAULT_TOKENS,
+    bench_cost,
+    default_preset,
+    default_tokens,
+    describe,
+    matmul_flops_per_s,
+)
 from dlo.bench.flags import int_list
 from dlo.bench.like import markdown_like, run_like
 from dlo.bench.methods import (
@@ -92,8 +100,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     world = current_world()
     platform = get_platform(None)
     dtype = getattr(torch, args.dtype)
-    preset = get_preset(args.preset)
-    tokens_list = int_list("--tokens", args.tokens)
+    # see [Note: bench defaults by platform]
+    preset = get_preset(args.preset or default_preset(platform.has_streams))
+    tokens_list = int_list("--tokens", args.tokens or default_tokens(preset.name))
     slots = int_list("--num-slots", args.num_slots)
     chunks = int_list("--chunk-mb", args.chunk_mb)
     # every (slots, chunk) pair for each manual dlo method; dlo-auto picks its own slots
@@ -142,8 +151,21 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 "memcpy, so the timings and ratios below are NOT meaningful; they check that "
                 "every method runs. Measure on a GPU."
             )
-    for method, why in _skipped(requested, world.size, platform.has_streams):
+    skipped = _skipped(requested, world.size, platform.has_streams)
+    for method, why in skipped:
         logger.warning("%s: skipped: %s", method, why)
+    if world.rank == 0:
+        gone = {m for m, _ in skipped}
+        rows = sum(
+            len(settings) * len(manual_codecs(codec_list(args.codec)))
+            if m in MANUAL_DLO_METHODS
+            else 1
+            for m in requested
+            if m not in gone
+        )
+        cost = bench_cost(preset, tokens_list, rows, warmup=args.warmup, reps=args.reps)
+        rate = None if platform.has_streams else matmul_flops_per_s(dtype)
+        logger.warning("dlo bench: about %s", describe(cost, rate))
     lim = report["limits"]
     lim.update(h2d_limits(platform, block_nbytes))
     lim["allgather_GBps"] = allgather_bandwidth(platform, block_nbytes) / GB
@@ -369,6 +391,8 @@ def _skipped(methods: list[str], world_size: int, gpus: bool) -> list[tuple[str,
             out.append((m, "one rank only"))
         elif m == "dlo-swap" and not gpus:
             out.append((m, "its load times need CUDA streams and events"))
+        elif m == "diffusers-group" and not gpus:
+            out.append((m, "needs CUDA streams"))
     return out
 
 
@@ -379,7 +403,8 @@ def main(args: argparse.Namespace) -> int:
         methods = [m for m in args.methods.split(",") if m]
         if args.methods == ",".join(METHODS):  # the default: the three --like serves
             methods = ["resident", "dlo-ring", "diffusers-group"]
-        report = run_like(args, int_list("--tokens", args.tokens), methods)
+        tokens = int_list("--tokens", args.tokens or LIKE_DEFAULT_TOKENS)
+        report = run_like(args, tokens, methods)
         _write(args, report, markdown_like(report))
         return 0
     report = run_bench(args)
