@@ -1,14 +1,16 @@
 """Print the commands of README.md's quick-start block, one per line (for .ci/run)."""
 
 import sys
+from pathlib import Path
 
-with open(sys.argv[1], encoding="utf-8") as fh:
-    text = fh.read()
-marker = "<!-- quick-start -->"
-if marker not in text:
-    sys.exit(f"{sys.argv[1]}: no {marker} block")
-block = text.split(marker, 1)[1].split("```", 2)[1]
-for line in block.splitlines()[1:]:
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, for tests/
+from tests.doc_blocks import marked  # stdlib only: it runs before the install
+
+try:
+    block = marked(Path(sys.argv[1]), "quick-start")
+except ValueError as e:
+    sys.exit(str(e))
+for line in block.code.splitlines():
     line = line.strip()
     if line and not line.startswith("#"):
         print(line)

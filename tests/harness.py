@@ -227,13 +227,17 @@ def run_program(
 ) -> subprocess.CompletedProcess[str]:
     """Run the script ``program`` (a Path) on the CPU as a user would: one process, or
     ``ranks`` under torchrun (``--standalone``); dlo from this checkout, no inherited
-    torchrun variables."""
+    torchrun variables. Its temporary files (torchrun's ``torchelastic_*`` folders, which
+    it leaves) go to a ``tmp`` folder beside it, not the test session's."""
     root = Path(__file__).resolve().parents[1]
+    tmp = Path(program).parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     env = {
         **os.environ,
         "PYTHONPATH": str(root),
         "CUDA_VISIBLE_DEVICES": "",
         "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(tmp),
     }
     for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(var, None)

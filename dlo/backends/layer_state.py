@@ -30,6 +30,9 @@ class LayerState:
     placed_nbytes: int = 0
     """Device bytes of the non-block state dlo moved there."""
     enable_time_s: float = 0.0
+    print_time_s: float = 0.0
+    """Of the enable: the content fingerprints of the exchanged blocks (see [Note: weight
+    fingerprints] in :mod:`dlo.host.fingerprint`); logged, not in ``stats()``."""
     fill_time_s: float = 0.0
     """Of the enable: filling the host shards (from the model or the checkpoint file), with
     the pinning of each filled block running behind."""
@@ -57,7 +60,7 @@ class LayerState:
             f"{shared.nbytes / MIB if shared else 0:.1f} MiB over "
             f"{shared.share_ranks if shared else 1} ranks, mapped from the checkpoint "
             f"{sum(b.mapped.mapped_nbytes for b in blocks if b.mapped) / MIB:.1f} MiB, "
-            f"{self.enable_time_s:.2f}s"
+            f"{self.enable_time_s:.2f}s (fingerprints {self.print_time_s:.2f}s)"
         )
 
     def stats(self, platform: Platform, *, enabled: bool, host_backing: str) -> dict[str, Any]:

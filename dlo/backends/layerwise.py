@@ -15,10 +15,10 @@ Install sequence (every step journaled; see [Note: one journal for enable and di
    exact-size host region filled block by block with this rank's slices, pinned within the
    budget; device slots. With group size 1 the pageable originals are released as soon as
    their block is in the region (rollback rebuilds them from it);
-4. startup agreement when any stack gathers or shares a node's copy ([Note: startup
-   agreement] in :mod:`dlo.parallel.agreement`); a multi-rank startup that fails after its
-   first exchange marks the process and the store ([Note: one failed startup ends the
-   worker] in :mod:`dlo.parallel.store`);
+4. startup agreement, on each exchanged block's content fingerprint too, when any stack
+   gathers or shares a node's copy ([Note: startup agreement] in :mod:`dlo.parallel.agreement`);
+   a multi-rank startup that fails after its first exchange marks the process and the store
+   ([Note: one failed startup ends the worker] in :mod:`dlo.parallel.store`);
 5. the node-shared copy, then (:mod:`dlo.backends.layer_runtime`) weight groups and
    transports, non-block state and declared resident modules to the device, resident blocks
    loaded once, rings and hooks installed, block 0 of each ring preloaded. With group size
@@ -71,6 +71,7 @@ from dlo.backends.model_hooks import check_not_released
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import BackendPoisonedError, OffloadError
+from dlo.host.fingerprint import exchanged_prints
 from dlo.host.region import HostRegion
 from dlo.journal import Journal
 from dlo.parallel.agreement import RankReport, decide, exchange, settings_of
@@ -292,7 +293,9 @@ class LayerwiseBackend(OffloadBackend):
             report.groups = tuple(
                 tuple(tuple(g) for g in axis_groups(par, a)) for a in sorted(group_ranks)
             )
-            t_fill = time.perf_counter()
+            t_print = time.perf_counter()  # every block still whole: none packed yet
+            report.weights = exchanged_prints(blocks, par, world.rank) if exchanges else ()
+            state.print_time_s = (t_fill := time.perf_counter()) - t_print
             host.prepare(
                 layer,
                 journal,
@@ -331,7 +334,7 @@ class LayerwiseBackend(OffloadBackend):
                 self._poisoned = f"multi-rank startup failed ({verdict.message})"
             if isinstance(local_error, ValueError):  # this rank's own config was refused
                 raise ValueError(verdict.message) from local_error
-            raise OffloadError(verdict.message, rank=world.rank) from local_error
+            raise verdict.error(verdict.message, rank=world.rank) from local_error
         assert host is not None
         host.keep_pageable(host.region, blocks, verdict.fallback_blocks)
 

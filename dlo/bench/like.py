@@ -26,6 +26,7 @@ from dlo.backends.factory import enable_offload
 from dlo.bench.methods import _clean, _peak, codec_list, manual_codecs, time_forward
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
+from dlo.pipelines.folder import quiet_imports
 from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, TINY_FLUX_TRANSFORMER, WAN_14B_TRANSFORMER
 from dlo.pipelines.synth import fill_random, no_init
 from dlo.platform.device import Platform, get_platform
@@ -140,7 +141,8 @@ def build(like: Like, dtype: torch.dtype, *, seed: int = 0) -> nn.Module:
     """``like``'s class on the CPU, weights from a pool of N(0, 0.02) values drawn with
     ``seed`` (:func:`~dlo.pipelines.synth.fill_random`)."""
     module, _, name = like.cls.partition(":")
-    cls = getattr(importlib.import_module(module), name)
+    with quiet_imports():
+        cls = getattr(importlib.import_module(module), name)
     with no_init(dtype):
         model = cls(**like.config)
     return fill_random(model, dtype, seed=seed)
@@ -241,7 +243,9 @@ def _run_method(
         platform.synchronize()
         before = backend.stats() if backend is not None else {}
         # every forward from here is the steady state (the untimed first one included)
-        timing = time_forward(forward, platform, warmup=0, reps=args.reps)
+        timing = time_forward(
+            forward, platform, warmup=0, reps=args.reps, desc=f"{method} tokens={tokens}"
+        )
         row = {
             "method": method,
             "tokens": tokens,

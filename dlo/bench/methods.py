@@ -4,6 +4,7 @@ rank, peak device memory, profiling.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
@@ -17,6 +18,7 @@ from dlo.config.fields import CODECS
 from dlo.models.build import build_pipeline
 from dlo.models.presets import get_preset
 from dlo.platform.device import Platform
+from dlo.platform.progress import progress_bar
 from dlo.runtime.measure import barrier, device_peak_nbytes, over_ranks, sample_seconds
 
 MANUAL_DLO_METHODS = (
@@ -46,25 +48,31 @@ METHODS = (
 
 # ----------------------------------------------------------------------------- timing
 def time_forward(
-    fn: Callable[[], Any], platform: Platform, *, warmup: int, reps: int
+    fn: Callable[[], Any], platform: Platform, *, warmup: int, reps: int, desc: str = "forwards"
 ) -> dict[str, float]:
     """Median/min device time of ``fn`` in ms (wall time on the CPU platform), and the wall
     time of the first call (``first_ms``: with ``--compile``, the compile of the first
     forward is in it), and how many forwards ran (``forwards``: that first one runs even
-    with ``warmup=0``)."""
-    t0 = time.perf_counter()
-    fn()  # the first warm-up forward (one even without warm-up: its time is reported)
-    platform.synchronize()
-    first_ms = (time.perf_counter() - t0) * 1e3
-    for _ in range(max(0, warmup - 1)):
-        fn()
-    barrier()
-    times = [t * 1e3 for t in sample_seconds(platform, fn, reps)]
+    with ``warmup=0``). ``desc`` names the row in its progress (rank 0), one step a forward
+    and never inside a timed span."""
+    num_forwards = max(1, warmup) + reps
+    bar = progress_bar(total=num_forwards, desc=f"dlo bench: {desc}", unit="forward")
+    with contextlib.closing(bar):
+        t0 = time.perf_counter()
+        fn()  # the first warm-up forward (one even without warm-up: its time is reported)
+        platform.synchronize()
+        first_ms = (time.perf_counter() - t0) * 1e3
+        bar.update(1)
+        for _ in range(max(0, warmup - 1)):
+            fn()
+            bar.update(1)
+        barrier()
+        times = [t * 1e3 for t in sample_seconds(platform, fn, reps, on_sample=bar.update)]
     return {
         "median_ms": statistics.median(times),
         "min_ms": min(times),
         "first_ms": first_ms,
-        "forwards": float(max(1, warmup) + reps),  # every forward run, for per-forward stats
+        "forwards": float(num_forwards),  # every forward run, for per-forward stats
     }
 
 

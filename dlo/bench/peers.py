@@ -59,7 +59,13 @@ def _bench_diffusers_group(
     for tokens in tokens_list:
         inp = _inputs(preset, tokens, platform.device, dtype)
         platform.reset_peak_memory_stats()
-        t = time_forward(_fwd(dit, inp), platform, warmup=args.warmup, reps=args.reps)
+        t = time_forward(
+            _fwd(dit, inp),
+            platform,
+            warmup=args.warmup,
+            reps=args.reps,
+            desc=f"diffusers-group tokens={tokens}",
+        )
         record(
             "diffusers-group",
             tokens,

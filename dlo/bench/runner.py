@@ -101,8 +101,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     platform = get_platform(None)
     dtype = getattr(torch, args.dtype)
     # see [Note: bench defaults by platform]
-    preset = get_preset(args.preset or default_preset(platform.has_streams))
-    tokens_list = int_list("--tokens", args.tokens or default_tokens(preset.name))
+    preset = get_preset(
+        default_preset(platform.has_streams) if args.preset is None else args.preset
+    )
+    tokens_list = int_list(
+        "--tokens", default_tokens(preset.name) if args.tokens is None else args.tokens
+    )
     slots = int_list("--num-slots", args.num_slots)
     chunks = int_list("--chunk-mb", args.chunk_mb)
     # every (slots, chunk) pair for each manual dlo method; dlo-auto picks its own slots
@@ -194,7 +198,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             fwd = _fwd(dit, inp)
             platform.reset_peak_memory_stats()  # every row: its own forwards' peak
-            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
+            t = time_forward(
+                fwd, platform, warmup=args.warmup, reps=args.reps, desc=f"resident tokens={tokens}"
+            )
             record("resident", tokens, t, {"peak_device_nbytes": _peak(platform)})
             del fwd, inp
         del dit  # nothing may keep the resident model alive into the next method's peak
@@ -279,7 +285,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             fwd = _fwd(cpu_dit, inp)
             # every row: its own forwards' peak (not enable's transients, not a larger row's)
             platform.reset_peak_memory_stats()
-            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps)
+            label = f"{method} tokens={tokens}" + (f" codec={codec}" if codec != "none" else "")
+            t = time_forward(fwd, platform, warmup=args.warmup, reps=args.reps, desc=label)
             st = backend.stats()
             if args.profile:  # every rank runs the forward; rank 0 writes the files
                 tag = f"{method}_s{num_slots}_c{chunk_mb}" if sweep else method
@@ -353,7 +360,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         for tokens in tokens_list:
             inp = _inputs(preset.name, tokens, platform.device, dtype)
             platform.reset_peak_memory_stats()
-            t = time_forward(_fwd(dit, inp), platform, warmup=args.warmup, reps=args.reps)
+            t = time_forward(
+                _fwd(dit, inp),
+                platform,
+                warmup=args.warmup,
+                reps=args.reps,
+                desc=f"fsdp2-offload tokens={tokens}",
+            )
             record("fsdp2-offload", tokens, t, {"peak_device_nbytes": _peak(platform)})
         del dit
         _clean(platform)
@@ -403,7 +416,7 @@ def main(args: argparse.Namespace) -> int:
         methods = [m for m in args.methods.split(",") if m]
         if args.methods == ",".join(METHODS):  # the default: the three --like serves
             methods = ["resident", "dlo-ring", "diffusers-group"]
-        tokens = int_list("--tokens", args.tokens or LIKE_DEFAULT_TOKENS)
+        tokens = int_list("--tokens", LIKE_DEFAULT_TOKENS if args.tokens is None else args.tokens)
         report = run_like(args, tokens, methods)
         _write(args, report, markdown_like(report))
         return 0

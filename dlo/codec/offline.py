@@ -7,18 +7,29 @@ checkpoint (loaded by :func:`dlo.load_pipeline`: aliasing its mapping,
 :func:`~dlo.io.sources.mapped_source`, or read from it into private memory, cast on load or
 copied, :func:`~dlo.io.sources.derived_source`, for the enable of its own load only: a write
 through ``.data`` leaves private memory without a trace) is instead read, encoded, from
-:data:`ENCODED_FILE` in the directory of its tensors' files, straight into its bytes of the
+:data:`ENCODED_FILE` in the directory of its tensors' files (named in
+:mod:`dlo.io.checkpoint`, whose directory scans skip it), straight into its bytes of the
 host region. ``dlo save-checkpoint --codec`` writes that file, and so
 does ``backend.save_encoded()`` after any enable that encoded blocks of a checkpoint (a
 pipeline folder's component directory, say). The file is safetensors: one uint8 tensor per
 block, named by the block's path, and under ``__metadata__["dlo.encoded"]`` a JSON record
-``{"version": 1, "bitstream": B, "blocks": {path: {"layout": D, "sources": [[name, F], ...],
+``{"version": 2, "bitstream": B, "blocks": {path: {"layout": D, "sources": [[name, F], ...],
 "pieces": [[raw_offset, raw_nbytes, offset, nbytes, stored], ...]}}}``, D the digest of the
 block's layout (its tensors, dtypes and offsets, group size 1 and the chunk size the pieces
-follow) and F each source tensor's fingerprint (its file's size, modification time and
-inode and the tensor's place in it, with its dlo checksums where it has them, and for a tensor
-read as another dtype than stored that dtype; a tensor the checkpoint does not hold, such
-as a non-persistent buffer, has no name and the digest of its bytes).
+follow) and F each source tensor's fingerprint (its file's size, modification time, change
+time and inode and the tensor's place in it, with its dlo checksums where it has them, and
+for a tensor read as another dtype than stored that dtype; a tensor the checkpoint does not
+hold, such as a non-persistent buffer, has no name and the digest of its bytes). The change
+time is what no user can set: a file rewritten in place with its size and modification time
+kept (``cp --preserve=timestamps``, archives with fixed times) has a new one, while a
+diffusers folder's files carry no dlo checksums to tell otherwise.
+
+The file is read only if it is this user's own (:func:`~dlo.io.files.open_own`: owned by
+the effective uid, writable by no other user, checked on the descriptor it is read through;
+dlo writes it with mode ``0644`` less the umask): the fingerprints are readable by anyone
+who can read the checkpoint, so a file another user planted beside it (in ``/tmp``, a team
+directory) would otherwise choose the weights dlo streams. Another user's file is ignored
+like a stale one, with one warning naming its owner and mode, and the blocks are encoded.
 
 An entry serves a block only when the bitstream, the layout digest and every source name
 and fingerprint match the block as it is now, and its piece table passes
@@ -46,7 +57,8 @@ import torch
 
 from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
-from dlo.io.checkpoint import Checkpoint, bytes_of, flat_uint8
+from dlo.io.checkpoint import ENCODED_FILE, Checkpoint, bytes_of, flat_uint8
+from dlo.io.files import OWN_FILE_MODE
 from dlo.io.header_checks import CheckpointError
 from dlo.io.sources import derived_source, mapped_source
 from dlo.io.writer import write_file
@@ -55,9 +67,9 @@ from dlo.platform.env import cpu_share
 
 logger = logging.getLogger(__name__)
 
-ENCODED_FILE = "dlo-encoded.safetensors"
 METADATA_KEY = "dlo.encoded"
-VERSION = 1
+VERSION = 2
+"""2: fingerprints carry the change time (files of version 1 are encoded again, once)."""
 
 Reader = Callable[[torch.Tensor], None]
 """Reads one block's encoded bytes (verified) into its bytes of the host region."""
@@ -114,12 +126,16 @@ def _cast(derived: tuple[Checkpoint, str, torch.dtype]) -> str:
 
 def fingerprint(checkpoint: Checkpoint, name: str) -> str:
     """What identifies tensor ``name``'s bytes in ``checkpoint`` (see the note): its file's
-    size, modification time and inode and the tensor's place in it, and its dlo checksums
-    where it has them (a tool that rewrites the data but copies the header's checksums over
-    still changes the file's time)."""
+    size, modification and change times and inode and the tensor's place in it, and its dlo
+    checksums where it has them (a tool that rewrites the data but copies the header's
+    checksums over, or sets the old modification time back, still changes the change
+    time)."""
     e = checkpoint.entries[name]
     st = e.file.stat()
-    where = f"file:{e.file.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}:{e.start}:{e.nbytes}"
+    where = (
+        f"file:{e.file.name}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_ino}:"
+        f"{e.start}:{e.nbytes}"
+    )
     if e.checksums is None:
         return where
     piece, sums = e.checksums
@@ -156,6 +172,7 @@ def write_encoded(
         [(layout.name, data) for layout, _, _, data in blocks],
         checksums=True,
         metadata={METADATA_KEY: json.dumps(record, separators=(",", ":"))},
+        mode=OWN_FILE_MODE,  # read back only if no other user can write it
     )
     return path
 
@@ -165,8 +182,9 @@ class _EncodedFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        # one header read: the record and the entries it describes come from the same file
-        self.checkpoint = Checkpoint(path, verify_checksum=True)
+        # one header read: the record and the entries it describes come from the same file,
+        # this user's own, read through the descriptor that was checked (see the note)
+        self.checkpoint = Checkpoint(path, verify_checksum=True, own_files=True)
         record = self.checkpoint.metadata[path].get(METADATA_KEY)
         try:
             value = json.loads(record) if isinstance(record, str) else None
@@ -270,7 +288,7 @@ class EncodedFiles:
     def _open(self, path: Path) -> _EncodedFile | None:
         if path not in self._files:
             f = None
-            if path.is_file():
+            if path.is_file() or path.is_symlink():
                 try:
                     f = _EncodedFile(path)
                 except CheckpointError as e:

@@ -1,10 +1,12 @@
 """``dlo run``: the main job. A denoising loop of the embedded demo pipeline
 (:mod:`dlo.models`) under a chosen strategy, on one process or under ``torchrun``
-(data-parallel ranks run different seeds of the same shapes, in lock step). Rank 0 shows a
-progress bar and prints a summary; ``--check`` compares every rank's output bit for bit with
-a fully resident run; ``--checkpoint`` loads the weights into a meta skeleton
-(:func:`dlo.load_pipeline`) instead of building them; ``--offload-config`` takes the offload
-settings as one JSON object (``OffloadConfig.from_dict``, vLLM-Omni's compact form too).
+(data-parallel ranks run different seeds of the same shapes, in lock step). Rank 0 prints
+what will run (the ``dlo run:`` line) before it starts, shows progress
+(:mod:`dlo.platform.progress`: bars in a terminal, plain lines in a log), and prints the
+results; ``--check`` compares every rank's output bit for bit with a fully resident run;
+``--checkpoint`` loads the weights into a meta skeleton (:func:`dlo.load_pipeline`) instead
+of building them; ``--offload-config`` takes the offload settings as one JSON object
+(``OffloadConfig.from_dict``, vLLM-Omni's compact form too).
 """
 
 from __future__ import annotations
@@ -21,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from dlo.commands.args import check_minimums, compile_blocks, parity_word
-from dlo.commands.run_flags import PIPELINE_ONLY, config_of, save_encoded_if_asked
+from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
-from dlo.config.parallel import ParallelConfig
 from dlo.platform.progress import progress_bar
 
 
@@ -53,7 +54,8 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         f"--{k.replace('_', '-')}" for k in PIPELINE_ONLY if getattr(args, k) is not None
     ]
     if pipeline_only:
-        raise ValueError(f"{', '.join(pipeline_only)} need --pipeline DIR (the demo takes none)")
+        verb = "needs" if len(pipeline_only) == 1 else "need"
+        raise ValueError(f"{', '.join(pipeline_only)} {verb} --pipeline DIR (the demo takes none)")
     cfg = config_of(args, parser_defaults)  # bad flag values fail here, before any work
     check_minimums(
         (("--steps", args.steps, 1), ("--seed", args.seed, 0), ("--tokens", args.tokens, 1))
@@ -61,12 +63,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     preset = get_preset(args.preset)
     dtype = getattr(torch, args.dtype)
     device = _device(args.device) if args.device else default_device()
-    env_world = torchrun_env().world_size
-    par = ParallelConfig(
-        data_parallel_size=env_world,
-        hsdp_replicate_size=args.hsdp_replicate,
-        hsdp_shard_size=args.hsdp_shard,
-    )
+    par = parallel_of(args, torchrun_env().world_size)
     if par.use_hsdp and cfg.mode != "layer":
         raise ValueError(f"--hsdp-shard/--hsdp-replicate compose with --mode layer, not {cfg.mode}")
     if cfg.host_backing == "mapped" and (
@@ -87,6 +84,9 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         return build_pipeline(preset, dtype=dtype, device="meta")
 
     ids, latents = make_inputs(preset, tokens=args.tokens, seed=seed, device=device, dtype=dtype)
+    header = _header(args, cfg, preset.name, latents.shape[1], world.size, device)
+    if rank0:  # what will run, before the build and the enable (stdout carries --json's JSON)
+        print(_fields_line(header), file=sys.stderr if args.json else sys.stdout, flush=True)
     t0 = time.perf_counter()
     if args.checkpoint is not None:
         build_s = 0.0
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
                 shard_non_block(pipe, cfg, par, device_type=device.type)
             backend.enable(pipe)
     enable_s = time.perf_counter() - t0
-    save_encoded_if_asked(args, backend, rank0)
+    save_error = save_encoded_if_asked(args, backend, rank0)  # raised after the report
     compile_blocks(pipe.transformer, args.compile)  # after enable, as diffusers documents
     enable_rss = process_peak_rss_bytes()  # VmHWM now: the build and enable, not the run
     platform.reset_peak_memory_stats()
@@ -218,11 +218,13 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         reports = [None] * world.size  # type: ignore[list-item]
         dist.all_gather_object(reports, report)
     if rank0:
-        print(json.dumps(reports, indent=2) if args.json else _summary(reports))
+        print(json.dumps(reports, indent=2) if args.json else _summary(reports, header))
     ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
     del pipe, backend, out  # FSDP2 state and dlo groups go before the process group
     gc.collect()
     shutdown()
+    if save_error is not None:
+        raise save_error  # one "dlo: error:" line, exit 2; the report is printed above
     return 0 if ok else 1
 
 
@@ -248,21 +250,57 @@ def _explain(cfg: OffloadConfig, backend: Any) -> str:
     )
 
 
-def _summary(reports: list[dict[str, Any]]) -> str:
+def _header(
+    args: argparse.Namespace,
+    cfg: OffloadConfig,
+    preset: str,
+    tokens: int,
+    world_size: int,
+    device: torch.device,
+) -> dict[str, str]:
+    """What will run: the ``dlo run:`` line printed before the build, as its fields."""
+    layer = cfg.mode == "layer"
+    fields = {
+        "preset": preset,
+        "mode": cfg.mode,
+        "transfer": cfg.transfer if layer else "-",
+        "steps": str(args.steps),
+        "tokens": str(tokens),
+        "ranks": str(world_size),
+        "device": str(device),
+        "weights": "built" if args.checkpoint is None else f"checkpoint-{args.checkpoint_load}",
+        "host": cfg.host_backing if layer else "-",
+    }
+    if args.compile:
+        fields["compile"] = str(args.compile)
+    if cfg.codec != "none":
+        fields["codec"] = cfg.codec
+    return fields
+
+
+def _fields_line(fields: dict[str, str]) -> str:
+    return "dlo run: " + " ".join(f"{k}={v}" for k, v in fields.items())
+
+
+def _summary(reports: list[dict[str, Any]], header: dict[str, str]) -> str:
+    """The results: what the run settled that its header could not say (an automatic
+    transfer, the gather, the codec's ratio), then a row per rank."""
     r0 = reports[0]
     gib = float(1 << 30)
-    lines = [
-        f"dlo run: preset={r0['preset']} mode={r0['mode']} transfer={r0['transfer']} "
-        f"steps={r0['steps']} tokens={r0['tokens']} ranks={r0['world_size']} device={r0['device']} "
-        f"weights={r0['load']} host={r0['host_backing']}"
-        + (f" compile={r0['compile']}" if r0.get("compile") else "")
-        + (f" gather={r0['gather_engine']}/{r0['gather_sync']}" if r0.get("gather_sync") else "")
-        + (
-            f" codec={r0['codec']} (ratio {r0['codec_ratio']:.3f}, "
+    settled = [
+        f"{key}={r0[name]}"
+        for key, name in (("transfer", "transfer"), ("host", "host_backing"))
+        if header.get(key) != r0[name]
+    ]
+    if r0.get("gather_sync"):
+        settled.append(f"gather={r0['gather_engine']}/{r0['gather_sync']}")
+    if r0.get("codec", "none") != "none":
+        settled.append(
+            f"codec={r0['codec']} (ratio {r0['codec_ratio']:.3f}, "
             f"{r0['encoded_read_blocks']} block(s) read encoded)"
-            if r0.get("codec", "none") != "none"
-            else ""
-        ),
+        )
+    lines = [f"dlo run: settled {' '.join(settled)}"] if settled else []
+    lines += [
         "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | host GiB "
         "private / mapped | pinned host GiB | exposed wait ms | enable s | enable peak RSS GiB "
         "| parity |",

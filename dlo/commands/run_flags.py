@@ -9,9 +9,10 @@ import os
 import sys
 from typing import Any
 
-from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, int_or_auto
+from dlo.commands.args import COMPILE_MODES, DTYPES, PRESET_HELP, check_minimums, int_or_auto
 from dlo.config.fields import (
     CODECS,
+    COMPONENT_ALIASES,
     GATHER_ENGINES,
     GATHER_SYNCS,
     HOST_BACKINGS,
@@ -19,10 +20,13 @@ from dlo.config.fields import (
     TRANSFERS,
 )
 from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.io.files import CheckpointWriteError
 
 # the flags --offload-config replaces (give them inside the JSON instead)
 OFFLOAD_FLAGS = {
     "mode": "--mode",
+    "components": "--components",
     "transfer": "--transfer",
     "resident_layers": "--resident-layers",
     "num_slots": "--num-slots",
@@ -47,6 +51,16 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         choices=MODES,
         help="layer: stream blocks through device slots; module: swap whole components; "
         "none: no offload",
+    )
+    r.add_argument(
+        "--components",
+        type=component_list,
+        default=None,
+        metavar="NAMES",
+        help="the component kinds to offload, comma-separated: dit, encoder (or text_encoder) "
+        "(OffloadConfig.components; with --mode layer, naming encoder also streams the text "
+        "encoders whose blocks dlo finds by itself) (default: every DiT and the encoders that "
+        "declare their blocks with --mode layer; DiTs and encoders with --mode module)",
     )
     r.add_argument(
         "--transfer",
@@ -95,7 +109,11 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         help="print the automatic policy's decision and the numbers behind it (rank 0)",
     )
     r.add_argument(
-        "--chunk-mb", type=int, default=64, help="AllGather chunk size in MiB (an int >= 1)"
+        "--chunk-mb",
+        type=int,
+        default=64,
+        help="transfer chunk in MiB (an int >= 1): every transfer moves a block as chunks; "
+        "with allgather each chunk's gather starts once this rank's slice of it has landed",
     )
     r.add_argument("--no-pin", action="store_true", help="keep host storage pageable")
     r.add_argument(
@@ -188,6 +206,38 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     )
 
 
+LAYER_ONLY_FLAGS = (
+    "transfer",
+    "resident_layers",
+    "num_slots",
+    "device_budget_gb",
+    "block_compute_ms",
+    "host_backing",
+    "codec",
+    "gather_engine",
+    "gather_sync",
+)
+"""Flags (argparse dest) of the layer backend alone; the other offload flags apply to
+``--mode module`` too."""
+
+
+def component_list(text: str) -> tuple[str, ...]:
+    """``--components``: ``"dit,encoder"`` -> ``("dit", "encoder")``, the names
+    ``OffloadConfig.components`` takes."""
+    names = tuple(n.strip() for n in text.split(","))
+    for name in names:
+        if name not in COMPONENT_ALIASES:
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: {name!r} is not one of "
+                f"{', '.join(map(repr, COMPONENT_ALIASES))} (comma-separated)"
+            )
+    kinds = [COMPONENT_ALIASES[n] for n in names]
+    twice = sorted({k for k in kinds if kinds.count(k) > 1})
+    if twice:
+        raise argparse.ArgumentTypeError(f"{text!r} names {', '.join(twice)} twice")
+    return names
+
+
 PIPELINE_CALL_FLAGS = {
     "height": "height",
     "width": "width",
@@ -225,8 +275,10 @@ def _pipeline_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--output",
         default=None,
-        help="--pipeline: write the result: PATH.png (image), PATH.mp4 (video, needs "
-        "imageio) or a directory (frames as PNG); other ranks add .rankR",
+        help="--pipeline: write the result: PATH.png (one image; a video is refused before "
+        "any work), PATH.mp4 (video, needs imageio) or a directory (a PNG per frame: an "
+        "existing one whatever its name, a path ending in /, or one without a suffix); other "
+        "ranks add .rankR",
     )
 
 
@@ -245,9 +297,12 @@ def config_of(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> Offl
                 "JSON instead"
             )
         return OffloadConfig.from_dict(_json_object(args.offload_config))
+    if args.mode == "none":
+        _refuse_offload_flags(args, parser_defaults)
     # every flag goes to the config, which refuses layer-only settings with --mode module
     return OffloadConfig(
         mode=args.mode,
+        components=args.components,
         transfer=args.transfer,
         resident_layers=args.resident_layers,
         num_slots=args.num_slots,
@@ -259,6 +314,47 @@ def config_of(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> Offl
         block_compute_ms=args.block_compute_ms,
         host_backing=args.host_backing,
         codec=args.codec,
+    )
+
+
+def _refuse_offload_flags(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> None:
+    """``--mode none`` with an offload flag given: the config would keep the setting, and
+    nothing would use it."""
+    ignored = [
+        (dest, flag)
+        for dest, flag in OFFLOAD_FLAGS.items()
+        if dest != "mode" and getattr(args, dest) != parser_defaults[dest]
+    ]
+    if ignored:
+        raise ValueError(
+            "; ".join(
+                f"{_as_given(flag, getattr(args, dest))} applies to --mode "
+                f"{'layer only' if dest in LAYER_ONLY_FLAGS else 'layer or module'}"
+                for dest, flag in ignored
+            )
+            + " (--mode none disables offload)"
+        )
+
+
+def _as_given(flag: str, value: Any) -> str:
+    if isinstance(value, bool):  # a switch
+        return flag
+    return f"{flag} {','.join(value) if isinstance(value, tuple) else value}"
+
+
+def parallel_of(args: argparse.Namespace, world_size: int) -> ParallelConfig:
+    """The layout ``--hsdp-replicate`` and ``--hsdp-shard`` ask for over the job's
+    ``world_size`` ranks (torchrun's), or a ValueError naming the flags and the sizes."""
+    replicate, shard = args.hsdp_replicate, args.hsdp_shard
+    check_minimums((("--hsdp-replicate", replicate, 1), ("--hsdp-shard", shard, 1)))
+    if (replicate > 1 or shard > 1) and replicate * shard != world_size:
+        raise ValueError(
+            f"--hsdp-replicate={replicate} x --hsdp-shard={shard} = {replicate * shard} ranks, "
+            f"but the job has {world_size} (WORLD_SIZE): the two must multiply to the number "
+            "of ranks torchrun starts"
+        )
+    return ParallelConfig(
+        data_parallel_size=world_size, hsdp_replicate_size=replicate, hsdp_shard_size=shard
     )
 
 
@@ -279,11 +375,19 @@ def _json_object(text: str) -> Any:
     return data
 
 
-def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -> None:
+def save_encoded_if_asked(
+    args: argparse.Namespace, backend: Any, rank0: bool
+) -> CheckpointWriteError | None:
     """``--save-encoded``: rank 0 writes the encoded blocks beside their checkpoint (see
-    [Note: encoded checkpoint] in :mod:`dlo.codec.offline`); the paths go to stderr."""
+    [Note: encoded checkpoint] in :mod:`dlo.codec.offline`); the paths go to stderr.
+
+    Returns:
+        The error of a write that failed (a read-only directory, a full disk; nothing
+        partial is left, see [Note: writing files] in :mod:`dlo.io.files`): the run goes
+        on, and the caller raises it once the run's report is printed. None otherwise.
+    """
     if not getattr(args, "save_encoded", False):
-        return
+        return None
     # checked on every rank (alike everywhere), so no rank goes on while rank 0 fails
     if backend is None or not hasattr(backend, "save_encoded"):
         raise ValueError("--save-encoded needs --mode layer with --codec ans")
@@ -291,13 +395,15 @@ def save_encoded_if_asked(args: argparse.Namespace, backend: Any, rank0: bool) -
         backend.disable()
         raise ValueError("save_encoded needs an enabled backend with codec='ans' blocks")
     # rank 0 writes; the others check the same conditions, so a refusal is every rank's (a
-    # failed write ends rank 0 alone, and torchrun then ends its peers)
+    # failed write is rank 0's alone: every rank runs on, rank 0 fails after the report)
     try:
         paths = backend.save_encoded(dry_run=not rank0)
+    except CheckpointWriteError as e:
+        return e
     except BaseException:
         backend.disable()  # the run ends here: nothing stays enabled behind the error
         raise
-    if not rank0:
-        return
-    for path in paths:
-        print(f"dlo: encoded blocks written to {path}", file=sys.stderr, flush=True)
+    if rank0:
+        for path in paths:
+            print(f"dlo: encoded blocks written to {path}", file=sys.stderr, flush=True)
+    return None

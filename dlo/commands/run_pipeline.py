@@ -3,22 +3,28 @@
 
 Data-parallel ranks (``torchrun``) run the same shapes in lock step with their own request:
 rank r takes prompt ``r mod len(--prompt)`` and seed ``--seed + r``, and writes
-``--output`` with ``.rankR`` before the suffix (rank 0 the path itself). Rank 0 shows the
-progress (diffusers' bar) and prints a summary: step time, peak HBM, host memory, cold start
-(process start to the first DiT forward). ``--check`` runs the same call on a resident
+``--output`` with ``.rankR`` before the suffix, or after a directory's name (rank 0 the path
+itself). ``--output`` is a directory (a PNG per frame) when it is one already, whatever its
+name, ends in ``/`` or has no suffix; a ``.png`` for more than one frame is refused before
+any work. Rank 0 prints what will run before the load, shows the progress
+(:mod:`dlo.platform.progress`, not diffusers' bar) and prints the results: step time, peak
+HBM, host memory, cold start (process start to the first DiT forward), where the output
+went and its frame count. ``--check`` runs the same call on a resident
 pipeline (``DiffusionPipeline.from_pretrained`` on the device) and compares bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import itertools
 import json
 import logging
+import os
+import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +35,51 @@ from dlo.commands.args import check_minimums, compile_blocks, parity_word
 from dlo.commands.run_flags import PIPELINE_CALL_FLAGS, config_of, save_encoded_if_asked
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
+from dlo.platform.progress import progress_bar
+
+logger = logging.getLogger(__name__)
 
 _SIZES = ("height", "width", "frames", "max_sequence_length")
 
 _NOT_WITH_PIPELINE = {"preset": "--preset", "tokens": "--tokens", "checkpoint": "--checkpoint"}
 
 
+def output_kind(path: str) -> str:
+    """What ``--output`` names: ``"dir"`` (an existing directory whatever its name, a path
+    ending in ``/``, or one without a suffix), else its suffix, lower case."""
+    p = Path(path)
+    if p.is_dir() or path.endswith(("/", os.sep)) or not p.suffix:
+        return "dir"
+    return p.suffix.lower()
+
+
 def _output_path(path: str, rank: int, world: int) -> Path:
     p = Path(path)
-    return p if rank == 0 or world == 1 else p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+    if rank == 0 or world == 1:
+        return p
+    if output_kind(path) == "dir":
+        return p.with_name(f"{p.name}.rank{rank}")
+    return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
 
 
-def check_output(path: str | None) -> None:
-    """Refuse an ``--output`` that cannot be written, before any work."""
+def check_output(path: str | None, num_frames: int = 1) -> None:
+    """Refuse an ``--output`` that cannot be written, before any work: another suffix than
+    .png or .mp4, one PNG for ``num_frames`` > 1, an MP4 without imageio, a file where
+    its folder should be."""
     if path is None:
         return
-    p = Path(path)
-    if p.suffix.lower() not in ("", ".png", ".mp4"):
-        raise ValueError(f"--output={path!r}: write a .png (image), .mp4 (video) or a directory")
-    if p.suffix.lower() == ".mp4":
+    p, kind = Path(path), output_kind(path)
+    if kind not in ("dir", ".png", ".mp4"):
+        raise ValueError(
+            f"--output={path!r}: write a .png (image), .mp4 (video) or a directory (an "
+            "existing one, or a path ending in /)"
+        )
+    if kind == ".png" and num_frames > 1:
+        raise ValueError(
+            f"--output={path!r} is one PNG but the run makes {num_frames} frames: write a "
+            ".mp4, or a directory (a PNG per frame), or pass --frames 1"
+        )
+    if kind == ".mp4":
         try:
             import imageio  # noqa: F401  (diffusers' export_to_video writes with imageio)
         except ImportError:
@@ -55,31 +87,50 @@ def check_output(path: str | None) -> None:
                 f"--output={path!r}: MP4 needs imageio (pip install imageio imageio-ffmpeg); "
                 "or pass a directory to write the frames as PNG files"
             ) from None
-    parent = p.parent if p.suffix else p
+    parent = p if kind == "dir" else p.parent
     if parent.exists() and not parent.is_dir():
         raise ValueError(f"--output={path!r}: {parent} is not a directory")
 
 
-def save_output(images: torch.Tensor, path: Path) -> list[Path]:
+def planned_frames(args: argparse.Namespace, pipeline_class: str) -> int:
+    """The frames the call makes, as known before the load: ``--frames``, else the default
+    of the pipeline class's ``num_frames`` (1 where it takes none)."""
+    from dlo.pipelines.folder import import_class
+
+    if args.frames is not None:
+        return int(args.frames)
+    cls = import_class("diffusers", pipeline_class, f"{args.pipeline}: _class_name")
+    param = inspect.signature(cls.__call__).parameters.get("num_frames")  # type: ignore[operator]
+    default = param.default if param is not None else None
+    return default if isinstance(default, int) else 1
+
+
+def save_output(images: torch.Tensor, path: Path, kind: str) -> list[Path]:
     """Write a pipeline's ``output_type="pt"`` result: an image ``[B, C, H, W]`` or a
-    video ``[B, F, C, H, W]`` (first of the batch), in [0, 1]."""
+    video ``[B, F, C, H, W]`` (first of the batch), in [0, 1], as ``kind`` (of
+    :func:`output_kind`) says."""
     from PIL import Image
 
     arr = (images[0].float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
     frames = [arr] if arr.dim() == 3 else list(arr)
     pil = [Image.fromarray(f.permute(1, 2, 0).numpy()) for f in frames]
-    if path.suffix.lower() == ".png":
+    if kind == ".png" and len(pil) == 1:
         path.parent.mkdir(parents=True, exist_ok=True)
         pil[0].save(path)
         return [path]
-    if path.suffix.lower() == ".mp4":
+    if kind == ".mp4":
         from diffusers.utils import export_to_video
 
         path.parent.mkdir(parents=True, exist_ok=True)
         export_to_video(pil, str(path), fps=16)
         return [path]
-    path.mkdir(parents=True, exist_ok=True)
-    out = [path / f"frame_{i:04d}.png" for i in range(len(pil))]
+    if kind == ".png":  # frames no check foresaw (no num_frames): all of them, beside it
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out = [path.with_name(f"{path.stem}_{i:04d}.png") for i in range(len(pil))]
+        logger.warning("--output %s: %d frames: %s ... %s", path, len(pil), out[0], out[-1].name)
+    else:
+        path.mkdir(parents=True, exist_ok=True)
+        out = [path / f"frame_{i:04d}.png" for i in range(len(pil))]
     for img, p in zip(pil, out):
         img.save(p)
     return out
@@ -106,12 +157,15 @@ def call_kwargs(args: argparse.Namespace, pipe: Any, rank: int, device: torch.de
 
 
 def diffusers_load(folder: str, dtype: torch.dtype) -> Any:
-    """``DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)``, on the CPU."""
-    from diffusers import DiffusionPipeline
+    """``DiffusionPipeline.from_pretrained(folder, dtype=dtype)``, on the CPU."""
+    import diffusers
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch_dtype -> dtype in 0.42
-        return DiffusionPipeline.from_pretrained(folder, torch_dtype=dtype)
+    from dlo.pipelines.folder import quiet_imports
+
+    version = tuple(int(x) for x in diffusers.__version__.split(".")[:2])
+    name = "dtype" if version >= (0, 42) else "torch_dtype"  # 0.42 deprecates torch_dtype
+    with quiet_imports():
+        return diffusers.DiffusionPipeline.from_pretrained(folder, **{name: dtype})
 
 
 def resident_reference(folder: str, dtype: torch.dtype, device: torch.device) -> Any:
@@ -137,10 +191,13 @@ def dits_of(pipe: Any) -> list[Any]:
     return [getattr(pipe, n) for n in ("transformer", "transformer_2") if getattr(pipe, n, None)]
 
 
-def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[float], float]:
+def timed_call(
+    pipe: Any, kw: dict[str, Any], platform: Any, bar: Any = None
+) -> tuple[Any, list[float], float]:
     """``pipe(**kw)`` in inference mode: its images (or frames), the wall-clock marks of
     the first DiT forward and of every step's end (``time.time()``, device synchronized),
-    and the wall seconds of the whole call."""
+    and the wall seconds of the whole call; ``bar`` (of :func:`progress_bar`) advances a
+    step at each step's end."""
     marks: list[float] = []
 
     def first_forward(*_: Any) -> None:
@@ -151,6 +208,8 @@ def timed_call(pipe: Any, kw: dict[str, Any], platform: Any) -> tuple[Any, list[
     def on_step(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         platform.synchronize()
         marks.append(time.time())
+        if bar is not None:
+            bar.update(1)
         return kwargs
 
     dits = dits_of(pipe)  # a pipeline without one (a UNet): timed from the call
@@ -193,6 +252,9 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     for dest, flag in _NOT_WITH_PIPELINE.items():
         if getattr(args, dest) != parser_defaults[dest]:
             raise ValueError(f"{flag} is for the demo pipeline; --pipeline loads the folder's")
+    for dest in ("hsdp_shard", "hsdp_replicate"):  # its ranks are data-parallel ranks
+        if getattr(args, dest) != parser_defaults[dest]:
+            raise ValueError(f"--{dest.replace('_', '-')} is for the demo pipeline, not --pipeline")
     cfg = config_of(args, parser_defaults)
     sizes = [(f"--{f.replace('_', '-')}", getattr(args, f), 1) for f in _SIZES]
     check_minimums(
@@ -202,8 +264,9 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             *[s for s in sizes if s[1] is not None],
         )
     )
-    check_output(args.output)
-    read_index(args.pipeline)  # a bad folder fails here, before the process group
+    index = read_index(args.pipeline)  # a bad folder fails here, before the process group
+    one_png = args.output is not None and output_kind(args.output) == ".png"
+    check_output(args.output, planned_frames(args, index.pipeline_class) if one_png else 1)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device) if args.device else default_device()
     par = ParallelConfig(data_parallel_size=torchrun_env().world_size)
@@ -211,7 +274,15 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     platform = get_platform(device)
     init_s = time.time() - entered
     rank0 = world.rank == 0
-    if rank0:  # the load's phases (build, fill, enable) on stderr
+    transfer = cfg.transfer if cfg.mode == "layer" else "-"
+    if rank0:  # what will run, before the load (stdout carries --json's JSON); its phases
+        header = (
+            f"dlo run: pipeline={args.pipeline} ({index.pipeline_class}) mode={cfg.mode} "
+            f"transfer={transfer} steps={args.steps} ranks={world.size}"
+            + (f" codec={cfg.codec}" if cfg.codec != "none" else "")
+            + (f" output={args.output}" if args.output else "")
+        )
+        print(header, file=sys.stderr if args.json else sys.stdout, flush=True)
         logging.getLogger("dlo.pipelines.load").setLevel(logging.INFO)
     t0 = time.perf_counter()
     pipe, backend = load_pipeline(
@@ -219,95 +290,125 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         cfg,
         parallel=par,
         device=device,
-        torch_dtype=dtype,
+        dtype=dtype,
         verify_checksum=args.verify_checksum,
     )
     load_s = time.perf_counter() - t0
-    save_encoded_if_asked(args, backend, rank0)
-    for dit in dits_of(pipe):
-        compile_blocks(dit, args.compile)
-    load_rss = process_peak_rss_bytes()
-    pipe.set_progress_bar_config(disable=not rank0 or args.json)
-    kw = call_kwargs(args, pipe, world.rank, device)
-    platform.reset_peak_memory_stats()
-
-    called = time.time()
-    images, marks, wall = timed_call(pipe, kw, platform)
-    pipeline_class = type(pipe).__name__
-    stats = backend.stats() if backend is not None else {}
-    hbm_peak = device_peak_nbytes(platform, stats)
-    run_rss = process_peak_rss_bytes()
-    written = []
-    if args.output:
-        written = save_output(images, _output_path(args.output, world.rank, world.size))
-    parity: bool | None = None
-    if args.check:
-        if backend is not None:
-            backend.disable()  # host and device memory back before the reference loads
-        pipe = None
-        gc.collect()
-        ref = resident_reference(args.pipeline, dtype, device)
-        for dit in dits_of(ref):
+    try:
+        save_error = save_encoded_if_asked(args, backend, rank0)  # raised after the report
+        for dit in dits_of(pipe):
             compile_blocks(dit, args.compile)
-        with torch.inference_mode():
-            expect = result_of(ref(**call_kwargs(args, ref, world.rank, device)))
-        parity = bool(torch.equal(expect, images))
-        del ref
-    report = {
-        "rank": world.rank,
-        "world_size": world.size,
-        "pipeline": args.pipeline,
-        "class": pipeline_class,
-        "mode": cfg.mode,
-        "transfer": stats.get("transfer", "-"),
-        "steps": args.steps,
-        "prompt": kw["prompt"],
-        "seed": args.seed + world.rank,
-        **step_times(marks),
-        # the cold start's phases: process start to dlo's entry (interpreter, imports), the
-        # process group and the device, the load, the call to its first DiT forward (the
-        # text encoders, first kernels)
-        "startup_s": entered - process_start_time(),
-        "init_s": init_s,
-        "load_s": load_s,
-        "to_first_forward_s": (marks[0] - called) if marks else 0.0,
-        "enable_s": stats.get("enable_time_s", 0.0),
-        "fill_s": stats.get("fill_time_s", 0.0),
-        "pin_s": stats.get("pin_time_s", 0.0),
-        "wall_s": wall,
-        "load_peak_rss_nbytes": load_rss,
-        "peak_rss_nbytes": run_rss,
-        "hbm_peak_nbytes": hbm_peak,
-        "host_nbytes": stats.get("host_nbytes", 0),
-        "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
-        "codec": stats.get("codec", "none"),
-        "codec_ratio": stats.get("codec_ratio", 1.0),
-        "encoded_read_blocks": stats.get("encoded_read_blocks", 0),
-        "output": [str(p) for p in written],
-        "output_finite": bool(torch.isfinite(images.float()).all()),
-        "parity": parity,
-    }
-    reports = [report]
-    if dist.is_initialized():
-        reports = [None] * world.size  # type: ignore[list-item]
-        dist.all_gather_object(reports, report)
-    if rank0:
-        print(json.dumps(reports, indent=2) if args.json else summary(reports))
-    ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
-    # dlo's groups go before the process group; no disable without --check (restoring the
-    # model to pageable memory at exit would only double the peak RSS)
-    del pipe, backend, images
+        load_rss = process_peak_rss_bytes()
+        pipe.set_progress_bar_config(disable=True)  # dlo's progress instead (bars or lines)
+        kw = call_kwargs(args, pipe, world.rank, device)
+        platform.reset_peak_memory_stats()
+
+        called = time.time()
+        enabled = rank0 and not args.json
+        bar = progress_bar(
+            total=args.steps, desc="dlo run: denoising", unit="step", enabled=enabled, leave=True
+        )
+        with contextlib.closing(bar):
+            images, marks, wall = timed_call(pipe, kw, platform, bar)
+        pipeline_class = type(pipe).__name__
+        stats = backend.stats() if backend is not None else {}
+        hbm_peak = device_peak_nbytes(platform, stats)
+        run_rss = process_peak_rss_bytes()
+        written: list[Path] = []
+        location = None
+        if args.output:
+            location = _output_path(args.output, world.rank, world.size)
+            written = save_output(images, location, output_kind(args.output))
+        parity: bool | None = None
+        if args.check:
+            if backend is not None:
+                backend.disable()  # host and device memory back before the reference loads
+            pipe = None
+            gc.collect()
+            ref = resident_reference(args.pipeline, dtype, device)
+            for dit in dits_of(ref):
+                compile_blocks(dit, args.compile)
+            with torch.inference_mode():
+                expect = result_of(ref(**call_kwargs(args, ref, world.rank, device)))
+            parity = bool(torch.equal(expect, images))
+            del ref
+        report = {
+            "rank": world.rank,
+            "world_size": world.size,
+            "pipeline": args.pipeline,
+            "class": pipeline_class,
+            "mode": cfg.mode,
+            "transfer": stats.get("transfer", "-"),
+            "steps": args.steps,
+            "prompt": kw["prompt"],
+            "seed": args.seed + world.rank,
+            **step_times(marks),
+            # the cold start's phases: process start to dlo's entry (interpreter, imports), the
+            # process group and the device, the load, the call to its first DiT forward (the
+            # text encoders, first kernels)
+            "startup_s": entered - process_start_time(),
+            "init_s": init_s,
+            "load_s": load_s,
+            "to_first_forward_s": (marks[0] - called) if marks else 0.0,
+            "enable_s": stats.get("enable_time_s", 0.0),
+            "fill_s": stats.get("fill_time_s", 0.0),
+            "pin_s": stats.get("pin_time_s", 0.0),
+            "wall_s": wall,
+            "load_peak_rss_nbytes": load_rss,
+            "peak_rss_nbytes": run_rss,
+            "hbm_peak_nbytes": hbm_peak,
+            "host_nbytes": stats.get("host_nbytes", 0),
+            "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
+            "codec": stats.get("codec", "none"),
+            "codec_ratio": stats.get("codec_ratio", 1.0),
+            "encoded_read_blocks": stats.get("encoded_read_blocks", 0),
+            "output": [str(p) for p in written],
+            "output_location": None if location is None else str(location),
+            "output_frames": 1 if images[0].dim() == 3 else int(images[0].shape[0]),
+            "output_finite": bool(torch.isfinite(images.float()).all()),
+            "parity": parity,
+        }
+        reports = [report]
+        if dist.is_initialized():
+            reports = [None] * world.size  # type: ignore[list-item]
+            dist.all_gather_object(reports, report)
+        if rank0:
+            print(json.dumps(reports, indent=2) if args.json else summary(reports, transfer))
+        ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+    finally:
+        # dlo's groups go before the process group; disable keeps the blocks where they are
+        # (no restore: that would only double the peak RSS at exit) and gives back the host
+        # and device memory, also to a caller that runs main() in-process
+        if backend is not None:
+            backend.disable()
+    del pipe, backend
     gc.collect()
     shutdown()
+    if save_error is not None:
+        raise save_error  # one "dlo: error:" line, exit 2; the report is printed above
     return 0 if ok else 1
 
 
-def summary(reports: list[dict[str, Any]]) -> str:
-    """One header line and a row per rank."""
+def _output_cell(r: dict[str, Any]) -> str:
+    """Where a rank's output went and how many frames, not every file."""
+    if r.get("output_location") is None:
+        return "-"
+    frames = r["output_frames"]
+    return r["output_location"] + (f" ({frames} frames)" if frames > 1 else "")
+
+
+def summary(reports: list[dict[str, Any]], transfer: str) -> str:
+    """What the run settled that its header could not say (an automatic ``transfer``, the
+    codec's ratio), then a row per rank."""
     r0, gib = reports[0], float(1 << 30)
-    lines = [
-        f"dlo run: pipeline={r0['pipeline']} ({r0['class']}) mode={r0['mode']} "
-        f"transfer={r0['transfer']} steps={r0['steps']} ranks={r0['world_size']}",
+    settled = [f"transfer={r0['transfer']}"] if r0["transfer"] != transfer else []
+    if r0["codec"] != "none":
+        settled.append(
+            f"codec={r0['codec']} (ratio {r0['codec_ratio']:.3f}, "
+            f"{r0['encoded_read_blocks']} block(s) read encoded)"
+        )
+    lines = [f"dlo run: settled {' '.join(settled)}"] if settled else []
+    lines += [
         "| rank | seed | step ms (median) | first step ms | cold start s | load s | "
         "HBM peak GiB | host GiB | pinned GiB | peak RSS GiB | output | parity |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -318,6 +419,6 @@ def summary(reports: list[dict[str, Any]]) -> str:
             f"| {r['rank']} | {r['seed']} | {r['step_ms_median']:.1f} | {r['first_step_ms']:.1f}"
             f" | {r['cold_start_s']:.2f} | {r['load_s']:.2f} | {r['hbm_peak_nbytes'] / gib:.2f}"
             f" | {r['host_nbytes'] / gib:.3f} | {r['host_pinned_nbytes'] / gib:.3f} | "
-            f"{r['peak_rss_nbytes'] / gib:.2f} | {', '.join(r['output']) or '-'} | {parity} |"
+            f"{r['peak_rss_nbytes'] / gib:.2f} | {_output_cell(r)} | {parity} |"
         )
     return "\n".join(lines)

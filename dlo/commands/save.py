@@ -49,7 +49,8 @@ def save(args: argparse.Namespace) -> int:
     del pipe
     print(
         f"dlo save-checkpoint: {nbytes / (1 << 30):.2f} GiB -> {path} in "
-        f"{time.perf_counter() - t0:.1f}s"
+        f"{time.perf_counter() - t0:.1f}s",
+        flush=True,  # a log file sees it before the encode (stdout is buffered there)
     )
     if args.codec != "none":
         _save_encoded(args, path)
@@ -65,6 +66,10 @@ def _save_encoded(args: argparse.Namespace, path: Path) -> None:
     from dlo.pipelines.load import load_pipeline
 
     t0 = time.perf_counter()
+    print(
+        f"dlo save-checkpoint: encoding the blocks with codec={args.codec}",
+        flush=True,
+    )
     chunk = {} if args.chunk_mb is None else {"chunk_mb": args.chunk_mb}
     cfg = OffloadConfig(mode="layer", components=("dit", "encoder"), codec=args.codec, **chunk)
     factory = functools.partial(

@@ -30,6 +30,20 @@ re-record a graph per slot address, silently. Such a compile of a hooked module 
 with an error naming the modes that work (``"default"``, ``"max-autotune-no-cudagraphs"``).
 Both the interposer and the shim are instance attributes that :meth:`CompiledCall.remove`
 takes away again (a module compiled while dlo held it keeps its compiled call).
+
+[Note: compile across shapes]
+Bitwise parity with the same compile of the resident model holds for every graph the two
+share. After a shape change the default recompile is dynamic (automatic dynamic shapes): its
+normalizations become looped Triton reductions whose launch configuration is tuned on the
+device at first run, and on a GPU the kernel that results is not reproducible across
+processes, for the resident model too (one H200, 2026-12-05, Wan2.1-14B block shapes at
+480p x 81 then x 1 frame: resident against resident in another process differs by up to
+0.0156 at the second shape; ``torch._inductor.config.deterministic`` did not change it;
+the probe is in docs/benchmarks.md). dlo changes nothing here: in one process the
+resident model and the ring run the same compiled kernels and agree bit for bit after the
+dynamic recompile, and with ``dynamic=False`` (a static graph per shape, as a fresh process
+compiles) two processes agree at every shape. ``tests/gpu/test_compile_gpu.py`` and
+``tests/cpu/test_compile.py`` hold both facts.
 """
 
 from __future__ import annotations

@@ -36,8 +36,11 @@ host-to-device link, group size 1, no collective) with one host copy per node:
 5. the first sharer closes its descriptor (every sharer has the memory mapped); only then
    are the original tensors released.
 
-Trust is the same as AllGather's: the sharers' weights must be equal (the agreement compares
-layouts by digest, not values). A block's in-place write into its streamed tensors is
+Trust is the same as AllGather's: the sharers' weights must be equal, since each packs only
+some blocks of the one copy. The agreement compares each block's content fingerprint across
+the sharers (the share group's ranks of one host name) before anything is packed, and a
+mismatch fails every rank naming each one's source ([Note: weight fingerprints] in
+:mod:`dlo.host.fingerprint`). A block's in-place write into its streamed tensors is
 refused (the other sharers stream the same bytes; [Note: writes into streamed tensors]).
 Pages live on the NUMA node of the rank that packed them.
 """

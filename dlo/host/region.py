@@ -21,7 +21,6 @@ import contextlib
 import logging
 import mmap
 import os
-import stat
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +30,7 @@ import torch
 
 from dlo import faults
 from dlo.errors import OffloadError
+from dlo.io.files import not_own
 from dlo.journal import atomic
 from dlo.plan.layers import charged_nbytes
 from dlo.plan.layout import round_up
@@ -379,12 +379,10 @@ def _map_file(path: str, nbytes: int) -> mmap.mmap:
     """
     fd = os.open(path, os.O_RDWR)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        why = not_own(os.fstat(fd), forbidden=0o077)  # [Note: own files] in dlo.io.files
+        if why:
             raise OffloadError(
-                f"node-shared memory {path} is not dlo's own (regular: "
-                f"{stat.S_ISREG(st.st_mode)}, owner uid {st.st_uid} against this process's "
-                f"{os.geteuid()}, mode {stat.S_IMODE(st.st_mode):o}, dlo's is 600): refused"
+                f"node-shared memory {path} is not dlo's own ({why}; dlo's is mode 600): refused"
             )
         faults.check("host_share")
         os.posix_fallocate(fd, 0, nbytes)  # idempotent: every sharer sizes it, none truncates

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dlo.io import checksums
+from dlo.io.files import open_own
 from dlo.io.header_checks import (
     CheckpointError,
     _check_disjoint,
@@ -50,6 +51,10 @@ logger = logging.getLogger(__name__)
 
 MAX_HEADER_NBYTES = 100 << 20
 """Headers larger than this are refused (the limit the safetensors library uses)."""
+
+ENCODED_FILE = "dlo-encoded.safetensors"
+"""dlo's encoded checkpoint beside a checkpoint's files (:mod:`dlo.codec.offline`): a cache
+of encoded blocks, never weights, so a directory's scan for its files skips it."""
 
 
 DTYPES: dict[str, torch.dtype] = {
@@ -102,14 +107,16 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
-def _load_header(p: Path) -> tuple[dict[str, Any], int, int]:
-    """The parsed header of ``p``, the offset of its data and the file's size."""
+def _load_header(p: Path, fd: int | None = None) -> tuple[dict[str, Any], int, int]:
+    """The parsed header of ``p`` (read through ``fd`` where given), the offset of its data
+    and the file's size."""
     try:
-        st = p.stat()
+        st = p.stat() if fd is None else os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # a FIFO would block in open, a device never end
             raise CheckpointError(f"{p}: not a regular file")
         size = st.st_size
-        with open(p, "rb") as f:
+        with open(p, "rb") if fd is None else os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(0)
             raw = f.read(8)
             if len(raw) != 8:
                 raise CheckpointError(f"{p}: {size} bytes is too short for a safetensors file")
@@ -140,9 +147,12 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorEntry]:
     return _read_file_header(Path(path))[0]
 
 
-def _read_file_header(p: Path) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
-    """:func:`read_header` and the ``__metadata__`` of the same read."""
-    header, base, size = _load_header(p)
+def _read_file_header(
+    p: Path, fd: int | None = None
+) -> tuple[dict[str, TensorEntry], dict[str, Any]]:
+    """:func:`read_header` (through ``fd`` where given) and the ``__metadata__`` of the
+    same read."""
+    header, base, size = _load_header(p, fd)
     out: dict[str, TensorEntry] = {}
     for name, info in header.items():
         if name == "__metadata__":
@@ -192,9 +202,9 @@ def _find_files(path: Path) -> tuple[list[Path], Path | None]:
         )
     if indexes:
         return [], indexes[0]
-    files = sorted(path.glob("*.safetensors"))
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != ENCODED_FILE)
     if not files:
-        raise CheckpointError(f"checkpoint {path} holds no .safetensors file")
+        raise CheckpointError(f"checkpoint {path} holds no .safetensors weights file")
     return files, None
 
 
@@ -212,6 +222,13 @@ def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
             + ", ".join(f"{k!r} ({weight_map[k]!r})" for k in bad[:8])
         )
     names = sorted(set(weight_map.values()))
+    outside = [n for n in names if Path(n).is_absolute() or ".." in Path(n).parts]
+    if outside:  # diffusers refuses these too (it takes plain file names only)
+        raise CheckpointError(
+            f"{index}: weight_map names files outside {index.parent} "
+            f"({', '.join(repr(n) for n in outside[:4])}): shards are named relative to "
+            "the index's folder, inside it"
+        )
     return [index.parent / n for n in names], weight_map
 
 
@@ -226,11 +243,14 @@ class Checkpoint:
         verify_checksum: check every byte read with :meth:`read_into` against the checksums
             dlo's writer stored with it (see [Note: checkpoint checksums]); every file must
             have them.
+        own_files: read only files of this process's user that no other user can write
+            (dlo's encoded checkpoint, see [Note: own files] in :mod:`dlo.io.files`),
+            through the descriptor that was checked.
 
     Raises:
         CheckpointError: a bad file, a tensor in two files, an index that disagrees with
             the headers (see [Note: safetensors format]), or, with ``verify_checksum``, a
-            file without checksums.
+            file without checksums, or with ``own_files`` another user's file.
 
     Example:
         >>> ckpt = Checkpoint("out/model.safetensors.index.json")
@@ -243,6 +263,7 @@ class Checkpoint:
         sources: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]],
         *,
         verify_checksum: bool = False,
+        own_files: bool = False,
     ) -> None:
         if isinstance(sources, Mapping):
             items = [(str(k), Path(v)) for k, v in sources.items()]
@@ -252,30 +273,36 @@ class Checkpoint:
         self.files: list[Path] = []
         self.metadata: dict[Path, dict[str, Any]] = {}
         """Each file's ``__metadata__``, from the header its entries were read from."""
-        for prefix, path in items:
-            for name, entry in self._read_source(path).items():
-                full = f"{prefix}.{name}" if prefix else name
-                other = self.entries.get(full)
-                if other is not None:
-                    raise CheckpointError(
-                        f"tensor {full!r} is stored twice: in {other.file} and in {entry.file}"
-                    )
-                self.entries[full] = replace(entry, name=full)
-        self.verify_checksum = verify_checksum
-        unchecked = sorted({str(e.file) for e in self.entries.values() if e.checksums is None})
-        if verify_checksum and unchecked:
-            raise CheckpointError(
-                f"verify_checksum=True, but {', '.join(unchecked[:4])} "
-                f"{'has' if len(unchecked) == 1 else 'have'} no dlo checksums (files written "
-                "by dlo save-checkpoint have them); load without verify_checksum"
-            )
-        self._verified = checksums.Verified()
         self._maps: dict[Path, mmap.mmap] = {}
         self._fds: dict[Path, int] = {}
+        self._own: dict[Path, tuple[int, int]] | None = {} if own_files else None
+        """With ``own_files``: each file's ``(st_dev, st_ino)``, checked where it reopens."""
         self._lock = threading.Lock()
+        self._users = 0
+        try:
+            for prefix, path in items:
+                for name, entry in self._read_source(path).items():
+                    full = f"{prefix}.{name}" if prefix else name
+                    other = self.entries.get(full)
+                    if other is not None:
+                        raise CheckpointError(
+                            f"tensor {full!r} is stored twice: in {other.file} and in {entry.file}"
+                        )
+                    self.entries[full] = replace(entry, name=full)
+            self.verify_checksum = verify_checksum
+            unchecked = sorted({str(e.file) for e in self.entries.values() if e.checksums is None})
+            if verify_checksum and unchecked:
+                raise CheckpointError(
+                    f"verify_checksum=True, but {', '.join(unchecked[:4])} "
+                    f"{'has' if len(unchecked) == 1 else 'have'} no dlo checksums (files "
+                    "written by dlo save-checkpoint have them); load without verify_checksum"
+                )
+        except BaseException:
+            self.close()
+            raise
+        self._verified = checksums.Verified()
         self.read_nbytes = 0
         """Bytes read with :meth:`read_into` so far."""
-        self._users = 0
 
     def _read_source(self, path: Path) -> dict[str, TensorEntry]:
         files, index = _find_files(path)
@@ -285,7 +312,8 @@ class Checkpoint:
         out: dict[str, TensorEntry] = {}
         for f in files:
             self.files.append(f)
-            entries, self.metadata[f] = _read_file_header(f)
+            fd = self._fd(f) if self._own is not None else None  # no other thread has it yet
+            entries, self.metadata[f] = _read_file_header(f, fd)
             for name, entry in entries.items():
                 if name in out:
                     raise CheckpointError(
@@ -315,13 +343,26 @@ class Checkpoint:
         return out
 
     # ------------------------------------------------------------------ data
+    def _fd(self, file: Path) -> int:
+        """The descriptor ``file`` is read through, opened once (with ``own_files``:
+        checked, and the file its header was read from); the caller holds the lock."""
+        fd = self._fds.get(file)
+        if fd is None:
+            if self._own is None:
+                fd = os.open(file, os.O_RDONLY)
+            else:
+                st = os.fstat(fd := open_own(file))
+                if self._own.setdefault(file, (st.st_dev, st.st_ino)) != (st.st_dev, st.st_ino):
+                    os.close(fd)
+                    raise CheckpointError(f"{file}: replaced since its header was read")
+            self._fds[file] = fd
+        return fd
+
     def _map(self, file: Path) -> mmap.mmap:
         with self._lock:
             m = self._maps.get(file)
             if m is None:
-                with open(file, "rb") as f:
-                    m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-                self._maps[file] = m
+                m = self._maps[file] = mmap.mmap(self._fd(file), 0, access=mmap.ACCESS_COPY)
             return m
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -342,9 +383,7 @@ class Checkpoint:
         e = self.entries[name]
         assert offset >= 0 and offset + len(out) <= e.nbytes
         with self._lock:
-            fd = self._fds.get(e.file)
-            if fd is None:
-                fd = self._fds[e.file] = os.open(e.file, os.O_RDONLY)
+            fd = self._fd(e.file)
 
         def pread(at: int, buf: memoryview) -> None:
             done = 0

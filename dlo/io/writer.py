@@ -1,16 +1,22 @@
-"""Writing safetensors checkpoints, one tensor at a time, with content checksums."""
+"""Writing safetensors checkpoints, one tensor at a time, with content checksums; every file
+through a private temporary file renamed into place (see [Note: writing files] in
+:mod:`dlo.io.files`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from dlo.io.checkpoint import DTYPE_NAMES, bytes_of, flat_uint8
 from dlo.io.checksums import METADATA_KEY, digests, metadata_value
+from dlo.io.files import FILE_MODE, CheckpointWriteError, Staged, staged
+from dlo.platform.progress import progress_bar
 
 
 def write_file(
@@ -18,16 +24,38 @@ def write_file(
     tensors: list[tuple[str, torch.Tensor]],
     checksums: bool,
     metadata: dict[str, str] | None = None,
+    mode: int = FILE_MODE,
 ) -> None:
-    """One safetensors file of ``tensors`` (with ``metadata`` in its header), written to a
-    temporary name and renamed, so a reader sees the old file or the whole new one."""
+    """One safetensors file of ``tensors`` (with ``metadata`` in its header), with ``mode``
+    less the umask; a reader sees the old file or the whole new one.
+
+    Raises:
+        CheckpointWriteError: it could not be written; ``path`` is as before.
+    """
+    with staged() as files:
+        _write(files, path, tensors, checksums, metadata, mode)
+
+
+def _write(
+    files: Staged,
+    path: Path,
+    tensors: list[tuple[str, torch.Tensor]],
+    checksums: bool,
+    metadata: dict[str, str] | None = None,
+    mode: int = FILE_MODE,
+    advance: Callable[[int], object] | None = None,
+) -> None:
+    # ``advance(nbytes)``: a tensor hashed, or written (the checkpoint's progress)
     # largest itemsize first: every data offset is aligned to its dtype (as safetensors does)
     tensors = sorted(tensors, key=lambda nt: (-nt[1].element_size(), nt[0]))
     metadata = {"format": "pt", **(metadata or {})}
     if checksums:  # hashed before the header is written (see [Note: checkpoint checksums])
-        metadata[METADATA_KEY] = metadata_value(
-            {name: digests(bytes_of(flat_uint8(t))) for name, t in tensors}
-        )
+        hashed: dict[str, list[str]] = {}
+        for name, t in tensors:
+            hashed[name] = digests(bytes_of(flat_uint8(t)))
+            if advance is not None:
+                advance(t.numel() * t.element_size())
+        metadata[METADATA_KEY] = metadata_value(hashed)
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors:
@@ -40,14 +68,17 @@ def write_file(
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
+
+    def chunks() -> Iterator[bytes | memoryview]:
+        yield struct.pack("<Q", len(raw))
+        yield raw
         for _name, t in tensors:
             if t.numel():
-                f.write(bytes_of(flat_uint8(t)))
-    os.replace(tmp, path)
+                yield bytes_of(flat_uint8(t))
+                if advance is not None:  # the consumer asks for the next once this is written
+                    advance(t.numel() * t.element_size())
+
+    files.write(path, chunks(), mode)
 
 
 def save_checkpoint(
@@ -66,15 +97,25 @@ def save_checkpoint(
     With ``checksums`` every file's header carries a SHA-256 per 4 MiB of every tensor, checked
     by readers that ask for it (``verify_checksum``, see [Note: checkpoint checksums]).
 
+    Every file goes through a private temporary file, and all of them are renamed into
+    place at the end (see [Note: writing files] in :mod:`dlo.io.files`): a failed or
+    interrupted save leaves ``out_dir``'s files as they were and no temporary file.
+
     Returns:
         The path to pass to :class:`Checkpoint` (the file, or the index).
+    Raises:
+        CheckpointWriteError: a file could not be written (a read-only directory, a full
+            disk), naming it and the reason.
 
     Example:
         >>> save_checkpoint(build_pipeline("tiny"), "/tmp/tiny")
         PosixPath('/tmp/tiny/model.safetensors')
     """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointWriteError(f"cannot create {out}: {e.strerror or e}") from e
     seen: set[int] = set()
     items: list[tuple[str, torch.Tensor]] = []
     for name, t in module.state_dict(keep_vars=True).items():
@@ -91,16 +132,25 @@ def save_checkpoint(
             used = 0
         shards[-1].append((name, t))
         used += nbytes
-    if len(shards) == 1:
-        path = out / f"{basename}.safetensors"
-        write_file(path, shards[0], checksums)
-        return path
-    weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards):
-        fname = f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_file(out / fname, shard, checksums)
-        weight_map.update((n, fname) for n, _ in shard)
-    index = out / f"{basename}.safetensors.index.json"
-    total = sum(t.numel() * t.element_size() for _, t in items)
-    index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return index
+    passes = 2 if checksums else 1  # every byte hashed, then written
+    bar = progress_bar(
+        total=passes * sum(t.numel() * t.element_size() for _, t in items),
+        desc="dlo: checkpoint checksums + write" if checksums else "dlo: checkpoint write",
+        unit="B",
+        unit_scale=True,
+    )
+    with staged() as files, contextlib.closing(bar):
+        if len(shards) == 1:
+            path = out / f"{basename}.safetensors"
+            _write(files, path, shards[0], checksums, advance=bar.update)
+            return path
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards):
+            fname = f"{basename}-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write(files, out / fname, shard, checksums, advance=bar.update)
+            weight_map.update((n, fname) for n, _ in shard)
+        index = out / f"{basename}.safetensors.index.json"
+        total = sum(t.numel() * t.element_size() for _, t in items)
+        raw = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+        files.write(index, [raw.encode()])
+        return index

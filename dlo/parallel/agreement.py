@@ -6,9 +6,22 @@ crashes another. So before dlo issues its first weight collective, each rank pre
 everything locally (layouts, manifest, host shards, pinning, slots), catching its own
 failure instead of raising, and then publishes one small record: whether it succeeded (and
 why not), the digest of its manifest, the ranks of its weight groups, the blocks it could
-not pin and its :data:`AGREED_SETTINGS` (each stack's resolved resident count among them). Every rank reads every record and applies the same pure :func:`decide`, so every
-rank reaches the same verdict and either all proceed or all roll back locally and raise the
-same error. No weight collective is issued before the verdict.
+not pin, its :data:`AGREED_SETTINGS` (each stack's resolved resident count among them) and
+a content fingerprint of every block it gathers or shares (:class:`BlockPrint`). Every rank
+reads every record and applies the same pure :func:`decide`, so every rank reaches the same
+verdict and either all proceed or all roll back locally and raise the same error. No weight
+collective is issued before the verdict.
+
+The manifest digest covers names, shapes, dtypes and layout, not values: two copies of one
+architecture with different weights (another seed, a stale copy on one node, a fine-tuned
+or LoRA-fused copy) have equal manifests, and an AllGather (or a node's shared copy) would
+silently mix them into every rank's blocks. So the ranks that exchange a block's bytes (its
+weight group; for a node-shared block, the group's ranks with this rank's host name) must
+also agree on its fingerprint (:func:`weights_verdict`; what a fingerprint covers and what
+it can miss is [Note: weight fingerprints] in :mod:`dlo.host.fingerprint`). Ranks that never
+exchange a block (other weight groups, rank-local stacks) are not compared. A mismatch is a
+:class:`WeightsDifferError` on every rank, naming each rank's source of the first block
+that differs.
 
 The exchange goes through the default process group's key-value store (a TCPStore under
 torchrun) rather than a collective: waiting on keys has a timeout and tells exactly which
@@ -22,7 +35,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dlo.errors import OffloadError
 from dlo.parallel.store import share
+
+
+class WeightsDifferError(OffloadError, ValueError):
+    """Ranks that exchange a block's bytes hold different weights for it (see [Note: startup
+    agreement]). An :class:`~dlo.OffloadError` raised by the vote, and a ``ValueError``: the
+    job's input is wrong (one rank loaded other files), not the runtime."""
+
+
+@dataclass(frozen=True)
+class BlockPrint:
+    """One rank's content fingerprint of a block it gathers or shares (see
+    :mod:`dlo.host.fingerprint`)."""
+
+    block: str
+    peers: tuple[int, ...]
+    """The ranks that exchange this block's bytes with this rank: its weight group."""
+    node: bool
+    """Node-shared: only the ``peers`` with this rank's host name share its bytes."""
+    digest: str
+    source: str
+    """Where this rank's bytes of the block come from, for the error: its files, or an
+    in-memory model, and how they were fingerprinted."""
 
 
 @dataclass
@@ -45,6 +81,8 @@ class RankReport:
     gather)."""
     settings: tuple[tuple[str, Any], ...] = ()
     """This rank's values of the :data:`AGREED_SETTINGS` (see :func:`settings_of`)."""
+    weights: tuple[BlockPrint, ...] = ()
+    """The fingerprint of every block this rank gathers or shares, in manifest order."""
 
 
 AGREED_SETTINGS = (
@@ -105,6 +143,8 @@ class Verdict:
     """Blocks every rank keeps pageable (``whole_block_fallback``)."""
     copy_gather: bool = False
     """Every rank uses the copy-engine gather (see :func:`gather_engine_verdict`)."""
+    error: type[OffloadError] = OffloadError
+    """What a refusal raises (:class:`WeightsDifferError` for different weights)."""
 
 
 def gather_engine_verdict(reports: list[RankReport], gather_engine: str) -> str | None:
@@ -145,6 +185,49 @@ def pin_verdict(
     )
 
 
+def weights_verdict(reports: Sequence[RankReport]) -> str:
+    """The refusal when ranks that exchange a block's bytes report different fingerprints
+    for it ("" when every such set agrees): the first block that differs in manifest order,
+    each rank of its set with its source, and how many blocks differ (pure).
+
+    A block's set is the reporting rank's ``peers`` (narrowed to its host name for a
+    node-shared block); each set is compared once, from its lowest rank.
+    """
+    host = {r.rank: r.host for r in reports}
+    prints = {r.rank: {p.block: p for p in r.weights} for r in reports}
+    differ: list[tuple[int, str, tuple[int, ...]]] = []
+    for r in reports:
+        for i, p in enumerate(r.weights):
+            peers = tuple(
+                q for q in p.peers if q in prints and (not p.node or host[q] == host[r.rank])
+            )
+            if not peers or r.rank != min(peers):
+                continue
+            seen = {prints[q][p.block].digest if p.block in prints[q] else "" for q in peers}
+            if len(seen) > 1:
+                differ.append((i, p.block, peers))
+    if not differ:
+        return ""
+    _, block, ranks = min(differ)
+    by_digest: dict[str, list[int]] = {}
+    for q in ranks:
+        by_digest.setdefault(prints[q][block].digest if block in prints[q] else "", []).append(q)
+    others = len({b for _, b, _ in differ}) - 1
+    detail = "; ".join(
+        f"rank {q}: "
+        + (prints[q][block].source if block in prints[q] else "no fingerprint for this block")
+        for q in ranks
+    )
+    return (
+        "ranks that exchange a block's bytes hold different weights for it (same "
+        f"architecture, different contents): block {block!r} differs between ranks "
+        f"{' and '.join(str(g) for g in sorted(by_digest.values()))}"
+        f"{f' (and {others} more blocks)' if others else ''}; {detail}. Every rank of a "
+        "weight group must load the same weights: streamed together, a stale or different "
+        "copy would mix into every rank's blocks"
+    )
+
+
 def decide(
     reports: list[RankReport], *, pin_failure_policy: str, gather_engine: str = "nccl"
 ) -> Verdict:
@@ -180,6 +263,9 @@ def decide(
             "ranks disagree on dlo's weight groups: "
             + "; ".join(f"rank {r.rank}: {list(r.groups)}" for r in reports),
         )
+    mixed = weights_verdict(reports)
+    if mixed:
+        return Verdict(False, mixed, error=WeightsDifferError)
     unpinned, refused = pin_verdict(
         [(r.rank, r.unpinned_blocks) for r in reports], pin_failure_policy
     )
@@ -206,5 +292,5 @@ def exchange(
         timeout_s=timeout_s,
         topic="agreement",
         what="enable agreement",
-        types=(RankReport,),
+        types=(RankReport, BlockPrint),
     )

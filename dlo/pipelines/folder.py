@@ -26,6 +26,7 @@ import dataclasses
 import importlib
 import inspect
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -81,7 +82,8 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
     Raises:
         CheckpointError: naming the file and the field: no index, not JSON, no
             ``_class_name``, an entry that is not ``[library, class]``, a library other than
-            diffusers or transformers, or a component folder that is missing.
+            diffusers or transformers, a component named by a path (``../x``, ``/x``:
+            outside the folder), or a component folder that is missing.
     """
     base = Path(root)
     path = base / INDEX
@@ -120,6 +122,11 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
                 f"{path}: {name} = {value!r}: dlo loads components of "
                 f"{' and '.join(_LIBRARIES)} only"
             )
+        if Path(name).name != name or name in ("", ".."):  # a folder outside the pipeline's
+            raise CheckpointError(
+                f"{path}: component {name!r} is not a plain folder name; components are "
+                f"folders inside {base}"
+            )
         folder = base / name
         if not folder.is_dir():
             raise CheckpointError(f"{path} lists {name} ({class_name}) but {folder} is missing")
@@ -129,10 +136,50 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
     return FolderIndex(base, cls, tuple(specs), tuple(absent), options)
 
 
+_IMPORT_NOTICES = (
+    ("torchao", re.compile(r"^Failed to load .*torchao.*\.so\b")),
+    ("torchao.kernel.intmm", re.compile(r"Detected no triton")),
+    ("torch.utils._pytree", re.compile(r"is an Enum subclass and is now natively supported")),
+    (
+        "diffusers.quantizers.torchao.torchao_quantizer",
+        re.compile(r"^Unable to import `torchao` Tensor objects"),
+    ),
+    ("transformers.utils.import_utils", re.compile(r"requires torchvision \(not installed\)")),
+)
+"""(logger, message) of what the first import of a diffusers or transformers class logs on a
+machine without the optional packages it probes (torchvision, triton, torchao's compiled
+kernels: a CPU-only torch), which say nothing about the user's job."""
+
+
+class _DropNotice(logging.Filter):
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.search(record.getMessage()) is None
+
+
+@contextlib.contextmanager
+def quiet_imports() -> Iterator[None]:
+    """Within: the notices of :data:`_IMPORT_NOTICES`, and nothing else, are dropped. For
+    the library imports dlo itself makes: a record on another logger, another message on
+    those loggers, or anything logged outside the block (the user's own imports) shows."""
+    added = [(logging.getLogger(name), _DropNotice(pattern)) for name, pattern in _IMPORT_NOTICES]
+    for log, drop in added:
+        log.addFilter(drop)
+    try:
+        yield
+    finally:
+        for log, drop in added:
+            log.removeFilter(drop)
+
+
 def import_class(library: str, class_name: str, where: str) -> type:
     """``library.class_name``, or a CheckpointError naming ``where`` (the index entry)."""
     try:
-        return getattr(importlib.import_module(library), class_name)  # type: ignore[no-any-return]
+        with quiet_imports():
+            return getattr(importlib.import_module(library), class_name)  # type: ignore[no-any-return]
     except ImportError as e:
         raise CheckpointError(f"{where}: {library} is not installed ({e})") from e
     except AttributeError:
@@ -189,8 +236,8 @@ def params_on_meta(dtype: torch.dtype) -> Iterator[None]:
 
     if not dtype.is_floating_point or dtype.itemsize < 2:
         raise ValueError(
-            f"torch_dtype={dtype}: components are built in a float16, bfloat16 or float32 "
-            "default dtype (float8 and integer weights load as stored: torch_dtype=None)"
+            f"dtype={dtype}: components are built in a float16, bfloat16 or float32 "
+            "default dtype (float8 and integer weights load as stored: dtype=None)"
         )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -53,8 +54,9 @@ def load_pipeline(
     *,
     copy: bool = False,
     prepare: Callable[[Any], Any] | None = None,
-    torch_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     verify_checksum: bool = False,
+    torch_dtype: torch.dtype | str | None = None,
 ) -> tuple[Any, OffloadBackend | None]:
     """Build a pipeline on ``meta``, fill it from safetensors, and enable offload on it.
 
@@ -84,13 +86,16 @@ def load_pipeline(
             replace the streamed blocks' weights (quantize them with torchao, fuse a
             LoRA): with a ``prepare``, a block tensor whose data is not aligned to its
             dtype in the file is read into memory instead of served from the file.
-        torch_dtype: folders only: the dtype floating weights run in (cast on load, except
-            the classes' keep-in-fp32 modules); None keeps each tensor's stored dtype.
+        dtype: folders only: the dtype floating weights run in (cast on load, except the
+            classes' keep-in-fp32 modules): a ``torch.dtype`` (float16, bfloat16, float32)
+            or its name (``"bfloat16"``); None or ``"auto"`` keeps each tensor's stored
+            dtype. diffusers 0.42's name for ``from_pretrained``'s argument.
         verify_checksum: check every byte read from the checkpoint against the checksums
             ``dlo save-checkpoint`` wrote with it (see [Note: checkpoint checksums] in
             :mod:`dlo.io.checksums`): corrupted data fails the load, which rolls back. Files
             without checksums are refused. For a :class:`Checkpoint` given here, set it on
             the checkpoint.
+        torch_dtype: the deprecated name of ``dtype`` (a ``FutureWarning``), as in diffusers.
     Returns:
         ``(pipeline, backend)``; ``backend`` is None when offload is disabled (the model is
         then on ``device``). With ``mode="layer"`` every non-block tensor is copied straight
@@ -101,19 +106,22 @@ def load_pipeline(
             (raised before anything is changed), naming the file.
         dlo.OffloadError / ValueError / TypeError: as ``backend.enable``; the skeleton is
             put back on ``meta``.
+        ValueError / TypeError: ``dtype`` is not a dtype dlo builds in, or both ``dtype``
+            and ``torch_dtype`` are given (before anything is read).
 
     Example:
         >>> pipe, backend = dlo.load_pipeline(
         ...     lambda: build_pipeline("wan14b-like", device="meta"), "ckpt/",
         ...     dlo.OffloadConfig(mode="layer", transfer="allgather"))
         >>> pipe, backend = dlo.load_pipeline("Wan2.1-T2V-14B-Diffusers/",
-        ...     dlo.OffloadConfig(mode="layer"), torch_dtype=torch.bfloat16)
+        ...     dlo.OffloadConfig(mode="layer"), dtype=torch.bfloat16)
     """
     t0 = time.perf_counter()
+    dtype, dtype_arg = _dtype_of(dtype, torch_dtype)
     warmed = warm_up(device)  # the device's context is made while the skeleton is built
     try:
         pipe, loaded, ckpt, cast, config = _skeleton(
-            factory, checkpoint, config, torch_dtype, verify_checksum, t0
+            factory, checkpoint, config, dtype, dtype_arg, verify_checksum, t0
         )
         try:
             plan = plan_load(loaded, ckpt, cast=cast)  # every check, before any change
@@ -137,7 +145,8 @@ def _skeleton(
     factory: Callable[[], Any] | nn.Module | str | os.PathLike[str],
     checkpoint: CheckpointLike | OffloadConfig | None,
     config: OffloadConfig | None,
-    torch_dtype: torch.dtype | None,
+    dtype: torch.dtype | None,
+    dtype_arg: str,
     verify_checksum: bool,
     t0: float,
 ) -> tuple[Any, nn.Module, Checkpoint, bool, OffloadConfig | None]:
@@ -159,7 +168,7 @@ def _skeleton(
             (spec for spec, _ in components.values()), verify_checksum=verify_checksum
         )
         try:
-            modules = folder.build_modules(components, ckpt, torch_dtype)
+            modules = folder.build_modules(components, ckpt, dtype)
             pipe = folder.assemble(index, {**modules, **folder.load_others(index, modules)})
         except BaseException:
             ckpt.close()
@@ -168,12 +177,12 @@ def _skeleton(
         logger.info(
             "dlo: built %s from %s in %.2fs", type(pipe).__name__, factory, time.perf_counter() - t0
         )
-        cast = torch_dtype is not None
+        cast = dtype is not None
     else:
         if isinstance(checkpoint, OffloadConfig) or checkpoint is None:
             raise TypeError("load_pipeline(factory, checkpoint, config): the checkpoint is missing")
-        if torch_dtype is not None:
-            raise TypeError("torch_dtype is for pipeline folders; a factory builds its own dtypes")
+        if dtype is not None:
+            raise TypeError(f"{dtype_arg} is for pipeline folders; a factory builds its own dtypes")
         if isinstance(factory, nn.Module):
             pipe = factory
         elif callable(factory):
@@ -194,6 +203,46 @@ def _skeleton(
             ckpt = Checkpoint(checkpoint, verify_checksum=verify_checksum)
         loaded, cast = pipe, False
     return pipe, loaded, ckpt, cast, config
+
+
+def _dtype_of(
+    dtype: torch.dtype | str | None, torch_dtype: torch.dtype | str | None
+) -> tuple[torch.dtype | None, str]:
+    """``load_pipeline``'s dtype (None: the stored dtypes) and the argument that gave it."""
+    name = "dtype"
+    if torch_dtype is not None:
+        if dtype is not None:
+            raise TypeError(
+                f"load_pipeline got dtype={dtype!r} and torch_dtype={torch_dtype!r}: pass "
+                "dtype only (torch_dtype is its deprecated name)"
+            )
+        warnings.warn(
+            "load_pipeline(torch_dtype=...) is deprecated: pass dtype=... (diffusers 0.42's name)",
+            FutureWarning,
+            stacklevel=4,  # the caller of load_pipeline (under inference_mode's wrapper)
+        )
+        dtype, name = torch_dtype, "torch_dtype"
+    if dtype is None or dtype == "auto":
+        return None, name
+    value = dtype
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)  # type: ignore[assignment]
+        if not isinstance(value, torch.dtype):
+            raise ValueError(
+                f"{name}={dtype!r} is not a torch dtype: pass torch.bfloat16 (or its name, "
+                "'bfloat16'), float16 or float32, or None/'auto' for the stored dtypes"
+            )
+    if not isinstance(value, torch.dtype):
+        raise TypeError(
+            f"{name} must be a torch.dtype, its name or None, got {dtype!r} "
+            f"({type(dtype).__name__})"
+        )
+    if not value.is_floating_point or value.itemsize < 2:
+        raise ValueError(
+            f"{name}={dtype!r}: components are built in float16, bfloat16 or float32 (float8 "
+            f"and integer weights load as stored: {name}=None)"
+        )
+    return value, name
 
 
 def _fill_and_enable(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo.pipelines.folder import dtype_kwarg, params_on_meta
+from dlo.pipelines.folder import dtype_kwarg, params_on_meta, quiet_imports
 from dlo.pipelines.layouts import FolderLike, Part
 
 logger = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ def build_part(part: Part, dtype: torch.dtype, seed: int) -> nn.Module:
     """``part`` on the CPU with random weights in ``dtype``: built with its parameters on
     ``meta`` (no library initializer runs: transformers' own would draw every weight), then
     each parameter given memory and filled (:func:`fill_random`)."""
-    cls = getattr(importlib.import_module(part.library), part.cls)
+    with quiet_imports():
+        cls = getattr(importlib.import_module(part.library), part.cls)
     with params_on_meta(dtype):
         if part.library == "transformers":
             config = cls.config_class(**part.config)
@@ -141,8 +142,10 @@ def build_pipeline(like: FolderLike, dtype: torch.dtype | None = None, seed: int
         clip = like.modules.get(name.replace("tokenizer", "text_encoder"), None)
         components[name] = offline_tokenizer(length, clip=clip is not None and "CLIP" in clip.cls)
     sched_cls, sched_config = like.scheduler
-    components["scheduler"] = getattr(diffusers, sched_cls)(**sched_config)
-    return getattr(diffusers, like.pipeline)(**components, **like.options)
+    with quiet_imports():
+        scheduler, pipeline = getattr(diffusers, sched_cls), getattr(diffusers, like.pipeline)
+    components["scheduler"] = scheduler(**sched_config)
+    return pipeline(**components, **like.options)
 
 
 def save_folder(

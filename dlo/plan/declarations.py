@@ -115,7 +115,9 @@ class OffloadPlan:
     """DiT path -> ordered block container attrs (execution order). Takes precedence over the
     DiT class's ``_layerwise_offload_blocks_attrs``."""
     encoder_block_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    """Encoder path -> ordered block container attrs. Encoders stream only when listed here."""
+    """Encoder path -> ordered block container attrs (``()`` streams none). An encoder not
+    listed streams only when ``OffloadConfig.components`` names ``"encoder"`` and its own
+    ``_no_split_modules`` (or ``_repeated_blocks``) finds its blocks."""
     on_demand_component_paths: tuple[str, ...] = ()
     """Components whose residency the pipeline manages itself; dlo never moves them."""
     resident_dit_paths: tuple[str, ...] | None = None

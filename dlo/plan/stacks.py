@@ -235,7 +235,8 @@ def _encoder_stacks(
             warn_once(
                 f"dlo: encoder {path!r} ({type(encoder).__name__}) has blocks dlo can stream "
                 f"({describe(attrs, encoder)}, from its {source}); it is kept whole on the "
-                "device: pass components=('dit', 'encoder') to stream it"
+                "device: pass components=('dit', 'encoder') (dlo run: --components dit,encoder) "
+                "to stream it"
             )
             continue
         stacks += _component_stacks("encoder", path, encoder, attrs, source, problems)

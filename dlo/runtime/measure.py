@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,9 +63,12 @@ def probe_nbytes(block_nbytes: int) -> int:
     return max(PROBE_MIN_NBYTES, min(PROBE_MAX_NBYTES, block_nbytes))
 
 
-def sample_seconds(platform: Platform, fn: Any, reps: int) -> list[float]:
+def sample_seconds(
+    platform: Platform, fn: Any, reps: int, on_sample: Callable[[], object] | None = None
+) -> list[float]:
     """Seconds of each of ``reps`` calls of ``fn()``: device time between two events on the
-    current stream on CUDA, wall time on the CPU platform (no warm-up; the caller's)."""
+    current stream on CUDA, wall time on the CPU platform (no warm-up; the caller's).
+    ``on_sample()`` runs after each sample, outside its timed span (a progress bar)."""
     times = []
     for _ in range(reps):
         if platform.has_streams:
@@ -79,6 +82,8 @@ def sample_seconds(platform: Platform, fn: Any, reps: int) -> list[float]:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+        if on_sample is not None:
+            on_sample()
     return times
 
 

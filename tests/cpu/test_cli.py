@@ -83,6 +83,19 @@ TINY_BENCH = ["bench", "--preset", "tiny", "--tokens", "64", "--methods", "resid
         (["run", "--resident-layers", "-1"], "resident_layers must be >= 0, got -1"),
         (["run", "--mode", "module", "--transfer", "allgather"], "applies to mode='layer' only"),
         (["run", "--mode", "module", "--num-slots", "3"], "num_slots=3 applies to mode='layer'"),
+        # --mode none refuses what it would ignore, as --mode module refuses layer settings
+        (
+            ["run", "--mode", "none", "--transfer", "allgather"],
+            "--transfer allgather applies to --mode layer only (--mode none disables offload)",
+        ),
+        (["run", "--mode", "none", "--codec", "ans"], "--codec ans applies to --mode layer only"),
+        (["run", "--mode", "none", "--no-pin"], "--no-pin applies to --mode layer or module"),
+        (["run", "--mode", "none", "--components", "dit"], "--components dit applies to"),
+        (["run", "--components", "dit,bogus"], "--components: 'dit,bogus': 'bogus' is not one of"),
+        (["run", "--components", "encoder,text_encoder"], "names encoder twice"),
+        (["run", "--offload-config", "{}", "--components", "dit"], "replaces --components"),
+        (["run", "--hsdp-shard", "2"], "--hsdp-replicate=1 x --hsdp-shard=2 = 2 ranks, but the"),
+        (["run", "--hsdp-replicate", "0"], "--hsdp-replicate=0 must be >= 1"),
         (["bench", "--methods", "resident,magic"], "unknown ['magic']"),
         (["bench", "--num-slots", "2,0"], "--num-slots='2,0': expected positive integers"),
         (["bench", "--chunk-mb", "64,x"], "--chunk-mb='64,x'"),
@@ -430,3 +443,40 @@ def test_torchrun_bench_codec_rows_for_every_transfer(tmp_path: Path) -> None:
         assert plain["transfer"] == encoded["transfer"] == method.removeprefix("dlo-")
         # node-shared: this rank is charged 1/L of the node's encoded copy
         assert 0 < encoded["host_nbytes"] <= encoded["host_encoded_nbytes"], method
+
+
+def _run_flags(*flags: str) -> tuple[Any, dict[str, Any]]:
+    from dlo.cli import _defaults, build_parser
+
+    parser = build_parser()
+    return parser.parse_args(["run", *flags]), _defaults(parser, "run")
+
+
+@pytest.mark.parametrize(
+    ("flags", "components"),
+    [
+        ([], None),
+        (["--components", "dit,encoder"], ("dit", "encoder")),
+        (["--components", "dit, text_encoder"], ("dit", "encoder")),
+        (["--mode", "module", "--components", "encoder"], ("encoder",)),
+    ],
+)
+def test_components_flag_sets_the_config_field(
+    flags: list[str], components: tuple[str, ...] | None
+) -> None:
+    from dlo.commands.run_flags import config_of
+
+    assert config_of(*_run_flags(*flags)).components == components
+
+
+def test_hsdp_flags_must_multiply_to_the_world_size_and_say_so() -> None:
+    from dlo.commands.run_flags import parallel_of
+
+    args, _ = _run_flags("--hsdp-shard", "4")
+    with pytest.raises(
+        ValueError, match=r"^--hsdp-replicate=1 x --hsdp-shard=4 = 4 ranks, but the job has 2"
+    ):
+        parallel_of(args, 2)
+    par = parallel_of(args, 4)
+    assert (par.hsdp_replicate_size, par.hsdp_shard_size, par.data_parallel_size) == (1, 4, 4)
+    assert parallel_of(_run_flags()[0], 3).data_parallel_size == 3

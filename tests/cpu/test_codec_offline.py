@@ -272,7 +272,7 @@ def test_blocks_cast_on_load_are_read_encoded_next_time(
     call.update(prompt="a red fox", num_inference_steps=2)
 
     def run(dtype: torch.dtype) -> tuple[torch.Tensor, int, Any]:
-        pipe, backend = load_pipeline(folder, cfg, device="cpu", torch_dtype=dtype)
+        pipe, backend = load_pipeline(folder, cfg, device="cpu", dtype=dtype)
         assert backend is not None
         pipe.set_progress_bar_config(disable=True)
         out = pipe(**call, generator=torch.Generator().manual_seed(3)).images

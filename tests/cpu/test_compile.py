@@ -280,3 +280,37 @@ def test_allgather_world_2_compiles_the_same_way(form: str) -> None:
     from tests.harness import assert_all_ok, run_ranks
 
     assert all(assert_all_ok(run_ranks(_allgather_compiled, 2, form, timeout_s=180)))
+
+
+# ------------------------------------------------------------------ shapes in sequence
+def _two_shapes(rank: int, world: int, offload: bool, dynamic: bool | None) -> list[torch.Tensor]:
+    """One process's run of issue 40's case: every block's forward compiled with Inductor
+    before enable, a forward at one sequence length, then at another (the recompile for the
+    second is dynamic unless ``dynamic=False``)."""
+    torch._dynamo.reset()
+    model = ToyDiT(3)
+    for b in _blocks(model):
+        b.forward = torch.compile(b.forward, dynamic=dynamic)
+    backend = _enable(model, num_slots=2) if offload else None
+    out = []
+    with torch.no_grad():
+        for seq in (9, 5):
+            x = torch.randn(2, seq, 16, generator=torch.Generator().manual_seed(seq))
+            out.append(model(x).clone())
+    if backend is not None:
+        backend.disable()
+    return out
+
+
+@pytest.mark.parametrize("dynamic", [None, False])
+def test_two_shapes_in_sequence_each_in_its_own_process(dynamic: bool | None) -> None:
+    """Compiled resident and compiled dlo, each in a fresh process (as the issue ran them),
+    through a shape change: bitwise at both shapes (see [Note: compile across shapes]: on a
+    CPU Inductor's kernels are reproducible across processes; on a GPU only ``dynamic=False``
+    is, for the resident model too)."""
+    from tests.harness import assert_all_ok, run_ranks
+
+    (ref,) = assert_all_ok(run_ranks(_two_shapes, 1, False, dynamic, timeout_s=240))
+    (got,) = assert_all_ok(run_ranks(_two_shapes, 1, True, dynamic, timeout_s=240))
+    assert [t.shape[1] for t in got] == [9, 5]
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

@@ -11,6 +11,7 @@ import gc
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -185,7 +186,7 @@ def test_allgather_stack_with_mapped_backing_is_refused(checkpoint: str) -> None
         assert "host_backing='mapped'" in msg and "allgather" in msg, msg
 
 
-def test_mapped_backing_without_a_checkpoint_is_refused() -> None:
+def test_mapped_backing_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
     pipe = build_pipeline(PRESET, dtype=DTYPE)
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
     backend = LayerwiseBackend(_cfg(), dlo.ParallelConfig(), CpuPlatform())
@@ -196,18 +197,9 @@ def test_mapped_backing_without_a_checkpoint_is_refused() -> None:
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0) and not backend.is_enabled()
     # copy=True holds no mapped tensor either
     with pytest.raises(ValueError, match="host_backing='mapped'"):
-        load_pipeline(_skeleton, _save(pipe), _cfg(), None, "cpu", copy=True)
-
-
-_SAVED: dict[int, str] = {}
-
-
-def _save(pipe: Any) -> str:
-    import tempfile
-
-    if id(pipe) not in _SAVED:
-        _SAVED[id(pipe)] = str(save_checkpoint(pipe, tempfile.mkdtemp(prefix="dlo-mapped-")))
-    return _SAVED[id(pipe)]
+        load_pipeline(
+            _skeleton, str(save_checkpoint(pipe, tmp_path)), _cfg(), None, "cpu", copy=True
+        )
 
 
 def test_config_field_is_checked() -> None:

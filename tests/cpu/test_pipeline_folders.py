@@ -7,7 +7,10 @@ transformers), SD3, Qwen-Image, HunyuanVideo; offline tokenizers."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +95,11 @@ def test_run_pipeline_check_is_bitwise(
 def test_load_pipeline_folder_matches_diffusers_dtypes_and_bits(root: Path) -> None:
     """The Python face: ``dlo.load_pipeline(DIR, cfg)`` returns the ready pipeline; every
     tensor has the dtype diffusers' ``from_pretrained`` gives it with the same
-    ``torch_dtype`` (Wan keeps its fp32 modules), and the output is the same bits."""
+    ``dtype`` (Wan keeps its fp32 modules), and the output is the same bits."""
     folder = _folder(root, "tiny-wan2.1")
     ref = resident_reference(str(folder), torch.bfloat16, torch.device("cpu"))
     pipe, backend = dlo.load_pipeline(
-        folder, dlo.OffloadConfig(mode="layer"), device="cpu", torch_dtype=torch.bfloat16
+        folder, dlo.OffloadConfig(mode="layer"), device="cpu", dtype=torch.bfloat16
     )
     assert backend is not None
     try:
@@ -124,8 +127,8 @@ def test_load_pipeline_folder_argument_errors(root: Path) -> None:
         dlo.load_pipeline(folder, folder / "transformer")
     with pytest.raises(TypeError, match="config given twice"):
         dlo.load_pipeline(folder, dlo.OffloadConfig(), dlo.OffloadConfig())
-    with pytest.raises(TypeError, match="torch_dtype is for pipeline folders"):
-        dlo.load_pipeline(torch.nn.Linear(2, 2), folder, torch_dtype=torch.float16)
+    with pytest.raises(TypeError, match="dtype is for pipeline folders"):
+        dlo.load_pipeline(torch.nn.Linear(2, 2), folder, dtype=torch.float16)
 
 
 def _broken(root: Path, how: str) -> tuple[Path, str]:
@@ -198,8 +201,10 @@ def test_a_corrupt_or_incomplete_folder_is_one_clear_error(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["run", "--prompt", "x"], "--prompt need --pipeline"),
-        (["run", "--output", "x.png"], "--output need --pipeline"),
+        (["run", "--prompt", "x"], "--prompt needs --pipeline"),
+        (["run", "--output", "x.png"], "--output needs --pipeline"),
+        (["run", "--prompt", "x", "--output", "x.png"], "--prompt, --output need --pipeline"),
+        (["run", "--pipeline", "DIR", "--hsdp-shard", "2"], "--hsdp-shard is for the demo"),
         (["run", "--pipeline", "DIR", "--preset", "small"], "--preset is for the demo"),
         (["run", "--pipeline", "DIR", "--output", "x.jpg"], "--output='x.jpg'"),
         (["run", "--pipeline", "DIR", "--height", "0"], "--height"),
@@ -358,3 +363,154 @@ def test_a_write_through_data_before_enable_is_packed_not_read_from_the_file(roo
         assert torch.equal(_flux_call(pipe), _flux_call(ref))
     finally:
         backend.disable()
+
+
+def test_load_pipeline_takes_dtype_as_diffusers_does(root: Path) -> None:
+    """``dtype=`` (diffusers 0.42's name): a ``torch.dtype`` or its name, ``"auto"`` the
+    stored dtypes; ``torch_dtype`` is its deprecated alias (a FutureWarning)."""
+    folder = _folder(root, "tiny-flux")
+    none = dlo.OffloadConfig(mode="none")
+    for value in (torch.bfloat16, "bfloat16", "torch.bfloat16"):
+        pipe, _ = dlo.load_pipeline(folder, none, device="cpu", dtype=value)
+        assert pipe.transformer.proj_out.weight.dtype == torch.bfloat16, value
+    pipe, _ = dlo.load_pipeline(folder, none, device="cpu", dtype="auto")
+    assert pipe.transformer.proj_out.weight.dtype == FOLDERS["tiny-flux"].dtype
+    with pytest.warns(
+        FutureWarning, match=r"torch_dtype=\.\.\.\) is deprecated: pass dtype"
+    ) as seen:
+        pipe, _ = dlo.load_pipeline(folder, none, device="cpu", torch_dtype="bfloat16")
+    assert pipe.transformer.proj_out.weight.dtype == torch.bfloat16
+    assert [Path(w.filename).name for w in seen] == [Path(__file__).name]  # the caller's line
+
+
+@pytest.mark.filterwarnings("ignore:load_pipeline\\(torch_dtype:FutureWarning")
+@pytest.mark.parametrize(
+    ("kwargs", "kind", "message"),
+    [
+        ({"dtype": "bf16"}, ValueError, "dtype='bf16' is not a torch dtype"),
+        ({"dtype": "Size"}, ValueError, "dtype='Size' is not a torch dtype"),
+        ({"torch_dtype": "bfloat17"}, ValueError, "torch_dtype='bfloat17' is not a torch dtype"),
+        ({"dtype": 16}, TypeError, "dtype must be a torch.dtype, its name or None, got 16"),
+        ({"dtype": torch.int8}, ValueError, "dtype=torch.int8: components are built in"),
+        ({"dtype": "bfloat16", "torch_dtype": torch.float16}, TypeError, "pass dtype only"),
+    ],
+)
+def test_a_bad_dtype_is_an_error_naming_the_argument(
+    root: Path, kwargs: dict[str, Any], kind: type[Exception], message: str
+) -> None:
+    folder = _folder(root, "tiny-flux")
+    with pytest.raises(kind, match=re.escape(message)):
+        dlo.load_pipeline(folder, dlo.OffloadConfig(mode="none"), device="cpu", **kwargs)
+
+
+def test_the_encoder_hint_names_the_flag_and_the_flag_streams_them(
+    root: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hint to stream an encoder found from its ``_no_split_modules`` names the API
+    argument and ``--components``; with ``--components dit,encoder`` the encoders stream
+    (more host bytes) and the hint is not given."""
+    import dlo.plan.discovery
+
+    folder = _folder(root, "tiny-flux")
+    # --check: the run disables its backend (without, the process keeps the host memory)
+    argv = ["run", "--pipeline", str(folder), "--steps", "1", "--check", "--json"]
+    argv += ["--device", "cpu", *_call_flags("tiny-flux")]
+    capsys.readouterr()
+    hosts = {}
+    for components in ([], ["--components", "dit,encoder"]):
+        monkeypatch.setattr(dlo.plan.discovery, "_logged_messages", set())  # warned once each
+        caplog.clear()
+        assert main([*argv, *components]) == 0
+        out = capsys.readouterr().out
+        hint = "pass components=('dit', 'encoder') (dlo run: --components dit,encoder) to stream"
+        assert (hint in caplog.text) == (not components), caplog.text
+        (report,) = _reports(out)
+        assert report["parity"] is True, report
+        hosts[bool(components)] = report["host_nbytes"]
+    assert hosts[True] > hosts[False] > 0
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+_NOTICES = (
+    "Failed to load",  # torchao's compiled kernels
+    "Detected no triton",
+    "is an Enum subclass",  # torch's pytree, for torchao's enums
+    "Unable to import `torchao` Tensor objects",
+    "requires torchvision (not installed)",
+)
+"""What importing diffusers' and transformers' classes logs on a CPU machine without
+torchvision, triton or torchao's kernels (dlo's import: never shown)."""
+
+_USER_SCRIPT = """
+import logging, sys, warnings
+from dlo.cli import main
+rc = main(sys.argv[1:])
+# the user's own code after dlo's command: its records and warnings show as ever
+logging.getLogger("transformers.utils.import_utils").warning(
+    "`MyProcessor` requires torchvision (not installed): the user's own")
+warnings.warn("the user's own warning", UserWarning)
+sys.exit(rc)
+"""
+
+
+def test_diffusers_commands_print_no_import_notices_and_user_warnings_show(
+    tmp_path: Path,
+) -> None:
+    """``dlo save-pipeline`` and ``dlo run --pipeline`` (fresh processes: the notices come
+    with the first import) print none of the third-party import notices dlo's own imports
+    trigger; the same notice from the user's code, and the user's warnings, still show."""
+    from tests.cpu.test_cli import _env
+
+    folder = tmp_path / "flux"
+    commands = [
+        ["save-pipeline", "--like", "tiny-flux", str(folder)],
+        [
+            "run",
+            "--pipeline",
+            str(folder),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+            *_call_flags("tiny-flux"),
+        ],
+    ]
+    for argv in commands:
+        proc = subprocess.run(
+            [sys.executable, "-c", _USER_SCRIPT, *argv],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=240,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        dlo_lines = [line for line in proc.stderr.splitlines() if "the user's own" not in line]
+        shown = [n for n in _NOTICES if any(n in line for line in dlo_lines)]
+        assert not shown, (argv[0], shown, proc.stderr[-3000:])
+        assert "`MyProcessor` requires torchvision (not installed): the user's own" in proc.stderr
+        assert "UserWarning: the user's own warning" in proc.stderr
+
+
+def test_quiet_imports_drops_those_notices_only_and_only_inside(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from dlo.pipelines.folder import quiet_imports
+
+    caplog.set_level(logging.WARNING)
+    torchao = logging.getLogger("torchao")
+    so = "Failed to load /x/torchao/_C_mxfp8.so: Could not load this library"
+    with quiet_imports():
+        torchao.warning(so)
+        torchao.warning("Failed to load the user's own file")  # same logger, other text
+        logging.getLogger("user").warning("Detected no triton")  # other logger
+    torchao.warning(so)  # outside: the user's
+    assert [r.getMessage() for r in caplog.records] == [
+        "Failed to load the user's own file",
+        "Detected no triton",
+        so,
+    ]

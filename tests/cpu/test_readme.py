@@ -8,24 +8,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_blocks import marked
 from tests.harness import run_program
 
 ROOT = Path(__file__).resolve().parents[2]
-MARKER = "<!-- program: my_pipeline.py -->"
-
-
-def _program() -> str:
-    text = (ROOT / "README.md").read_text()
-    assert MARKER in text, f"README.md has no {MARKER} block"
-    block = text.split(MARKER, 1)[1].split("```", 2)[1]
-    assert block.startswith("python\n"), "the README program must be a ```python block"
-    return block.split("\n", 1)[1]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_readme_program_runs_as_written(ranks: int, tmp_path: Path) -> None:
+    block = marked(ROOT / "README.md", "program: my_pipeline.py")
+    assert block.lang == "python", "the README program must be a ```python block"
     program = tmp_path / "my_pipeline.py"
-    program.write_text(_program())
+    program.write_text(block.code)
     done = run_program(program, ranks=ranks)
     assert done.returncode == 0, done.stdout + done.stderr
     # the ranks print at the same time: count the reports, not the lines

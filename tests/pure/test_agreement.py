@@ -1,4 +1,4 @@
-"""The startup verdict: settings, gather-engine choice (pure)."""
+"""The startup verdict: settings, gather-engine choice, weight fingerprints (pure)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,15 @@ import pytest
 from dlo.config.offload import OffloadConfig
 from dlo.parallel.agreement import (
     AGREED_SETTINGS,
+    BlockPrint,
     RankReport,
+    WeightsDifferError,
     decide,
     gather_engine_verdict,
     settings_of,
+    weights_verdict,
 )
+from dlo.parallel.records import decode, encode
 
 
 def _reports(hosts: list[str], symmetric: list[bool]) -> list[RankReport]:
@@ -156,3 +160,89 @@ def test_node_shared_along_different_axes_or_stacks_is_refused() -> None:
     enc_shared = _plan_stack("te.layers", transfer="node-shared", share_axis="data")
     ok, msg = _verdict([on_data, _plan_stack("te.layers")], [on_data, enc_shared])
     assert not ok and "transfer:" in msg and "te.layers=node-shared@data" in msg, msg
+
+
+# ----------------------------------------------------------------------------- weights
+def _prints(
+    digests: list[str],
+    *,
+    groups: list[list[int]] | None = None,
+    hosts: str = "",
+    node: bool = False,
+    blocks: tuple[str, ...] = ("dit.blocks.0", "dit.blocks.1"),
+    differ_from: int = 0,
+) -> list[RankReport]:
+    """One report per rank of ``digests``: block ``i`` fingerprinted ``digest`` for
+    ``i >= differ_from`` and ``"same"`` before, each rank exchanging with its group of
+    ``groups`` (default: every rank), on host ``hosts[rank]``."""
+    world = len(digests)
+    groups = groups or [list(range(world))]
+    group = {r: tuple(g) for g in groups for r in g}
+    return [
+        RankReport(
+            rank=r,
+            ok=True,
+            digest="d",
+            host=hosts[r] if hosts else "h",
+            weights=tuple(
+                BlockPrint(b, group[r], node, d if i >= differ_from else "same", f"file-{d}")
+                for i, b in enumerate(blocks)
+            ),
+        )
+        for r, d in enumerate(digests)
+    ]
+
+
+def test_equal_fingerprints_agree() -> None:
+    assert decide(_prints(["a", "a", "a"]), pin_failure_policy="fail").ok
+    assert weights_verdict(_prints(["a", "a"])) == ""
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_different_weights_are_refused_naming_each_rank_and_the_first_block(world: int) -> None:
+    digests = ["a", "b", "a"][:world]
+    verdict = decide(_prints(digests, differ_from=1), pin_failure_policy="fail")
+    assert not verdict.ok and verdict.error is WeightsDifferError
+    assert issubclass(WeightsDifferError, ValueError)  # the job's input: the CLI's one line
+    want = "[0, 2] and [1]" if world == 3 else "[0] and [1]"
+    assert f"block 'dit.blocks.1' differs between ranks {want}" in verdict.message
+    assert "rank 0: file-a; rank 1: file-b" in verdict.message
+    assert "more blocks" not in verdict.message
+    msg = weights_verdict(_prints(digests))  # both blocks: the first named, the other counted
+    assert "block 'dit.blocks.0'" in msg and "(and 1 more blocks)" in msg
+
+
+def test_ranks_that_never_exchange_a_block_are_not_compared() -> None:
+    # two weight groups ([0, 2] and [1, 3], DP x SP): each agrees within itself
+    assert weights_verdict(_prints(["a", "b", "a", "b"], groups=[[0, 2], [1, 3]])) == ""
+    msg = weights_verdict(_prints(["a", "b", "c", "b"], groups=[[0, 2], [1, 3]]))
+    assert "between ranks [0] and [2]" in msg and "rank 1" not in msg
+    # node-shared: only the group's ranks of one host share a copy
+    assert weights_verdict(_prints(["a", "a", "b", "b"], hosts="xxyy", node=True)) == ""
+    msg = weights_verdict(_prints(["a", "a", "b", "a"], hosts="xxyy", node=True))
+    assert "between ranks [2] and [3]" in msg
+    # the same ranks gathering (not node-shared) compare across hosts
+    assert "between ranks [0, 1] and [2, 3]" in weights_verdict(
+        _prints(["a", "a", "b", "b"], hosts="xxyy")
+    )
+
+
+def test_a_rank_without_a_fingerprint_for_a_block_differs() -> None:
+    reports = _prints(["a", "a"])
+    reports[1].weights = reports[1].weights[:1]
+    msg = weights_verdict(reports)
+    assert "block 'dit.blocks.1'" in msg and "rank 1: no fingerprint for this block" in msg
+
+
+def test_a_failed_rank_or_other_manifest_is_named_before_the_weights() -> None:
+    reports = _prints(["a", "b"])
+    reports[1].digest = "other"
+    assert "different block manifests" in decide(reports, pin_failure_policy="fail").message
+    reports[1].ok, reports[1].error = False, "boom"
+    verdict = decide(reports, pin_failure_policy="fail")
+    assert "boom" in verdict.message and verdict.error is not WeightsDifferError
+
+
+def test_fingerprints_travel_as_store_records() -> None:
+    (report, _) = _prints(["a", "b"])
+    assert decode(encode(report), [RankReport, BlockPrint]) == report

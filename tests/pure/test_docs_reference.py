@@ -1,5 +1,6 @@
 """The docs against the code: the generated tables of ``docs/reference.md``, the glossary's
-setting values, the names, paths and links the docs mention, and their runnable examples.
+setting values, and the names, paths and links the docs mention (their programs run in
+``tests/cpu/test_user_guide.py``).
 
 A config field, CLI flag or ``stats()`` key added without regenerating the reference
 (``python -m tests.reference_tables``), a vocabulary value without a glossary row, or a doc
@@ -20,7 +21,6 @@ from typing import Any
 import pytest
 
 import dlo
-from dlo.host.region import LEDGER
 from tests import reference_tables as rt
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -275,37 +275,3 @@ def test_links_resolve_inside_the_repository(doc: Path) -> None:
 def test_readme_lists_the_guide_and_the_reference() -> None:
     text = _read(ROOT / "README.md")
     assert "(docs/user_guide.md)" in text and "(docs/reference.md)" in text
-
-
-# ----------------------------------------------------------------------------- examples
-def _runnable_examples() -> list[tuple[str, int, str]]:
-    """``(doc, line, code)`` of each python block right after a ``<!-- runnable -->`` line."""
-    out = []
-    for doc in OWN_DOCS:
-        text = _read(doc)
-        for m in re.finditer(r"<!-- runnable -->\n```python\n(.*?)```", text, re.S):
-            out.append((doc.name, text.count("\n", 0, m.start()) + 1, m.group(1)))
-    return out
-
-
-_EXAMPLES = _runnable_examples()
-
-
-@pytest.mark.parametrize(
-    "doc, line, code", _EXAMPLES, ids=[f"{doc}:{line}" for doc, line, _ in _EXAMPLES]
-)
-def test_runnable_example(
-    doc: str, line: int, code: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    # one process, no process group: the examples are single-rank
-    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.chdir(tmp_path)  # what an example writes (a checkpoint) lands here
-    namespace: dict[str, Any] = {"__name__": f"example_{line}"}
-    exec(compile(code, f"{doc}:{line}", "exec"), namespace)
-    # an example may leave offload enabled, as a user's script would; later tests must not
-    # see its host memory
-    for value in namespace.values():
-        if isinstance(value, dlo.OffloadBackend) and value.is_enabled():
-            value.disable()
-    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0), f"{doc}:{line} left host memory"

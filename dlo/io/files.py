@@ -1,0 +1,175 @@
+"""Files dlo writes, and the files it reads only when they are its user's own.
+
+[Note: writing files]
+Every file dlo writes (a checkpoint's shards and index, an encoded checkpoint) goes to a
+private temporary file in the target's directory and is renamed over the target once whole,
+so a reader sees the old file or the whole new one:
+
+- the temporary name is random (``.<name>.<random>.tmp``) and created with ``O_CREAT |
+  O_EXCL | O_NOFOLLOW``: nothing another user planted in the directory is opened, followed
+  or written (the fixed ``<name>.tmp`` of before was a planted symlink away from
+  overwriting any file of the user's), and two writers of one file each write their own
+  (the last rename wins; each file is whole);
+- a failure or an interrupt anywhere removes every temporary file not renamed yet (their
+  creation and the renames run in :func:`dlo.journal.atomic`, so a Ctrl-C lands before or
+  after one, never inside), and a failed write is one :class:`CheckpointWriteError` naming
+  the file and the reason (a read-only directory, a full disk, ``ulimit -f``);
+- the files of one save (a sharded checkpoint and its index) are renamed together at its
+  end: an interrupted save leaves the folder as it was, not new shards beside old ones.
+
+A kill (SIGKILL, the OOM killer) can still leave a temporary file, never a half-written
+target; no reader opens it (no ``*.safetensors`` name). Nothing is synced to the disk.
+
+[Note: own files]
+dlo's encoded checkpoint (:mod:`dlo.codec.offline`) is an optional cache whose fingerprint
+of the weights it encodes (sizes, times, inodes, header checksums) anyone who can read the
+checkpoint can copy. A file that another user could have written beside the checkpoint (in
+``/tmp``, a team directory) would choose the weights dlo streams, so such a file is read only
+if it is this process's user's own (:func:`open_own`): a regular file owned by the effective
+uid that no other user can write, checked on the descriptor every byte is then read through
+(a rename over the path after the check changes nothing). dlo writes those files with mode
+``0644`` less the umask, so its own pass. The node-shared memfd passes the same check, with
+no group or other permission at all (:mod:`dlo.host.region`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from dlo.io.header_checks import CheckpointError
+from dlo.journal import atomic
+
+FILE_MODE = 0o666
+"""The mode of a written checkpoint file, less the umask (what ``open(path, "wb")`` gives)."""
+OWN_FILE_MODE = 0o644
+"""The mode of a file read only when it is the user's own (see [Note: own files]): the
+umask can take permissions away, never let the group or others write it."""
+OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
+"""The mode bits that let a user other than the owner write a file."""
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class CheckpointWriteError(CheckpointError):
+    """A file dlo could not write (a read-only directory, a full disk, ``ulimit -f``); the
+    message names the file and the reason. Nothing partial is left: the target is as
+    before (see [Note: writing files])."""
+
+
+def not_own(st: os.stat_result, forbidden: int = OTHERS_WRITE) -> str:
+    """Why a file of status ``st`` is not this process's user's own (see [Note: own files]):
+    not a regular file, another owner, or a mode with a ``forbidden`` bit; "" when it is."""
+    why = []
+    if not stat.S_ISREG(st.st_mode):
+        why.append("not a regular file")
+    if st.st_uid != os.geteuid():
+        why.append(f"owner uid {st.st_uid} against this process's {os.geteuid()}")
+    if st.st_mode & forbidden:
+        who = "write" if forbidden == OTHERS_WRITE else "open"
+        why.append(f"mode {stat.S_IMODE(st.st_mode):o} lets other users {who} it")
+    return ", ".join(why)
+
+
+def open_own(path: Path) -> int:
+    """A read-only descriptor of ``path``, a file of this process's user that no other user
+    can write (see [Note: own files]); symlinks are not followed.
+
+    Raises:
+        CheckpointError: another file, naming it, its owner and its mode.
+        FileNotFoundError: there is no such file.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a symbolic link: refused") from None
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from e
+    why = not_own(os.fstat(fd))
+    if why:
+        os.close(fd)
+        raise CheckpointError(
+            f"{path} is not this user's own ({why}): refused, since whoever can write it "
+            "chooses the weights read from it"
+        )
+    return fd
+
+
+class Staged:
+    """New files written beside their targets, renamed over them together by :meth:`commit`
+    (see [Note: writing files]); use through :func:`staged`."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Path, Path]] = []
+        """``(temporary file, target)`` of every file written and not renamed yet."""
+
+    def write(
+        self, path: Path, chunks: Iterable[bytes | memoryview], mode: int = FILE_MODE
+    ) -> None:
+        """Write ``chunks`` to a new private temporary file beside ``path``, with ``mode``
+        (less the umask)."""
+        try:
+            with atomic():  # the file exists only once its removal is recorded
+                tmp, fd = _create(path, mode)
+                self._pending.append((tmp, path))
+            with open(fd, "wb") as f:
+                for chunk in chunks:
+                    f.write(chunk)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot write {path}: {e.strerror or e}") from e
+
+    def commit(self) -> None:
+        """Rename every file written over its target, in the order written."""
+        with atomic():
+            while self._pending:
+                tmp, path = self._pending[0]
+                try:
+                    os.replace(tmp, path)
+                except OSError as e:
+                    raise CheckpointWriteError(f"cannot write {path}: {e.strerror or e}") from e
+                self._pending.pop(0)
+
+    def discard(self) -> None:
+        """Remove every temporary file not renamed yet."""
+        with atomic():
+            while self._pending:
+                tmp, _ = self._pending.pop()
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def staged() -> Iterator[Staged]:
+    """Files written in the block are renamed over their targets at its end, all of them;
+    if it raises (an interrupt included) none is, and their temporary files are removed.
+
+    Raises:
+        CheckpointWriteError: a file could not be written, naming it and the reason.
+
+    Example:
+        >>> with staged() as files:
+        ...     files.write(Path("out/model.safetensors"), [header, data])
+    """
+    files = Staged()
+    try:
+        yield files
+        files.commit()
+    finally:
+        files.discard()  # nothing left after a commit
+
+
+def _create(path: Path, mode: int) -> tuple[Path, int]:
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+        with contextlib.suppress(FileExistsError):
+            return tmp, os.open(tmp, flags, mode)
+    raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
