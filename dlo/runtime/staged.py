@@ -31,14 +31,30 @@ are served first in, first out, so after ticket ``seq`` the slot's last ``ready`
 that load's (a later load into the same slot is issued only after this block's exit or
 eviction). On a platform without streams (CPU) the filler's copy is synchronous, so
 "enqueued" means "done": the same code path, ordered on the host.
+
+[Note: staging filler at exit]
+A program may exit with the backend still enabled, and the ring's last load (the prefetch of
+the next forward's first block) is not waited for: the filler can still be serving it when
+the main thread finalizes the interpreter. The filler calls torch with the GIL released
+(the slot copy, the gaps' ``zero_``), and a thread that comes back for the GIL once
+finalization has begun is ended by CPython with ``pthread_exit``, whose unwind crosses
+torch's ``noexcept`` frames: ``std::terminate``, "terminate called without an active
+exception", exit -6 after output that was correct. So every live transport stops its filler
+from an ``atexit`` handler, while the interpreter is still whole: the filler serves what is
+queued (a fill whose reader pool is already shut down fails at once and is dropped) and
+returns; the join is bounded (:data:`EXIT_JOIN_S`) so a filler stuck on the device cannot
+hold the exit. The staging buffers stay allocated (the process is ending); a load issued
+after the handler, from a later ``atexit`` handler, raises that the staging thread is gone.
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +75,32 @@ logger = logging.getLogger(__name__)
 
 NUM_STAGING_BUFFERS = 2
 """Pinned staging buffers per backend: one is filled while the other's copy runs."""
+
+EXIT_JOIN_S = 30.0
+"""How long interpreter exit waits for each filler (see [Note: staging filler at exit])."""
+
+_LIVE: weakref.WeakSet[StagedTransport] = weakref.WeakSet()
+"""The transports whose filler may still run: stopped at interpreter exit."""
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def _stop_fillers_at_exit() -> None:
+    """Stop the filler of every live transport (see [Note: staging filler at exit])."""
+    for transport in list(_LIVE):
+        if not transport.stop_filler(EXIT_JOIN_S):
+            logger.warning(
+                "dlo: the staging thread did not stop within %.0f s at exit", EXIT_JOIN_S
+            )
+
+
+def _track(transport: StagedTransport) -> None:
+    global _exit_registered
+    with _exit_lock:
+        _LIVE.add(transport)
+        if not _exit_registered:
+            atexit.register(_stop_fillers_at_exit)
+            _exit_registered = True
 
 
 @dataclass(eq=False)
@@ -146,6 +188,7 @@ class StagedTransport:
             target=self._run, name="dlo-staging", daemon=True
         )
         self._thread.start()
+        _track(self)
 
     @property
     def writer_stream(self) -> Any:
@@ -270,15 +313,27 @@ class StagedTransport:
             req.ready_event.record(self.copy_stream)
 
     # ------------------------------------------------------------------ teardown
+    def stop_filler(self, timeout_s: float | None = None) -> bool:
+        """Let the filler serve what is queued and return; wait at most ``timeout_s`` (None:
+        until it has). Returns whether it has stopped. Later loads fail: :meth:`close`
+        still releases the buffers."""
+        thread = self._thread
+        if thread is None:
+            return True
+        with self._cond:
+            if None not in self._queue:
+                self._queue.append(None)
+            self._cond.notify_all()
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
     def close(self) -> None:
         """Serve what is queued, stop the filler, wait for the device, release the staging
         buffers (idempotent)."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            with self._cond:
-                self._queue.append(None)
-                self._cond.notify_all()
-            thread.join()
+        if self._thread is not None:
+            self.stop_filler()
+            self._thread = None
+            _LIVE.discard(self)
             self.platform.synchronize()  # no copy still reads a staging buffer
             self._readers.shutdown(wait=True)
         self.region.close()
