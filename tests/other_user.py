@@ -17,15 +17,25 @@ ROOT_ONLY = pytest.mark.skipif(
 )
 
 
-def as_other_user(cwd: Path, code: str, *args: str, stdin: bytes = b"") -> None:
+def as_other_user(
+    cwd: Path, code: str, *args: str, stdin: bytes = b"", before: str = "", check: bool = True
+) -> subprocess.CompletedProcess[bytes]:
     """Run the Python ``code`` (``os`` and ``sys`` imported, ``args`` as ``sys.argv[1:]``)
     in directory ``cwd`` as uid and gid :data:`OTHER_UID`. The interpreter starts as root and drops to that user before
     ``code``, so ``code`` uses only what is loaded and names paths relative to ``cwd``
-    (the test's temporary directories are not open to others)."""
+    (the test's temporary directories are not open to others); ``before`` runs as root
+    first (the imports ``code`` needs: the interpreter's own files are root's). With
+    ``check=False`` a failure is not raised and the output is captured, both returned."""
     assert IS_ROOT
-    prog = f"import os, sys\nos.setgroups([])\nos.setgid({OTHER_UID})\nos.setuid({OTHER_UID})\n"
-    subprocess.run(
-        [sys.executable, "-c", prog + code, *args], cwd=cwd, input=stdin, check=True, timeout=60
+    prog = f"import os, sys\n{before}\n"
+    prog += f"os.setgroups([])\nos.setgid({OTHER_UID})\nos.setuid({OTHER_UID})\n"
+    return subprocess.run(
+        [sys.executable, "-c", prog + code, *args],
+        cwd=cwd,
+        input=stdin,
+        check=check,
+        capture_output=not check,
+        timeout=60,
     )
 
 

@@ -59,7 +59,7 @@ from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
 from dlo.io.checkpoint import ENCODED_FILE, Checkpoint, bytes_of, flat_uint8
 from dlo.io.files import OWN_FILE_MODE
-from dlo.io.header_checks import CheckpointError
+from dlo.io.header_checks import CheckpointError, loads_json
 from dlo.io.sources import derived_source, mapped_source
 from dlo.io.writer import write_file
 from dlo.plan.layout import BlockLayout, build_manifest
@@ -187,7 +187,7 @@ class _EncodedFile:
         self.checkpoint = Checkpoint(path, verify_checksum=True, own_files=True)
         record = self.checkpoint.metadata[path].get(METADATA_KEY)
         try:
-            value = json.loads(record) if isinstance(record, str) else None
+            value = loads_json(record) if isinstance(record, str) else None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{path}: {METADATA_KEY!r} is not JSON: {e}") from None
         if (

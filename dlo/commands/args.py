@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 from dlo.hooks.compiled import SUPPORTED_MODES
 
@@ -29,15 +32,29 @@ COMPILE_MODES = SUPPORTED_MODES
 """The ``--compile`` modes (those dlo serves; CUDA-graph modes are refused)."""
 
 
+def check_ranges(checks: Iterable[tuple[str, float | None, float, float | None]]) -> None:
+    """Refuse a flag outside its range: ``(flag, value, low, high)`` each, ``high`` None for
+    no bound above, a value of None skipped; NaN is in no range.
+
+    Raises:
+        ValueError: naming the flag, its value and the range.
+    """
+    for flag, value, low, high in checks:
+        if value is None:
+            continue
+        if high is None and not value >= low:
+            raise ValueError(f"{flag}={value} must be >= {low}")
+        if high is not None and not low <= value <= high:
+            raise ValueError(f"{flag}={value} must be in [{low}, {high}]")
+
+
 def check_minimums(checks: Iterable[tuple[str, int | None, int]]) -> None:
     """Refuse a flag below its minimum: ``(flag, value, minimum)`` each, None skipped.
 
     Raises:
         ValueError: naming the flag, its value and the minimum.
     """
-    for flag, value, minimum in checks:
-        if value is not None and value < minimum:
-            raise ValueError(f"{flag}={value} must be >= {minimum}")
+    check_ranges((flag, value, minimum, None) for flag, value, minimum in checks)
 
 
 def compile_blocks(dit: Any, mode: str | None) -> Any:
@@ -46,6 +63,24 @@ def compile_blocks(dit: Any, mode: str | None) -> Any:
     if mode is not None:
         getattr(dit, "compile_repeated_blocks")(mode=None if mode == "default" else mode)  # noqa: B009
     return dit
+
+
+def count_nonfinite(out: torch.Tensor) -> int:
+    """How many values of a run's output are NaN or inf."""
+    return int(out.numel() - torch.isfinite(out.float()).sum())
+
+
+def say_nonfinite(reports: list[dict[str, Any]]) -> None:
+    """One line on stderr naming the ranks whose output holds NaN or inf and how many
+    values (the reports' ``output_nonfinite``); nothing where every output is finite."""
+    bad = [f"rank {r['rank']}: {r['output_nonfinite']}" for r in reports if r["output_nonfinite"]]
+    if bad:
+        sys.stdout.flush()  # after the report
+        print(
+            f"dlo: error: the output has non-finite values (NaN or inf): {', '.join(bad)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def parity_word(parity: bool | None) -> str:

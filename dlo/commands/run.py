@@ -22,7 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlo.commands.args import check_minimums, compile_blocks, parity_word
+from dlo.commands.args import (
+    check_minimums,
+    compile_blocks,
+    count_nonfinite,
+    parity_word,
+    say_nonfinite,
+)
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
 from dlo.platform.progress import progress_bar
@@ -208,7 +214,8 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
         "peak_rss_nbytes": run_rss,
         "parity": parity,
-        "output_finite": bool(torch.isfinite(out.float()).all()),
+        "output_finite": count_nonfinite(out) == 0,
+        "output_nonfinite": count_nonfinite(out),
         "num_slots": stats.get("num_slots", 0),
         "num_resident_blocks": stats.get("num_resident_blocks", 0),
         "policy": stats.get("policy"),
@@ -219,6 +226,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         dist.all_gather_object(reports, report)
     if rank0:
         print(json.dumps(reports, indent=2) if args.json else _summary(reports, header))
+        say_nonfinite(reports)
     ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
     del pipe, backend, out  # FSDP2 state and dlo groups go before the process group
     gc.collect()

@@ -22,6 +22,7 @@ from dlo.config.fields import (
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.io.files import CheckpointWriteError
+from dlo.io.header_checks import loads_json
 
 # the flags --offload-config replaces (give them inside the JSON instead)
 OFFLOAD_FLAGS = {
@@ -251,6 +252,24 @@ PIPELINE_CALL_FLAGS = {
 PIPELINE_ONLY = ("prompt", *PIPELINE_CALL_FLAGS, "output")
 """Flags (argparse dest) only ``--pipeline`` takes."""
 
+MAX_SIDE_PX = 16384
+"""The largest ``--height`` and ``--width`` (16K; larger sizes would allocate latents and
+attention without end before any pipeline refused them)."""
+MAX_FRAMES = 4096
+"""The most ``--frames`` (video pipelines make 81 to 257)."""
+MAX_GUIDANCE = 100
+"""The largest ``--guidance`` (pipelines use 1 to 10; 1e308 overflows to inf, NaN images)."""
+
+PIPELINE_CALL_RANGES: dict[str, tuple[float, float | None]] = {
+    "height": (1, MAX_SIDE_PX),
+    "width": (1, MAX_SIDE_PX),
+    "frames": (1, MAX_FRAMES),
+    "guidance": (0, MAX_GUIDANCE),
+    "max_sequence_length": (1, None),
+}
+"""``--pipeline`` call flags (argparse dest) -> ``(low, high)``, their range (None: no bound
+above), checked before any work; NaN is in none."""
+
 
 def _pipeline_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
@@ -267,11 +286,30 @@ def _pipeline_arguments(r: argparse.ArgumentParser) -> None:
         help="--pipeline: the prompt (repeat it: rank r takes prompt r mod the count)",
     )
     r.add_argument("--negative-prompt", default=None, help="--pipeline: the negative prompt")
-    r.add_argument("--height", type=int, default=None, help="--pipeline: image height in px")
-    r.add_argument("--width", type=int, default=None, help="--pipeline: image width in px")
-    r.add_argument("--frames", type=int, default=None, help="--pipeline: video frames")
-    r.add_argument("--guidance", type=float, default=None, help="--pipeline: guidance scale")
-    r.add_argument("--max-sequence-length", type=int, default=None, help="--pipeline: text tokens")
+    r.add_argument(
+        "--height",
+        type=int,
+        default=None,
+        help=f"--pipeline: image height in px (1 to {MAX_SIDE_PX})",
+    )
+    r.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help=f"--pipeline: image width in px (1 to {MAX_SIDE_PX})",
+    )
+    r.add_argument(
+        "--frames", type=int, default=None, help=f"--pipeline: video frames (1 to {MAX_FRAMES})"
+    )
+    r.add_argument(
+        "--guidance",
+        type=float,
+        default=None,
+        help=f"--pipeline: guidance scale (0 to {MAX_GUIDANCE})",
+    )
+    r.add_argument(
+        "--max-sequence-length", type=int, default=None, help="--pipeline: text tokens (>= 1)"
+    )
     r.add_argument(
         "--output",
         default=None,
@@ -367,7 +405,7 @@ def _json_object(text: str) -> Any:
         with open(text, encoding="utf-8") as fh:
             text = fh.read()
     try:
-        data = json.loads(text)
+        data = loads_json(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{source} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

@@ -26,20 +26,32 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from dlo.commands.args import check_minimums, compile_blocks, parity_word
-from dlo.commands.run_flags import PIPELINE_CALL_FLAGS, config_of, save_encoded_if_asked
+from dlo.commands.args import (
+    check_ranges,
+    compile_blocks,
+    count_nonfinite,
+    parity_word,
+    say_nonfinite,
+)
+from dlo.commands.run_flags import (
+    PIPELINE_CALL_FLAGS,
+    PIPELINE_CALL_RANGES,
+    config_of,
+    save_encoded_if_asked,
+)
 from dlo.config.parallel import ParallelConfig
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
 from dlo.platform.progress import progress_bar
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from dlo.pipelines.folder import FolderIndex
 
-_SIZES = ("height", "width", "frames", "max_sequence_length")
+logger = logging.getLogger(__name__)
 
 _NOT_WITH_PIPELINE = {"preset": "--preset", "tokens": "--tokens", "checkpoint": "--checkpoint"}
 
@@ -92,14 +104,14 @@ def check_output(path: str | None, num_frames: int = 1) -> None:
         raise ValueError(f"--output={path!r}: {parent} is not a directory")
 
 
-def planned_frames(args: argparse.Namespace, pipeline_class: str) -> int:
+def planned_frames(args: argparse.Namespace, index: FolderIndex) -> int:
     """The frames the call makes, as known before the load: ``--frames``, else the default
-    of the pipeline class's ``num_frames`` (1 where it takes none)."""
-    from dlo.pipelines.folder import import_class
+    of the ``num_frames`` of ``index``'s pipeline class (1 where it takes none)."""
+    from dlo.pipelines.folder import pipeline_class
 
     if args.frames is not None:
         return int(args.frames)
-    cls = import_class("diffusers", pipeline_class, f"{args.pipeline}: _class_name")
+    cls = pipeline_class(index)
     param = inspect.signature(cls.__call__).parameters.get("num_frames")  # type: ignore[operator]
     default = param.default if param is not None else None
     return default if isinstance(default, int) else 1
@@ -256,17 +268,19 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         if getattr(args, dest) != parser_defaults[dest]:
             raise ValueError(f"--{dest.replace('_', '-')} is for the demo pipeline, not --pipeline")
     cfg = config_of(args, parser_defaults)
-    sizes = [(f"--{f.replace('_', '-')}", getattr(args, f), 1) for f in _SIZES]
-    check_minimums(
+    check_ranges(
         (
-            ("--steps", args.steps, 1),
-            ("--seed", args.seed, 0),
-            *[s for s in sizes if s[1] is not None],
+            ("--steps", args.steps, 1, None),
+            ("--seed", args.seed, 0, None),
+            *[
+                (f"--{dest.replace('_', '-')}", getattr(args, dest), low, high)
+                for dest, (low, high) in PIPELINE_CALL_RANGES.items()
+            ],
         )
     )
     index = read_index(args.pipeline)  # a bad folder fails here, before the process group
     one_png = args.output is not None and output_kind(args.output) == ".png"
-    check_output(args.output, planned_frames(args, index.pipeline_class) if one_png else 1)
+    check_output(args.output, planned_frames(args, index) if one_png else 1)
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device) if args.device else default_device()
     par = ParallelConfig(data_parallel_size=torchrun_env().world_size)
@@ -365,7 +379,8 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "output": [str(p) for p in written],
             "output_location": None if location is None else str(location),
             "output_frames": 1 if images[0].dim() == 3 else int(images[0].shape[0]),
-            "output_finite": bool(torch.isfinite(images.float()).all()),
+            "output_finite": count_nonfinite(images) == 0,
+            "output_nonfinite": count_nonfinite(images),
             "parity": parity,
         }
         reports = [report]
@@ -374,6 +389,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             dist.all_gather_object(reports, report)
         if rank0:
             print(json.dumps(reports, indent=2) if args.json else summary(reports, transfer))
+            say_nonfinite(reports)
         ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
     finally:
         # dlo's groups go before the process group; disable keeps the blocks where they are

@@ -37,11 +37,13 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
 
 def save(args: argparse.Namespace) -> int:
     """``dlo save-checkpoint``: the embedded pipeline's weights as safetensors."""
+    from dlo.io.files import check_writable_dir
     from dlo.io.writer import save_checkpoint
     from dlo.models import build_pipeline
 
     if not math.isfinite(args.shard_gb) or args.shard_gb <= 0:
         raise ValueError(f"--shard-gb={args.shard_gb} must be a finite number > 0")
+    check_writable_dir(args.out, "--out")  # before the build
     t0 = time.perf_counter()
     pipe = build_pipeline(args.preset, dtype=getattr(torch, args.dtype), seed=args.seed)
     path = save_checkpoint(pipe, args.out, max_shard_nbytes=int(args.shard_gb * (1 << 30)))

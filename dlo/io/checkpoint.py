@@ -44,6 +44,7 @@ from dlo.io.header_checks import (
     _DuplicateKey,
     _is_int,
     _unique_keys,
+    loads_json,
 )
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def _load_header(p: Path, fd: int | None = None) -> tuple[dict[str, Any], int, i
             if n > MAX_HEADER_NBYTES or 8 + n > size:
                 raise CheckpointError(f"{p}: header length {n} does not fit the file ({size} B)")
             try:
-                header = json.loads(f.read(n), object_pairs_hook=_unique_keys)
+                header = loads_json(f.read(n), object_pairs_hook=_unique_keys)
             except _DuplicateKey as e:
                 raise CheckpointError(f"{p}: duplicate key {e} in the header") from None
     except OSError as e:
@@ -210,7 +211,7 @@ def _find_files(path: Path) -> tuple[list[Path], Path | None]:
 
 def _index_files(index: Path) -> tuple[list[Path], dict[str, str]]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = loads_json(index.read_text())["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
     except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:

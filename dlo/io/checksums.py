@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dlo.io.header_checks import CheckpointError, _is_int
+from dlo.io.header_checks import CheckpointError, _is_int, loads_json
 from dlo.platform.env import cpu_share
 
 METADATA_KEY = "dlo.checksums"
@@ -76,7 +76,7 @@ def parse(path: Path, metadata: object, nbytes: dict[str, int]) -> dict[str, tup
     if not isinstance(metadata, dict) or METADATA_KEY not in metadata:
         return {}
     try:
-        value = json.loads(metadata[METADATA_KEY])
+        value = loads_json(metadata[METADATA_KEY])
         algorithm, piece, tensors = value["algorithm"], value["piece_nbytes"], value["tensors"]
     except (TypeError, KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: malformed {METADATA_KEY!r} metadata: {e}") from None

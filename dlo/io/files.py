@@ -55,6 +55,7 @@ OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_EFFECTIVE_IDS = os.access in os.supports_effective_ids
 
 
 class CheckpointWriteError(CheckpointError):
@@ -101,6 +102,39 @@ def open_own(path: Path) -> int:
             "chooses the weights read from it"
         )
     return fd
+
+
+def check_writable_dir(path: str | os.PathLike[str], field: str) -> None:
+    """Refuse, before any work, a folder to write into that cannot take files: ``path`` (or
+    the nearest existing folder above it, where it would be created) is not a directory, or
+    this process cannot create files in it.
+
+    Raises:
+        CheckpointWriteError: naming ``field``, the path and the reason.
+    """
+    p = Path(path)  # relative stays relative: the folders above the cwd may be closed to us
+    there = next((a for a in (p, *p.parents) if os.path.lexists(a)), Path("."))
+    if not os.path.isdir(there):
+        where = "" if there == p else f": {there}"
+        raise CheckpointWriteError(f"{field}={str(p)!r}{where} exists and is not a directory")
+    why = access_denied(there, os.W_OK | os.X_OK)
+    if why:
+        raise CheckpointWriteError(f"{field}={str(p)!r}: {why}")
+
+
+def access_denied(folder: Path, mode: int) -> str:
+    """Why this process (its effective uid, which opens the files) may not use ``folder``
+    as ``mode`` asks (``os.R_OK | os.X_OK``: read; with ``os.W_OK``: write in it), naming
+    the uid, the folder's mode and owner; "" when it may."""
+    if os.access(folder, mode, effective_ids=_EFFECTIVE_IDS):
+        return ""
+    try:
+        st = folder.stat()
+        about = f"mode {stat.S_IMODE(st.st_mode):03o}, owner uid {st.st_uid}"
+    except OSError as e:
+        about = e.strerror or str(e)
+    verb = "write in" if mode & os.W_OK else "read"
+    return f"this process (uid {os.geteuid()}) cannot {verb} {folder} ({about})"
 
 
 class Staged:

@@ -1,8 +1,10 @@
 """Checks of a safetensors header at least as strict as the safetensors library's: integer
-shapes and offsets, unique keys, no two tensors' bytes overlapping."""
+shapes and offsets, unique keys, no two tensors' bytes overlapping; and the JSON parse every
+file dlo reads goes through (:func:`loads_json`)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,18 @@ class CheckpointError(ValueError):
 
     Raised before anything is mutated; the message names the tensors and the files.
     """
+
+
+def loads_json(raw: str | bytes, **kwargs: Any) -> Any:
+    """``json.loads(raw, **kwargs)``, where JSON nested deeper than the parser recurses is a
+    ``json.JSONDecodeError`` like any other text that is not JSON (``json`` raises a
+    RecursionError, which callers catching bad JSON would let through as a traceback)."""
+    try:
+        return json.loads(raw, **kwargs)
+    except RecursionError:
+        err = json.JSONDecodeError("", raw if isinstance(raw, str) else "", 0)
+        err.args = ("nested too deep to parse",)  # no position: the parser gave up, not failed
+        raise err from None
 
 
 def _is_int(value: object) -> bool:

@@ -32,12 +32,14 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 
 from dlo.io.checkpoint import Checkpoint, CheckpointError, TensorEntry
+from dlo.io.files import access_denied
+from dlo.io.header_checks import loads_json
 
 INDEX = "model_index.json"
 
@@ -82,15 +84,16 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
     Raises:
         CheckpointError: naming the file and the field: no index, not JSON, no
             ``_class_name``, an entry that is not ``[library, class]``, a library other than
-            diffusers or transformers, a component named by a path (``../x``, ``/x``:
-            outside the folder), or a component folder that is missing.
+            diffusers or transformers, a class name that is no public name
+            (``__spec__``), a component named by a path (``../x``, ``/x``: outside the
+            folder), or a component folder that is missing or this process cannot read.
     """
     base = Path(root)
     path = base / INDEX
     if not base.is_dir():
         raise CheckpointError(f"pipeline folder {base} does not exist or is not a directory")
     try:
-        raw = json.loads(path.read_text())
+        raw = loads_json(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(
             f"{base} is not a diffusers pipeline folder: it has no {INDEX}"
@@ -100,7 +103,7 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: not a JSON object (got {type(raw).__name__})")
     cls = raw.get("_class_name")
-    if not isinstance(cls, str) or not cls:
+    if not _is_class_name(cls):
         raise CheckpointError(f"{path}: _class_name must name the pipeline class, got {cls!r}")
     specs: list[ComponentSpec] = []
     absent: list[str] = []
@@ -117,11 +120,13 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
         if library is None and class_name is None:
             absent.append(name)
             continue
-        if library not in _LIBRARIES or not isinstance(class_name, str):
+        if library not in _LIBRARIES:
             raise CheckpointError(
                 f"{path}: {name} = {value!r}: dlo loads components of "
                 f"{' and '.join(_LIBRARIES)} only"
             )
+        if not _is_class_name(class_name):
+            raise CheckpointError(f"{path}: {name} = {value!r}: {class_name!r} is not a class name")
         if Path(name).name != name or name in ("", ".."):  # a folder outside the pipeline's
             raise CheckpointError(
                 f"{path}: component {name!r} is not a plain folder name; components are "
@@ -130,10 +135,18 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
         folder = base / name
         if not folder.is_dir():
             raise CheckpointError(f"{path} lists {name} ({class_name}) but {folder} is missing")
+        why = access_denied(folder, os.R_OK | os.X_OK)
+        if why:
+            raise CheckpointError(f"{path} lists {name} ({class_name}) but {why}")
         specs.append(ComponentSpec(name, library, class_name, folder))
     if not specs:
         raise CheckpointError(f"{path}: lists no components")
     return FolderIndex(base, cls, tuple(specs), tuple(absent), options)
+
+
+def _is_class_name(value: object) -> TypeGuard[str]:
+    """A public Python name (``__spec__`` and the like are a module's, never a class)."""
+    return isinstance(value, str) and value.isidentifier() and not value.startswith("_")
 
 
 _IMPORT_NOTICES = (
@@ -176,10 +189,11 @@ def quiet_imports() -> Iterator[None]:
 
 
 def import_class(library: str, class_name: str, where: str) -> type:
-    """``library.class_name``, or a CheckpointError naming ``where`` (the index entry)."""
+    """``library.class_name``, or a CheckpointError naming ``where`` (the index entry): not
+    installed, no such name, or a name that is not a class (``diffusers.utils``)."""
     try:
         with quiet_imports():
-            return getattr(importlib.import_module(library), class_name)  # type: ignore[no-any-return]
+            found = getattr(importlib.import_module(library), class_name)
     except ImportError as e:
         raise CheckpointError(f"{where}: {library} is not installed ({e})") from e
     except AttributeError:
@@ -187,6 +201,24 @@ def import_class(library: str, class_name: str, where: str) -> type:
             f"{where}: {library} has no class {class_name} (another {library} version wrote "
             "this folder?)"
         ) from None
+    if not isinstance(found, type):
+        raise CheckpointError(
+            f"{where}: {library}.{class_name} is not a class (a {type(found).__name__})"
+        )
+    return found
+
+
+def pipeline_class(index: FolderIndex) -> type:
+    """The pipeline class ``index`` names, or a CheckpointError naming it: it must be a
+    ``diffusers.DiffusionPipeline`` (``AutoPipelineForText2Image`` only picks one)."""
+    where = f"{index.root / INDEX}: _class_name"
+    cls = import_class("diffusers", index.pipeline_class, where)
+    if not issubclass(cls, import_class("diffusers", "DiffusionPipeline", where)):
+        raise CheckpointError(
+            f"{where} = {index.pipeline_class!r} is not a pipeline class (a "
+            "diffusers.DiffusionPipeline)"
+        )
+    return cls
 
 
 def weights_of(spec: ComponentSpec) -> Path:
@@ -351,7 +383,9 @@ def _retype(
     model: nn.Module, name: str, ckpt: Checkpoint, dtype: torch.dtype | None, keep: tuple[str, ...]
 ) -> None:
     """Give every parameter and persistent buffer of ``model`` the dtype it runs in: the
-    stored one, or ``dtype`` for floating tensors outside ``keep`` (float32 inside)."""
+    stored one, or ``dtype`` for floating tensors outside ``keep`` (float32 inside). A tensor
+    stored as integers where the class makes a floating one (an F32 weight relabelled I32:
+    the same bytes), or the reverse, is a CheckpointError naming the file and the tensor."""
     seen: set[int] = set()
     for mpath, module in model.named_modules(remove_duplicate=False):
         tensors = list(module._parameters.items()) + [
@@ -367,12 +401,22 @@ def _retype(
             if entry is None:
                 continue  # another name of a tied tensor, or reported missing by plan_load
             seen.add(id(t))
+            if _is_float(t.dtype) != _is_float(entry.dtype):
+                raise CheckpointError(
+                    f"{entry.file}: tensor {key!r} is stored as {entry.dtype}, but "
+                    f"{type(model).__name__} makes it {t.dtype}: floating and integer data "
+                    "do not load as each other"
+                )
             want = entry.dtype
             if dtype is not None and entry.dtype.is_floating_point:
                 kept = any(m in key.split(".") for m in keep)
                 want = torch.float32 if kept else dtype
             if t.dtype != want:
                 t.data = torch.empty_like(t.data, dtype=want)
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
 
 
 def build_modules(
@@ -387,9 +431,10 @@ def build_modules(
         dtype = torch_dtype if torch_dtype is not None else _stored_dtype(ckpt, name)
         if torch_dtype is None and dtype.itemsize < 2:
             dtype = torch.float32  # built in float32; the tensors keep their stored dtypes
+        # a config.json that is not JSON is a ValueError, one nested too deep a RecursionError
         try:
             model = _build_one(cls, spec.path, dtype)
-        except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise CheckpointError(
                 f"{spec.path}: cannot build {cls.__name__} from its config: {e}"
             ) from e
@@ -407,17 +452,22 @@ def load_others(index: FolderIndex, modules: Mapping[str, nn.Module]) -> dict[st
     for spec in index.components:
         if spec.name in modules:
             continue
-        cls = import_class(spec.library, spec.class_name, f"{index.root / INDEX}: {spec.name}")
+        where = f"{index.root / INDEX}: {spec.name}"
+        cls = import_class(spec.library, spec.class_name, where)
+        if not callable(getattr(cls, "from_pretrained", None)):
+            raise CheckpointError(
+                f"{where} = {spec.class_name!r}: not a component class (it has no from_pretrained)"
+            )
         try:
             out[spec.name] = cls.from_pretrained(spec.path)  # type: ignore[attr-defined]
-        except (OSError, ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as e:  # as _build_one's
             raise CheckpointError(f"{spec.path}: cannot load {spec.class_name}: {e}") from e
     return out
 
 
 def assemble(index: FolderIndex, components: Mapping[str, Any]) -> Any:
     """The pipeline class of ``index`` built from ``components``."""
-    cls = import_class("diffusers", index.pipeline_class, f"{index.root / INDEX}: _class_name")
+    cls = pipeline_class(index)
     kwargs = dict(components)
     kwargs.update(dict.fromkeys(index.absent))
     accepted = inspect.signature(cls).parameters

@@ -163,6 +163,7 @@ def _skeleton(
                 "folder holds its own weights; pass the offload config second"
             )
         index = folder.read_index(factory)
+        folder.pipeline_class(index)  # a name that is no pipeline class fails before the build
         components = folder.module_components(index)
         ckpt = folder.open_checkpoint(
             (spec for spec, _ in components.values()), verify_checksum=verify_checksum

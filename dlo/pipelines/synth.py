@@ -15,6 +15,7 @@ import contextlib
 import importlib
 import logging
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlo.io.files import CheckpointWriteError, check_writable_dir
 from dlo.pipelines.folder import dtype_kwarg, params_on_meta, quiet_imports
 from dlo.pipelines.layouts import FolderLike, Part
 
@@ -156,14 +158,28 @@ def save_folder(
     seed: int = 0,
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write ``like`` as a pipeline folder at ``path`` (which must not exist or be empty)."""
+    """Write ``like`` as a pipeline folder at ``path`` (which must not exist or be empty).
+
+    Raises:
+        ValueError: ``path`` holds files.
+        dlo.io.files.CheckpointWriteError: ``path`` is a file, or a folder this process
+            cannot write in (both before the build), or a write failed (the folder, if this
+            call made it, is removed).
+    """
     out = Path(path)
+    check_writable_dir(out, "save-pipeline: DIR")
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"save-pipeline: DIR={str(out)!r} exists and is not empty")
     t0 = time.perf_counter()
     pipe = build_pipeline(like, dtype, seed)
     t1 = time.perf_counter()
-    pipe.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    made = not out.exists()
+    try:
+        pipe.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+    except OSError as e:
+        if made:
+            shutil.rmtree(out, ignore_errors=True)
+        raise CheckpointWriteError(f"save-pipeline: cannot write {out}: {e}") from e
     logger.info(
         "dlo save-pipeline: built %s in %.1fs, wrote it in %.1fs",
         like.name,
