@@ -204,7 +204,8 @@ class LayerwiseBackend(OffloadBackend):
 
     def _install_steps(self, pipeline: Any, journal: Journal) -> None:
         t0 = time.perf_counter()
-        cfg, par, state = self.config, self.parallel, self._state
+        cfg = self.config.for_device(self.platform.device.type)  # unset: per device
+        par, state = self.parallel, self._state
         plan = resolve_offload_plan(pipeline, cfg, par)
         world = self.world = self._world_for(plan)
         if world.distributed:
@@ -217,8 +218,7 @@ class LayerwiseBackend(OffloadBackend):
                 rank=world.rank,
             )
         agree_requests(cfg, plan, world)  # every exchanging rank: the same "auto"s
-        # read once for the policy and the layer plan; a failure here is this rank's, and
-        # goes to its peers through the policy's readiness exchange or the vote
+        # read once for the policy and the layer plan; a failure reaches peers in readiness/vote
         sizing_error: Exception | None = None
         try:
             entries = {
