@@ -26,7 +26,7 @@ from dlo.backends.factory import enable_offload
 from dlo.bench.methods import _clean, _peak, codec_list, manual_codecs, time_forward
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.offload import OffloadConfig
-from dlo.pipelines.folder import quiet_imports
+from dlo.pipelines.classes import quiet_imports
 from dlo.pipelines.layouts import FLUX_DEV_TRANSFORMER, TINY_FLUX_TRANSFORMER, WAN_14B_TRANSFORMER
 from dlo.pipelines.synth import fill_random, no_init
 from dlo.platform.device import Platform, get_platform

@@ -172,7 +172,7 @@ def diffusers_load(folder: str, dtype: torch.dtype) -> Any:
     """``DiffusionPipeline.from_pretrained(folder, dtype=dtype)``, on the CPU."""
     import diffusers
 
-    from dlo.pipelines.folder import quiet_imports
+    from dlo.pipelines.classes import quiet_imports
 
     version = tuple(int(x) for x in diffusers.__version__.split(".")[:2])
     name = "dtype" if version >= (0, 42) else "torch_dtype"  # 0.42 deprecates torch_dtype

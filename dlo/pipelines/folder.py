@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import inspect
 import json
-import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
@@ -40,6 +38,7 @@ from torch import nn
 from dlo.io.checkpoint import Checkpoint, CheckpointError, TensorEntry
 from dlo.io.files import access_denied
 from dlo.io.header_checks import loads_json
+from dlo.pipelines.classes import import_class
 
 INDEX = "model_index.json"
 
@@ -147,65 +146,6 @@ def read_index(root: str | os.PathLike[str]) -> FolderIndex:
 def _is_class_name(value: object) -> TypeGuard[str]:
     """A public Python name (``__spec__`` and the like are a module's, never a class)."""
     return isinstance(value, str) and value.isidentifier() and not value.startswith("_")
-
-
-_IMPORT_NOTICES = (
-    ("torchao", re.compile(r"^Failed to load .*torchao.*\.so\b")),
-    ("torchao.kernel.intmm", re.compile(r"Detected no triton")),
-    ("torch.utils._pytree", re.compile(r"is an Enum subclass and is now natively supported")),
-    (
-        "diffusers.quantizers.torchao.torchao_quantizer",
-        re.compile(r"^Unable to import `torchao` Tensor objects"),
-    ),
-    ("transformers.utils.import_utils", re.compile(r"requires torchvision \(not installed\)")),
-)
-"""(logger, message) of what the first import of a diffusers or transformers class logs on a
-machine without the optional packages it probes (torchvision, triton, torchao's compiled
-kernels: a CPU-only torch), which say nothing about the user's job."""
-
-
-class _DropNotice(logging.Filter):
-    def __init__(self, pattern: re.Pattern[str]) -> None:
-        super().__init__()
-        self.pattern = pattern
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.pattern.search(record.getMessage()) is None
-
-
-@contextlib.contextmanager
-def quiet_imports() -> Iterator[None]:
-    """Within: the notices of :data:`_IMPORT_NOTICES`, and nothing else, are dropped. For
-    the library imports dlo itself makes: a record on another logger, another message on
-    those loggers, or anything logged outside the block (the user's own imports) shows."""
-    added = [(logging.getLogger(name), _DropNotice(pattern)) for name, pattern in _IMPORT_NOTICES]
-    for log, drop in added:
-        log.addFilter(drop)
-    try:
-        yield
-    finally:
-        for log, drop in added:
-            log.removeFilter(drop)
-
-
-def import_class(library: str, class_name: str, where: str) -> type:
-    """``library.class_name``, or a CheckpointError naming ``where`` (the index entry): not
-    installed, no such name, or a name that is not a class (``diffusers.utils``)."""
-    try:
-        with quiet_imports():
-            found = getattr(importlib.import_module(library), class_name)
-    except ImportError as e:
-        raise CheckpointError(f"{where}: {library} is not installed ({e})") from e
-    except AttributeError:
-        raise CheckpointError(
-            f"{where}: {library} has no class {class_name} (another {library} version wrote "
-            "this folder?)"
-        ) from None
-    if not isinstance(found, type):
-        raise CheckpointError(
-            f"{where}: {library}.{class_name} is not a class (a {type(found).__name__})"
-        )
-    return found
 
 
 def pipeline_class(index: FolderIndex) -> type:

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from dlo.io.files import CheckpointWriteError, check_writable_dir
-from dlo.pipelines.folder import dtype_kwarg, params_on_meta, quiet_imports
+from dlo.pipelines.classes import quiet_imports
+from dlo.pipelines.folder import dtype_kwarg, params_on_meta
 from dlo.pipelines.layouts import FolderLike, Part
 
 logger = logging.getLogger(__name__)

@@ -499,7 +499,7 @@ def test_quiet_imports_drops_those_notices_only_and_only_inside(
 ) -> None:
     import logging
 
-    from dlo.pipelines.folder import quiet_imports
+    from dlo.pipelines.classes import quiet_imports
 
     caplog.set_level(logging.WARNING)
     torchao = logging.getLogger("torchao")
