@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dlo.hooks.compiled import SUPPORTED_MODES
 
@@ -81,6 +82,22 @@ def say_nonfinite(reports: list[dict[str, Any]]) -> None:
             file=sys.stderr,
             flush=True,
         )
+
+
+def report_ranks(
+    report: dict[str, Any], world_size: int, rank0: bool, render: Callable[[list], str]
+) -> bool:
+    """Gather every rank's ``report``; rank 0 prints ``render(reports)`` and a line for any
+    non-finite output. Returns whether every rank's output is finite and, where checked,
+    bitwise (the run's exit status)."""
+    reports = [report]
+    if dist.is_initialized():
+        reports = [None] * world_size  # type: ignore[list-item]
+        dist.all_gather_object(reports, report)
+    if rank0:
+        print(render(reports))
+        say_nonfinite(reports)
+    return all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
 
 
 def parity_word(parity: bool | None) -> str:

@@ -20,14 +20,13 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dlo.commands.args import (
     check_minimums,
     compile_blocks,
     count_nonfinite,
     parity_word,
-    say_nonfinite,
+    report_ranks,
 )
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
@@ -220,14 +219,12 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "num_resident_blocks": stats.get("num_resident_blocks", 0),
         "policy": stats.get("policy"),
     }
-    reports = [report]
-    if dist.is_initialized():
-        reports = [None] * world.size  # type: ignore[list-item]
-        dist.all_gather_object(reports, report)
-    if rank0:
-        print(json.dumps(reports, indent=2) if args.json else _summary(reports, header))
-        say_nonfinite(reports)
-    ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+    ok = report_ranks(
+        report,
+        world.size,
+        rank0,
+        lambda rs: json.dumps(rs, indent=2) if args.json else _summary(rs, header),
+    )
     del pipe, backend, out  # FSDP2 state and dlo groups go before the process group
     gc.collect()
     shutdown()

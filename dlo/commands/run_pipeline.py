@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from dlo.commands.args import (
     check_ranges,
     compile_blocks,
     count_nonfinite,
     parity_word,
-    say_nonfinite,
+    report_ranks,
 )
 from dlo.commands.run_flags import (
     PIPELINE_CALL_FLAGS,
@@ -383,14 +382,12 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "output_nonfinite": count_nonfinite(images),
             "parity": parity,
         }
-        reports = [report]
-        if dist.is_initialized():
-            reports = [None] * world.size  # type: ignore[list-item]
-            dist.all_gather_object(reports, report)
-        if rank0:
-            print(json.dumps(reports, indent=2) if args.json else summary(reports, transfer))
-            say_nonfinite(reports)
-        ok = all(r["output_finite"] and r["parity"] in (None, True) for r in reports)
+        ok = report_ranks(
+            report,
+            world.size,
+            rank0,
+            lambda rs: json.dumps(rs, indent=2) if args.json else summary(rs, transfer),
+        )
     finally:
         # dlo's groups go before the process group; disable keeps the blocks where they are
         # (no restore: that would only double the peak RSS at exit) and gives back the host
