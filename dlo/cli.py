@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"dlo: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # what was being written is removed on the way out (see [Note: writing files] in
+        # dlo.io.files) and a backend disables itself: one line instead of a traceback
+        print("dlo: interrupted", file=sys.stderr)
+        return 130
 
 
 def _defaults(parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
