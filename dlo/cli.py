@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dlo: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        # what was being written is removed on the way out (see [Note: writing files] in
-        # dlo.io.files) and a backend disables itself: one line instead of a traceback
+        # what was being written was removed on the way out (see [Note: writing files] in
+        # dlo.io.files): one line instead of a traceback
         print("dlo: interrupted", file=sys.stderr)
         return 130
 
