@@ -7,7 +7,7 @@ out=${1:?usage: defaults_probe.sh OUT}
 mkdir -p "$out"
 run() {  # name, args...
   local name=$1; shift
-  python3 -m dlo run --preset medium --tokens 4096 --steps 4 --json "$@" \
+  python3 -m dlo run --preset medium --tokens 4096 --steps 6 --json "$@" \
     > "$out/$name.json" 2> "$out/$name.err" || echo "$name failed: $(tail -3 "$out/$name.err")"
 }
 run defaults
