@@ -281,8 +281,6 @@ def _policy_input(
         if local.device != platform.device:
             to_place += nbytes
     resident = cfg.resident_layers_for("dit")
-    # resolved for the device at enable (OffloadConfig.for_device): nothing is unset here
-    assert resident is not None and cfg.num_slots is not None
     if cfg.device_budget_gb is not None and resident == 0:
         resident = "auto"  # a budget sizes the resident blocks (see OffloadConfig)
     return PolicyInput(
@@ -296,7 +294,7 @@ def _policy_input(
                 ("num_slots", cfg.num_slots),
                 ("resident_layers", cfg.resident_layers_for("dit")),
             )
-            if v == getattr(OffloadConfig().for_device(platform.device.type), k)
+            if v == OffloadConfig.__dataclass_fields__[k].default
         ),
         resident_layers=resident,
         device_budget_gb=cfg.device_budget_gb,

@@ -204,8 +204,7 @@ class LayerwiseBackend(OffloadBackend):
 
     def _install_steps(self, pipeline: Any, journal: Journal) -> None:
         t0 = time.perf_counter()
-        cfg = self.config.for_device(self.platform.device.type)  # unset: per device
-        par, state = self.parallel, self._state
+        cfg, par, state = self.config, self.parallel, self._state
         plan = resolve_offload_plan(pipeline, cfg, par)
         world = self.world = self._world_for(plan)
         if world.distributed:
@@ -218,7 +217,8 @@ class LayerwiseBackend(OffloadBackend):
                 rank=world.rank,
             )
         agree_requests(cfg, plan, world)  # every exchanging rank: the same "auto"s
-        # read once for the policy and the layer plan; a failure reaches peers in readiness/vote
+        # read once for the policy and the layer plan; a failure here is this rank's, and
+        # goes to its peers through the policy's readiness exchange or the vote
         sizing_error: Exception | None = None
         try:
             entries = {

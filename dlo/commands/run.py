@@ -248,13 +248,10 @@ def _explain(cfg: OffloadConfig, backend: Any) -> str:
         return str(policy["explanation"]) + gather
     if cfg.mode != "layer":
         return f"dlo policy: nothing to decide for mode={cfg.mode!r}"
-    unset = cfg.num_slots is None or cfg.resident_layers is None  # a CPU device's defaults
-    shown = cfg.for_device(backend.platform.device.type) if backend is not None else cfg
     return (
-        f"dlo policy: nothing automatic; {'defaults on a CPU device' if unset else 'explicit'}: "
-        f"transfer={shown.transfer!r}, num_slots={shown.num_slots}, "
-        f"resident_layers={shown.resident_layers} (pass 'auto' or --device-budget-gb to let "
-        "dlo measure and decide)" + gather
+        f"dlo policy: nothing automatic; explicit transfer={cfg.transfer!r}, "
+        f"num_slots={cfg.num_slots}, resident_layers={cfg.resident_layers} (pass 'auto' or "
+        "--device-budget-gb to let dlo measure and decide)" + gather
     )
 
 

@@ -45,25 +45,21 @@ def legacy_kwargs(flags: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(
                     f"{name}={f[name]!r} requires enable_distributed_layerwise_offload=True"
                 )
-    # the flags keep their historical meaning: every block streamed through 2 slots unless
-    # the DLO tuning says otherwise (the automatic defaults are the compact config's)
-    common = dict(
-        pin_memory=f["pin_cpu_memory"],
-        resident_layers=f["dlo_resident_layers"],
-        num_slots=f["dlo_num_slots"],
-    )
+    pin = f["pin_cpu_memory"]
     if f["enable_distributed_layerwise_offload"]:
         return dict(
             mode="layer",
             transfer="allgather" if f["dlo_use_allgather"] else "rank-local",
+            resident_layers=f["dlo_resident_layers"],
+            num_slots=f["dlo_num_slots"],
             chunk_mb=f["dlo_chunk_mb"],
-            **common,
+            pin_memory=pin,
         )
     if f["enable_layerwise_offload"]:
-        return dict(mode="layer", transfer="rank-local", **common)
+        return dict(mode="layer", transfer="rank-local", pin_memory=pin)
     if f["enable_cpu_offload"]:
-        return dict(mode="module", **common)
-    return dict(mode="none", **common)
+        return dict(mode="module", pin_memory=pin)
+    return dict(mode="none", pin_memory=pin)
 
 
 def _check_types(flags: Mapping[str, Any]) -> None:
@@ -80,8 +76,7 @@ def seed_strategy(cfg: Any) -> str:
     if cfg.mode != "layer":
         return cfg.mode
     kinds = cfg.components or COMPONENTS
-    resident = cfg.resident_layers_for("dit")
-    if any(cfg.transfer_for(k) != "rank-local" for k in kinds) or resident not in (None, 0):
+    if any(cfg.transfer_for(k) != "rank-local" for k in kinds) or cfg.resident_layers_for("dit"):
         return "distributed_layerwise"
     return "layerwise"
 

@@ -128,18 +128,16 @@ class OffloadConfig:
     it, and each copies whole blocks over its own link, no collective; see [Note: node-shared
     host copy]), ``"auto"`` (chosen at enable from measured bandwidths and compute, the same
     on every rank; see [Note: policy model])."""
-    resident_layers: int | str | None = None
+    resident_layers: int | str = 0
     """Leading DiT blocks kept on the device instead of streamed; ``"auto"`` keeps as many
-    as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom for
-    activations, so a model that fits streams nothing. None (unset): ``"auto"`` on a GPU, 0
-    on a CPU device (see [Note: automatic by default] in :mod:`dlo.plan.policy`)."""
+    as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom."""
     layer_options: Mapping[str, LayerOptions] = field(default_factory=dict, hash=False)
     """Per-component overrides, keyed by component kind."""
     pin_memory: bool = True
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
-    num_slots: int | str | None = None
+    num_slots: int | str = 2
     """Device slots shared by every ring (1 to 1024); the prefetch depth is
-    ``num_slots - 1``. None (unset): ``"auto"`` on a GPU, 2 on a CPU device. ``"auto"``: 2 when every streamed stack is rank-local, 3 with
+    ``num_slots - 1``. ``"auto"``: 2 when every streamed stack is rank-local, 3 with
     AllGather (its copy and gather latency outlasts one transfer), fewer when the device
     budget has no room."""
     chunk_mb: int = 64
@@ -215,11 +213,9 @@ class OffloadConfig:
                 raise ValueError("components=() selects nothing; use mode='none' to disable")
             object.__setattr__(self, "components", canonical)
         _check_choice("transfer", self.transfer, TRANSFERS)
-        if self.resident_layers is not None:
-            _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
+        _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
         _check_bool("pin_memory", self.pin_memory)
-        if self.num_slots is not None:
-            _check_int_or_auto("num_slots", self.num_slots, minimum=1, maximum=MAX_SLOTS)
+        _check_int_or_auto("num_slots", self.num_slots, minimum=1, maximum=MAX_SLOTS)
         _check_int("chunk_mb", self.chunk_mb, minimum=1, maximum=MAX_CHUNK_MB)
         if self.pin_budget_gb is not None:
             _check_positive_number("pin_budget_gb", self.pin_budget_gb)
@@ -241,17 +237,16 @@ class OffloadConfig:
         if self.mode == "module":
             layer_only = {
                 "transfer": "rank-local",
-                "resident_layers": None,
+                "resident_layers": 0,
                 "weight_axis": "auto",
-                "num_slots": None,
+                "num_slots": 2,
                 "device_budget_gb": None,
                 "block_compute_ms": None,
                 "host_backing": "region",
                 "codec": "none",
             }
-            old = {"resident_layers": 0, "num_slots": 2}  # the defaults before unset ones
             for name, default in layer_only.items():
-                if getattr(self, name) not in (default, old.get(name, default)):
+                if getattr(self, name) != default:
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} applies to mode='layer' only "
                         "(mode='module' swaps whole components)"
@@ -259,14 +254,14 @@ class OffloadConfig:
         if (
             self.components is not None
             and "dit" not in self.components
-            and self.resident_layers_for("dit") not in (None, 0)
+            and self.resident_layers_for("dit")
         ):
             raise ValueError(
                 f"resident_layers={self.resident_layers_for('dit')} applies to DiT blocks but "
                 f"components={self.components!r} does not select 'dit'"
             )
         resident = self.resident_layers_for("dit")
-        if self.device_budget_gb is not None and resident not in (None, 0, "auto"):
+        if self.device_budget_gb is not None and resident not in (0, "auto"):
             raise ValueError(
                 f"resident_layers={resident!r} conflicts with device_budget_gb="
                 f"{self.device_budget_gb!r}: the budget sizes the resident blocks (leave "
@@ -335,28 +330,15 @@ class OffloadConfig:
         o = self.layer_options.get(component)
         return o.codec if o is not None and o.codec else self.codec
 
-    def resident_layers_for(self, component: str) -> int | str | None:
+    def resident_layers_for(self, component: str) -> int | str:
         """Effective resident leading blocks of a component kind (0 for non-DiTs), or
-        ``"auto"``, or None (unset: see :meth:`for_device`)."""
+        ``"auto"``."""
         if component != "dit":
             return 0
         o = self.layer_options.get(component)
         if o is not None and o.resident_layers is not None:
             return o.resident_layers
         return self.resident_layers
-
-    def for_device(self, device_type: str) -> OffloadConfig:
-        """Unset ``resident_layers`` and ``num_slots`` resolved for ``device_type``: ``"auto"``
-        on a GPU, 0 and 2 on a CPU device ([Note: automatic by default] in dlo.plan.policy)."""
-        if self.mode != "layer":
-            return self  # mode="module" swaps whole components: nothing to resolve
-        gpu = device_type != "cpu"
-        fills: dict[str, Any] = {}
-        if self.resident_layers is None:
-            fills["resident_layers"] = "auto" if gpu else 0
-        if self.num_slots is None:
-            fills["num_slots"] = "auto" if gpu else 2
-        return self.replace(**fills)
 
     def weight_group(self, par: ParallelConfig, component: str = "dit") -> tuple[str, int]:
         """The (axis, size) of the weight-collective group for ``component``.

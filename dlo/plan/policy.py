@@ -49,18 +49,6 @@ memory minus the non-block weights not yet on the device (the headroom is left f
 activations, the allocator and communication buffers). ``resident_layers="auto"`` keeps the
 largest number r of leading blocks of each eligible DiT whose total fits, scanning every r
 (the slot shrinks once the largest block is resident, so the cost is not monotonic in r).
-
-[Note: automatic by default]
-``OffloadConfig()`` leaves ``resident_layers`` and ``num_slots`` unset (None), and enable
-resolves them for the device before anything else: on a GPU both are ``"auto"``, so a user who
-sets nothing gets this policy, and where the whole DiT fits the free device memory less the
-activation headroom every block is resident and nothing streams (a FLUX.1-dev folder on one
-80 GB GPU streamed every block under the old defaults, 2.4x slower than
-``resident_layers="auto"``, H100, 2026-12-05). A value given, ``"auto"`` included, is kept as
-given and never revised. A CPU device has no memory apart from the host, so there the unset
-values are the old 0 resident blocks and 2 slots: the CPU lane streams every block, as the
-GPU path it tests, with no probe at enable; a ``device_budget_gb`` makes them ``"auto"``
-there too, planning as for a GPU of that size.
 """
 
 from __future__ import annotations
