@@ -182,6 +182,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         compile_blocks(ref.transformer, args.compile)
         parity = bool(torch.equal(ref.generate(ids, latents, args.steps), out))
         del ref
+    nonfinite = count_nonfinite(out)  # NaN and inf values of the output
     report = {
         "rank": world.rank,
         "world_size": world.size,
@@ -213,8 +214,8 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
         "peak_rss_nbytes": run_rss,
         "parity": parity,
-        "output_finite": count_nonfinite(out) == 0,
-        "output_nonfinite": count_nonfinite(out),
+        "output_finite": nonfinite == 0,
+        "output_nonfinite": nonfinite,
         "num_slots": stats.get("num_slots", 0),
         "num_resident_blocks": stats.get("num_resident_blocks", 0),
         "policy": stats.get("policy"),

@@ -345,6 +345,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
                 expect = result_of(ref(**call_kwargs(args, ref, world.rank, device)))
             parity = bool(torch.equal(expect, images))
             del ref
+        nonfinite = count_nonfinite(images)  # NaN and inf values of the output
         report = {
             "rank": world.rank,
             "world_size": world.size,
@@ -378,8 +379,8 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "output": [str(p) for p in written],
             "output_location": None if location is None else str(location),
             "output_frames": 1 if images[0].dim() == 3 else int(images[0].shape[0]),
-            "output_finite": count_nonfinite(images) == 0,
-            "output_nonfinite": count_nonfinite(images),
+            "output_finite": nonfinite == 0,
+            "output_nonfinite": nonfinite,
             "parity": parity,
         }
         ok = report_ranks(
