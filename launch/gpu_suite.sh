@@ -71,6 +71,7 @@ for s in $steps; do
     pipeline2)  # issue 24: a saved Wan 14B-like folder, one GPU against N (peak RSS, cold start)
       step wan_save 300 python3 -m dlo save-pipeline --like wan2.1-t2v-14b /dev/shm/dlo_wan
       wan_args="--pipeline /dev/shm/dlo_wan --height 480 --width 832 --frames 81 --steps 3 --json"
+      wan_args="$wan_args --resident-layers 0"  # the rows measure streaming (not the defaults)
       step wan_1gpu 400 python3 -m dlo run $wan_args
       for t in auto allgather; do
         [ "$ngpu" -ge 2 ] && step "wan_ngpu_$t" 400 torchrun --nproc-per-node="$ngpu" -m dlo run \
@@ -79,12 +80,17 @@ for s in $steps; do
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/multigpu/test_dlo_nccl.py -k "copy and not one_rank_failing" ;;
     run)
-      step run_1gpu 240 python3 -m dlo run --preset "$preset" --steps 4 --tokens 4096 --check
+      # every block streamed (--resident-layers 0), then the defaults (nothing streams where
+      # the model fits)
+      step run_1gpu 240 python3 -m dlo run --preset "$preset" --steps 4 --tokens 4096 --check \
+        --resident-layers 0
+      step run_1gpu_defaults 240 python3 -m dlo run --preset "$preset" --steps 4 --tokens 4096 \
+        --check --explain
       [ "$ngpu" -ge 2 ] && step run_ngpu 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
-        --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --check
+        --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --check --resident-layers 0
       [ "$ngpu" -ge 2 ] && step run_hsdp 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
         --preset "$preset" --steps 4 --tokens 4096 --transfer allgather --hsdp-shard "$ngpu" \
-        --check ;;
+        --check --resident-layers 0 ;;
     bench1) step bench_1gpu 420 python3 -m dlo bench --preset "$preset" --tokens "$tokens" \
         --methods "${DLO_SUITE_METHODS1:-resident,dlo-ring,diffusers-group,dlo-swap}" \
         --json "$out/bench_1gpu.json" \

@@ -6,6 +6,8 @@
 # LIKE (default wan2.1-t2v-14b) picks the folder save-pipeline writes when DIR is missing,
 # SIZES its call sizes (default Wan's 480p x 81 frames; flux.1-dev: "--height 1024 --width 1024"),
 # DLO_RUNS how many times dlo runs (dlo.json, dlo2.json, ...), ONLY_DLO=1 skips the peers.
+# DLO_FLAGS are dlo's own (default "--resident-layers 0": the row measures streaming; give
+# DLO_FLAGS= for dlo's defaults, which keep a model that fits on the device).
 set -uo pipefail
 out=${1:?usage: pipeline_gpu.sh OUT [DIR] [flags]}
 shm_free_gb=$(df -BG --output=avail /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
@@ -39,7 +41,9 @@ run() {  # name, limit_s, command...
   grep -E '"(step_ms_median|first_step_ms|cold_start_s|load_s|peak_rss_nbytes|hbm_peak_nbytes|parity)"' "$out/$name.json" | tr -d '\n '; echo " <- $name"
 }
 for i in $(seq 1 "${DLO_RUNS:-1}"); do  # dlo, dlo2, ...: run-to-run spread
-  run "dlo${i#1}" "${DLO_LIMIT_S:-170}" python3 -m dlo run --pipeline "$dir" "${flags[@]}" --json --output /tmp/frames
+  read -r -a dlo_flags <<< "${DLO_FLAGS---resident-layers 0}"
+  run "dlo${i#1}" "${DLO_LIMIT_S:-170}" python3 -m dlo run --pipeline "$dir" "${flags[@]}" \
+    "${dlo_flags[@]}" --json --output /tmp/frames
 done
 [ -n "${ONLY_DLO:-}" ] && exit $rc
 run diffusers-group "${GROUP_LIMIT_S:-220}" python3 -m dlo.bench.pipeline_peers "$dir" --method diffusers-group "${flags[@]}"

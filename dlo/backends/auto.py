@@ -34,6 +34,7 @@ from typing import Any
 from dlo.config.fields import COMPONENTS
 from dlo.config.offload import LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
+from dlo.config.unset import for_device, given_only, unset_fields
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import is_dtensor
 from dlo.parallel.groups import World, axis_groups, weight_group
@@ -92,9 +93,12 @@ def differing_requests(replies: list[tuple[tuple[str, Any], ...]]) -> str:
     return "; ".join(out)
 
 
-def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) -> None:
+def agree_requests(
+    requested: OffloadConfig, plan: ResolvedOffloadPlan, world: World, device_type: str
+) -> None:
     """Every rank that takes part in an exchange at enable (it is automatic, or one of its
-    stacks gathers or is node-shared) first compares what it asked the policy to decide: an ``"auto"`` on one
+    stacks gathers or is node-shared) first compares what it asked the policy to decide
+    (``requested`` with its unset fields resolved for ``device_type``): an ``"auto"`` on one
     rank and a value on another would send the first into the policy's exchanges and the
     second into the startup agreement, and both would wait out the timeout.
 
@@ -102,7 +106,8 @@ def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) 
         OffloadError: the ranks asked for different automatic settings (named, with every
             rank's value, the same on every rank), or a rank never arrived.
     """
-    if not world.distributed:
+    cfg = for_device(requested, device_type)
+    if not policy_world(requested, plan, world).distributed:
         return
     if not is_automatic(cfg) and not plan.exchanges:
         return
@@ -124,10 +129,21 @@ def agree_requests(cfg: OffloadConfig, plan: ResolvedOffloadPlan, world: World) 
         )
 
 
+def policy_world(requested: OffloadConfig, plan: ResolvedOffloadPlan, world: World) -> World:
+    """The ranks that decide the automatic settings together: the job's, or this rank alone
+    where its stacks exchange nothing at enable and only unset fields are automatic (the
+    defaults on a GPU). Rank-local ranks hold their own memory, and a job that never asked
+    for a collective must not wait on, or fail with, another rank at enable
+    ([Note: automatic by default] in :mod:`dlo.plan.policy`)."""
+    if world.distributed and not plan.exchanges and not is_automatic(given_only(requested)):
+        return World(world.rank, 1, world.backend)
+    return world
+
+
 def resolve_automatic(
     pipeline: Any,
     plan: ResolvedOffloadPlan,
-    cfg: OffloadConfig,
+    requested: OffloadConfig,
     par: ParallelConfig,
     platform: Platform,
     world: World,
@@ -135,10 +151,12 @@ def resolve_automatic(
     block_tensor_ids: set[int],
     sizing_error: Exception | None = None,
 ) -> tuple[OffloadConfig, ResolvedOffloadPlan, dict[str, Any]]:
-    """Decide every automatic setting (see the module docstring). ``tensors`` describes every
-    block of ``plan`` (block path -> tensor description, as the layer plan reads them) and
-    ``block_tensor_ids`` holds the ids of the blocks' tensors (the rest is non-block state);
-    ``sizing_error`` is this rank's failure to read them (sized like any other failure).
+    """Decide every automatic setting (see the module docstring) of ``requested`` (the
+    user's config; its unset fields are resolved for the device here too). ``tensors``
+    describes every block of ``plan`` (block path -> tensor description, as the layer plan
+    reads them) and ``block_tensor_ids`` holds the ids of the blocks' tensors (the rest is
+    non-block state); ``sizing_error`` is this rank's failure to read them (sized like any
+    other failure). The ranks of :func:`policy_world` decide together.
 
     Returns:
         ``(config, plan, policy)``: the config with concrete ``num_slots`` and
@@ -148,12 +166,16 @@ def resolve_automatic(
         ValueError: a device budget too small for the non-block weights and one slot.
         OffloadError: a rank failed to size or measure, or never arrived (named).
     """
+    cfg = for_device(requested, platform.device.type)
+    deciders = policy_world(requested, plan, world)
+    alone, world = deciders.size < world.size, deciders
     ready: tuple[bool, str] = (True, "")
     inp: PolicyInput | None = None
     try:
         if sizing_error is not None:  # reading the blocks' tensors failed on this rank
             raise sizing_error
         inp = _policy_input(pipeline, plan, cfg, platform, tensors, block_tensor_ids)
+        inp = dataclasses.replace(inp, defaults=unset_fields(requested), alone=alone)
     except Exception as e:
         if not world.distributed:
             raise
@@ -281,6 +303,8 @@ def _policy_input(
         if local.device != platform.device:
             to_place += nbytes
     resident = cfg.resident_layers_for("dit")
+    # resolved for the device at enable (dlo.config.unset.for_device): nothing is unset here
+    assert resident is not None and cfg.num_slots is not None
     if cfg.device_budget_gb is not None and resident == 0:
         resident = "auto"  # a budget sizes the resident blocks (see OffloadConfig)
     return PolicyInput(
@@ -288,14 +312,6 @@ def _policy_input(
         chunk_nbytes=cfg.chunk_nbytes,
         measured=Measurements(h2d_bps=1.0),  # replaced once measured
         num_slots=cfg.num_slots,
-        defaults=frozenset(  # the effective values (a layer option is a choice too)
-            k
-            for k, v in (
-                ("num_slots", cfg.num_slots),
-                ("resident_layers", cfg.resident_layers_for("dit")),
-            )
-            if v == OffloadConfig.__dataclass_fields__[k].default
-        ),
         resident_layers=resident,
         device_budget_gb=cfg.device_budget_gb,
         non_block_nbytes=non_block,

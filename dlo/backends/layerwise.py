@@ -70,6 +70,7 @@ from dlo.backends.layer_state import LayerState
 from dlo.backends.model_hooks import check_not_released
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
+from dlo.config.unset import for_device
 from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.host.fingerprint import exchanged_prints
 from dlo.host.region import HostRegion
@@ -204,7 +205,8 @@ class LayerwiseBackend(OffloadBackend):
 
     def _install_steps(self, pipeline: Any, journal: Journal) -> None:
         t0 = time.perf_counter()
-        cfg, par, state = self.config, self.parallel, self._state
+        cfg = for_device(self.config, self.platform.device.type)  # unset: per device
+        par, state = self.parallel, self._state
         plan = resolve_offload_plan(pipeline, cfg, par)
         world = self.world = self._world_for(plan)
         if world.distributed:
@@ -216,10 +218,8 @@ class LayerwiseBackend(OffloadBackend):
                 f"components (warnings: {list(plan.warnings) or 'none'})",
                 rank=world.rank,
             )
-        agree_requests(cfg, plan, world)  # every exchanging rank: the same "auto"s
-        # read once for the policy and the layer plan; a failure here is this rank's, and
-        # goes to its peers through the policy's readiness exchange or the vote
-        sizing_error: Exception | None = None
+        agree_requests(self.config, plan, world, self.platform.device.type)  # same "auto"s
+        sizing_error: Exception | None = None  # read once; reaches peers in readiness/vote
         try:
             entries = {
                 p: block_entries(p, get_by_path(pipeline, p), rank=world.rank)
@@ -230,8 +230,9 @@ class LayerwiseBackend(OffloadBackend):
             entries, tensors, sizing_error = {}, {}, e
         if is_automatic(cfg):  # before the layer plan: it may change group sizes
             block_ids = {id(t) for e in entries.values() for _, _, t in e}
+            sized = (tensors, block_ids, sizing_error)  # the requested config: unset resolved there
             cfg, plan, state.policy = resolve_automatic(
-                pipeline, plan, cfg, par, self.platform, world, tensors, block_ids, sizing_error
+                pipeline, plan, self.config, par, self.platform, world, *sized
             )
         self.plan = plan
         gathers, exchanges = plan.gathers, plan.exchanges
@@ -353,10 +354,9 @@ class LayerwiseBackend(OffloadBackend):
 
     # ------------------------------------------------------------------ steps
     def _world_for(self, plan: ResolvedOffloadPlan) -> World:
-        """The job's ranks. Under torchrun with no process group yet, a plan whose stacks
-        gather, share a node's copy or leave that to the policy on a weight axis of several
-        ranks initializes the default one from torchrun's environment (gloo on CPU, NCCL
-        with this rank's GPU); the process group stays after disable."""
+        """The job's ranks. Under torchrun with no process group, a plan whose stacks exchange
+        (gather, node-shared, or "auto" on an axis of several ranks) initializes it from
+        torchrun's environment (gloo on CPU, NCCL on this rank's GPU); it stays after disable."""
         world = current_world()
         if world.distributed or not plan.exchanges or not torchrun_env().is_distributed:
             return world

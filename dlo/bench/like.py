@@ -219,7 +219,11 @@ def _run_method(
         model.to(platform.device)
     elif method == "dlo-ring":
         cfg = OffloadConfig(
-            mode="layer", transfer="rank-local", num_slots=args.like_slots, codec=codec
+            mode="layer",
+            transfer="rank-local",
+            resident_layers=0,  # the row measures streaming
+            num_slots=args.like_slots,
+            codec=codec,
         )
         backend = enable_offload(model, cfg, device=platform.device)
     elif method == "diffusers-group":

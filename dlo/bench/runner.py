@@ -262,6 +262,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         cfg = OffloadConfig(
             mode="layer",
             transfer=transfer,
+            resident_layers=0,  # the rows measure streaming (the defaults would keep blocks)
             num_slots=num_slots,
             chunk_mb=chunk_mb,
             verify_block_sequence=not args.no_verify,

@@ -30,6 +30,7 @@ from dlo.commands.args import (
 )
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
+from dlo.config.unset import for_device, unset_fields
 from dlo.platform.progress import progress_bar
 
 
@@ -218,6 +219,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "output_nonfinite": nonfinite,
         "num_slots": stats.get("num_slots", 0),
         "num_resident_blocks": stats.get("num_resident_blocks", 0),
+        "num_streamed_blocks": stats.get("num_streamed_blocks", 0),
         "policy": stats.get("policy"),
     }
     ok = report_ranks(
@@ -249,10 +251,18 @@ def _explain(cfg: OffloadConfig, backend: Any) -> str:
         return str(policy["explanation"]) + gather
     if cfg.mode != "layer":
         return f"dlo policy: nothing to decide for mode={cfg.mode!r}"
+    device = backend.platform.device.type if backend is not None else "cpu"
+    shown, unset = for_device(cfg, device), unset_fields(cfg)
+
+    def value(name: str) -> str:  # a CPU device's default, or the user's value
+        return f"{getattr(shown, name)}" + (
+            " (unset: a CPU device's default)" if name in unset else ""
+        )
+
     return (
-        f"dlo policy: nothing automatic; explicit transfer={cfg.transfer!r}, "
-        f"num_slots={cfg.num_slots}, resident_layers={cfg.resident_layers} (pass 'auto' or "
-        "--device-budget-gb to let dlo measure and decide)" + gather
+        f"dlo policy: nothing automatic: transfer={shown.transfer!r}, "
+        f"num_slots={value('num_slots')}, resident_layers={value('resident_layers')} (pass "
+        "'auto' or --device-budget-gb to let dlo measure and decide)" + gather
     )
 
 

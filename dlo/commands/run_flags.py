@@ -74,14 +74,17 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--resident-layers",
         type=int_or_auto,
-        default=0,
-        help="leading DiT blocks kept on the device: an int >= 0 or 'auto'",
+        default=None,
+        help="leading DiT blocks kept on the device: an int >= 0 or 'auto' (as many as fit: a "
+        "model that fits streams nothing) (default: auto on a GPU, 0 on a CPU device)",
     )
     r.add_argument(
         "--num-slots",
         type=int_or_auto,
-        default=2,
-        help="device slots the streamed blocks take turns in: an int >= 1 or 'auto'",
+        default=None,
+        help="device slots the streamed blocks take turns in: an int >= 1 or 'auto' (2, or 3 "
+        "with allgather; fewer where the device has no room) (default: auto on a GPU, 2 on a "
+        "CPU device)",
     )
     r.add_argument(
         "--device-budget-gb",

@@ -73,7 +73,9 @@ def _save_encoded(args: argparse.Namespace, path: Path) -> None:
         flush=True,
     )
     chunk = {} if args.chunk_mb is None else {"chunk_mb": args.chunk_mb}
-    cfg = OffloadConfig(mode="layer", components=("dit", "encoder"), codec=args.codec, **chunk)
+    cfg = OffloadConfig(  # every block streamed, so every block is encoded
+        mode="layer", components=("dit", "encoder"), resident_layers=0, codec=args.codec, **chunk
+    )
     factory = functools.partial(
         build_pipeline, args.preset, dtype=getattr(torch, args.dtype), device="meta"
     )

@@ -45,21 +45,25 @@ def legacy_kwargs(flags: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(
                     f"{name}={f[name]!r} requires enable_distributed_layerwise_offload=True"
                 )
-    pin = f["pin_cpu_memory"]
+    # the flags keep their historical meaning: every block streamed through 2 slots unless
+    # the DLO tuning says otherwise (the automatic defaults are the compact config's)
+    common = dict(
+        pin_memory=f["pin_cpu_memory"],
+        resident_layers=f["dlo_resident_layers"],
+        num_slots=f["dlo_num_slots"],
+    )
     if f["enable_distributed_layerwise_offload"]:
         return dict(
             mode="layer",
             transfer="allgather" if f["dlo_use_allgather"] else "rank-local",
-            resident_layers=f["dlo_resident_layers"],
-            num_slots=f["dlo_num_slots"],
             chunk_mb=f["dlo_chunk_mb"],
-            pin_memory=pin,
+            **common,
         )
     if f["enable_layerwise_offload"]:
-        return dict(mode="layer", transfer="rank-local", pin_memory=pin)
+        return dict(mode="layer", transfer="rank-local", **common)
     if f["enable_cpu_offload"]:
-        return dict(mode="module", pin_memory=pin)
-    return dict(mode="none", pin_memory=pin)
+        return dict(mode="module", **common)
+    return dict(mode="none", **common)
 
 
 def _check_types(flags: Mapping[str, Any]) -> None:
@@ -76,7 +80,8 @@ def seed_strategy(cfg: Any) -> str:
     if cfg.mode != "layer":
         return cfg.mode
     kinds = cfg.components or COMPONENTS
-    if any(cfg.transfer_for(k) != "rank-local" for k in kinds) or cfg.resident_layers_for("dit"):
+    resident = cfg.resident_layers_for("dit")
+    if any(cfg.transfer_for(k) != "rank-local" for k in kinds) or resident not in (None, 0):
         return "distributed_layerwise"
     return "layerwise"
 
@@ -112,9 +117,10 @@ def check_legacy_agrees(
         return  # legacy keys at their defaults select nothing to conflict with
     legacy_cfg = from_legacy()
     legacy_strategy = seed_strategy(legacy_cfg)
+    resident = cfg.resident_layers_for("dit")
     compact = (
         f"compact config (mode={cfg.mode!r}, transfer={cfg.transfer_for('dit')!r}, "
-        f"resident_layers={cfg.resident_layers_for('dit')!r})"
+        f"resident_layers={'unset' if resident is None else repr(resident)})"
     )
     if legacy_strategy != seed_strategy(cfg):
         raise ValueError(

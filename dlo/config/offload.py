@@ -128,16 +128,18 @@ class OffloadConfig:
     it, and each copies whole blocks over its own link, no collective; see [Note: node-shared
     host copy]), ``"auto"`` (chosen at enable from measured bandwidths and compute, the same
     on every rank; see [Note: policy model])."""
-    resident_layers: int | str = 0
+    resident_layers: int | str | None = None
     """Leading DiT blocks kept on the device instead of streamed; ``"auto"`` keeps as many
-    as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom."""
+    as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom for
+    activations, so a model that fits streams nothing. None (unset): ``"auto"`` on a GPU, 0
+    on a CPU device (see [Note: automatic by default] in :mod:`dlo.plan.policy`)."""
     layer_options: Mapping[str, LayerOptions] = field(default_factory=dict, hash=False)
     """Per-component overrides, keyed by component kind."""
     pin_memory: bool = True
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
-    num_slots: int | str = 2
+    num_slots: int | str | None = None
     """Device slots shared by every ring (1 to 1024); the prefetch depth is
-    ``num_slots - 1``. ``"auto"``: 2 when every streamed stack is rank-local, 3 with
+    ``num_slots - 1``. None (unset): ``"auto"`` on a GPU, 2 on a CPU device. ``"auto"``: 2 when every streamed stack is rank-local, 3 with
     AllGather (its copy and gather latency outlasts one transfer), fewer when the device
     budget has no room."""
     chunk_mb: int = 64
@@ -213,9 +215,11 @@ class OffloadConfig:
                 raise ValueError("components=() selects nothing; use mode='none' to disable")
             object.__setattr__(self, "components", canonical)
         _check_choice("transfer", self.transfer, TRANSFERS)
-        _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
+        if self.resident_layers is not None:
+            _check_int_or_auto("resident_layers", self.resident_layers, minimum=0)
         _check_bool("pin_memory", self.pin_memory)
-        _check_int_or_auto("num_slots", self.num_slots, minimum=1, maximum=MAX_SLOTS)
+        if self.num_slots is not None:
+            _check_int_or_auto("num_slots", self.num_slots, minimum=1, maximum=MAX_SLOTS)
         _check_int("chunk_mb", self.chunk_mb, minimum=1, maximum=MAX_CHUNK_MB)
         if self.pin_budget_gb is not None:
             _check_positive_number("pin_budget_gb", self.pin_budget_gb)
@@ -237,16 +241,17 @@ class OffloadConfig:
         if self.mode == "module":
             layer_only = {
                 "transfer": "rank-local",
-                "resident_layers": 0,
+                "resident_layers": None,
                 "weight_axis": "auto",
-                "num_slots": 2,
+                "num_slots": None,
                 "device_budget_gb": None,
                 "block_compute_ms": None,
                 "host_backing": "region",
                 "codec": "none",
             }
+            old = {"resident_layers": 0, "num_slots": 2}  # the defaults before unset ones
             for name, default in layer_only.items():
-                if getattr(self, name) != default:
+                if getattr(self, name) not in (default, old.get(name, default)):
                     raise ValueError(
                         f"{name}={getattr(self, name)!r} applies to mode='layer' only "
                         "(mode='module' swaps whole components)"
@@ -254,14 +259,14 @@ class OffloadConfig:
         if (
             self.components is not None
             and "dit" not in self.components
-            and self.resident_layers_for("dit")
+            and self.resident_layers_for("dit") not in (None, 0)
         ):
             raise ValueError(
                 f"resident_layers={self.resident_layers_for('dit')} applies to DiT blocks but "
                 f"components={self.components!r} does not select 'dit'"
             )
         resident = self.resident_layers_for("dit")
-        if self.device_budget_gb is not None and resident not in (0, "auto"):
+        if self.device_budget_gb is not None and resident not in (None, 0, "auto"):
             raise ValueError(
                 f"resident_layers={resident!r} conflicts with device_budget_gb="
                 f"{self.device_budget_gb!r}: the budget sizes the resident blocks (leave "
@@ -330,9 +335,9 @@ class OffloadConfig:
         o = self.layer_options.get(component)
         return o.codec if o is not None and o.codec else self.codec
 
-    def resident_layers_for(self, component: str) -> int | str:
+    def resident_layers_for(self, component: str) -> int | str | None:
         """Effective resident leading blocks of a component kind (0 for non-DiTs), or
-        ``"auto"``."""
+        ``"auto"``, or None (unset: see :func:`dlo.config.unset.for_device`)."""
         if component != "dit":
             return 0
         o = self.layer_options.get(component)

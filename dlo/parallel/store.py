@@ -28,10 +28,20 @@ up waiting reads the missing ranks' records, and for a rank of its own host asks
 whether that process still runs, so the timeout says "exited" or "running but not in
 enable" instead of guessing. A store that cannot be reached (its host, rank 0, exited) is
 named as such rather than surfacing torch's ``DistNetworkError``.
+
+[Note: the store outlives the last read]
+Rank 0 hosts the store when the job's processes were started without torchrun's agent. A rank
+that reads an exchange's outcome and then fails (a refused agreement: exit 2 at once) would
+take the store with it while a peer still polls for that outcome, and the peer reported "the
+store cannot be reached" instead of the refusal (1 run in 6 of the two-folder test). So every
+rank adds 1 to the exchange's read counter once it has read every record, and rank 0 waits at
+interpreter exit, before the process group is destroyed and for at most
+:data:`DRAIN_BOUND_S`, until every rank has read the last exchange of each topic.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import itertools
 import json
@@ -48,6 +58,13 @@ from dlo.parallel.records import decode, encode
 from dlo.platform.env import torchrun_env
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}
+
+_LAST_READ: dict[str, tuple[str, int]] = {}
+"""Per topic, the last exchange this process read (its key prefix and world size); see
+[Note: the store outlives the last read]."""
+
+DRAIN_BOUND_S = 5.0
+"""How long rank 0 waits at exit for its peers to read the last exchanges."""
 
 
 _exchanges_started = 0
@@ -292,7 +309,28 @@ def _share(
         pause = min(pause * 1.5, _POLL_MAX_S)
     if bytes(store.get(outcome)) != b"ok":
         raise OffloadError(f"{what}: a peer gave up this exchange after {timeout_s:g}s", rank=rank)
-    return [bytes(store.get(k)) for k in keys]
+    records = [bytes(store.get(k)) for k in keys]
+    store.add(f"{prefix}/read", 1)
+    if not _LAST_READ and rank == 0:
+        atexit.register(_await_readers)  # after dlo's group destroy handler: runs before it
+    _LAST_READ[topic] = (prefix, world_size)
+    return records
+
+
+def _await_readers(bound_s: float | None = None) -> None:
+    """Rank 0 at exit: wait until every rank has read the last exchange of each topic (at
+    most ``bound_s``, default :data:`DRAIN_BOUND_S`); see [Note: the store outlives the
+    last read]. A store already gone ends the wait."""
+    deadline = time.monotonic() + (DRAIN_BOUND_S if bound_s is None else bound_s)
+    try:
+        store = _default_store()
+        for prefix, world_size in list(_LAST_READ.values()):
+            while store.add(f"{prefix}/read", 0) < world_size:
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(_POLL_S)
+    except Exception:  # no group or no store left: nothing to wait for
+        return
 
 
 def _close(store: Any, prefix: str, world_size: int) -> bool:

@@ -49,6 +49,25 @@ memory minus the non-block weights not yet on the device (the headroom is left f
 activations, the allocator and communication buffers). ``resident_layers="auto"`` keeps the
 largest number r of leading blocks of each eligible DiT whose total fits, scanning every r
 (the slot shrinks once the largest block is resident, so the cost is not monotonic in r).
+
+[Note: automatic by default]
+``OffloadConfig()`` leaves ``resident_layers`` and ``num_slots`` unset (None), and enable
+resolves them for the device before anything else (:mod:`dlo.config.unset`): on a GPU both
+are ``"auto"``, so a user who sets nothing gets this policy, and where the whole DiT fits the
+free device memory less the activation headroom every block is resident and nothing streams
+(a FLUX.1-dev folder on one 80 GB GPU streamed every block under the old defaults, 2.4x
+slower than ``resident_layers="auto"``, H100, 2026-12-05). A value given, ``"auto"``
+included, is kept as given. A CPU device has no memory apart from the host, so there the
+unset values are 0 resident blocks and 2 slots: the CPU lane streams every block, as the GPU
+path it tests, with no probe at enable. (A ``device_budget_gb`` still sizes the resident
+blocks when ``resident_layers`` is 0, given or unset, as it always has.)
+
+Ranks whose stacks exchange nothing at enable (every stack rank-local) and that leave only
+unset fields to the policy decide alone, from their own measurements, with no store exchange
+(:func:`dlo.backends.auto.policy_world`): such a job asked for no collective, so one rank's
+failure at enable must not reach the others, and a rank's resident blocks are its own
+business. An explicit ``"auto"``, a budget or an exchanging stack keeps the group-wide
+decision ([Note: one set of numbers]).
 """
 
 from __future__ import annotations
@@ -395,7 +414,9 @@ def _explain(
         else ""
     )
     lines = [
-        f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",
+        "dlo policy (this rank alone: its stacks exchange nothing at enable):"
+        if inp.alone
+        else f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",
         f"  measured: host-to-device {m.h2d_bps / GB:.2f} GB/s per rank (all ranks copying)"
         + (f", {ag}" if ag else "")
         + free,
@@ -416,4 +437,6 @@ def _explain(
 
 def _kept(knob: str, inp: PolicyInput) -> str:
     """How the explanation calls a knob the policy kept as given."""
-    return f"the default; {knob}='auto' decides it" if knob in inp.defaults else "explicit"
+    if knob in inp.defaults:
+        return f"unset: a CPU device's default; {knob}='auto' decides it"
+    return "explicit"

@@ -93,8 +93,11 @@ class PolicyInput:
     num_slots: int | str = 2
     """An int is kept; ``"auto"`` is decided (see [Note: policy model])."""
     defaults: frozenset[str] = frozenset()
-    """The knobs (``"num_slots"``, ``"resident_layers"``) left at the config's default: the
-    explanation says so instead of calling them explicit."""
+    """The knobs (``"num_slots"``, ``"resident_layers"``) the user left unset (resolved for
+    the device at enable): the explanation says so instead of calling them explicit."""
+    alone: bool = False
+    """Decided by this rank alone (its stacks exchange nothing at enable and only unset
+    defaults are automatic: [Note: automatic by default]); else the group-wide numbers."""
     resident_layers: int | str = 0
     """``"auto"`` is decided; an int is kept (the stacks' ``num_resident``)."""
     device_budget_gb: float | None = None

@@ -197,8 +197,9 @@ def _resident_counts(
 ) -> list[int]:
     """Resident leading blocks per stack, counted over each DiT's stacks in container order."""
     requested = config.resident_layers_for("dit")
-    # "auto" is decided at enable from measured memory (dlo.backends.auto); none until then
-    wanted = 0 if requested == "auto" else int(requested)
+    # "auto" is decided at enable from measured memory (dlo.backends.auto), and unset (None)
+    # resolved for the device there ([Note: automatic by default]); none until then
+    wanted = 0 if requested in ("auto", None) else int(requested)
     counts = [0] * len(stacks)
     dit_paths = list(dict.fromkeys(s.component_path for s in stacks if s.component == "dit"))
     for dit_path in dit_paths:

@@ -228,7 +228,7 @@ def test_explicit_allgather_with_auto_slots_measures_its_gather() -> None:
 @pytest.mark.parametrize(
     "cfg_kw, note",
     [
-        ({}, "(the default; resident_layers='auto' decides it)"),
+        ({}, "(unset: a CPU device's default; resident_layers='auto' decides it)"),
         ({"resident_layers": 1}, "(explicit)"),
         ({"layer_options": {"dit": {"resident_layers": 2}}}, "(explicit)"),
     ],
@@ -255,6 +255,48 @@ def test_budget_sizes_resident_blocks_identically() -> None:
     n = res[0]["num_resident"]
     assert 0 < n < 5 and res[1]["num_resident"] == n
     assert res[0]["policy"]["device_weight_nbytes"] <= 12_000
+
+
+def _gpu_defaults(rank: int, world: int, free: dict[int, int], cfg_kw: dict[str, Any]) -> Any:
+    """Rank-local defaults as on a GPU (the unset fields become "auto"), with ``free[rank]``
+    bytes of device memory: every rank decides for itself, with no exchange at enable."""
+    import dlo.config.unset as unset
+    from dlo.parallel.store import exchanges_started
+
+    unset.device_values = lambda _: {n: "auto" for n in unset.UNSET_FIELDS}  # type: ignore[assignment]
+    CpuPlatform.free_memory = lambda self: free[rank]  # type: ignore[method-assign]
+    model = ToyDiT(5)
+    ref = _steps(clone(model), rank, 3)
+    cfg = dlo.OffloadConfig(mode="layer", collective_timeout_s=20.0, **cfg_kw)
+    backend = LayerwiseBackend(cfg, dlo.ParallelConfig(data_parallel_size=world), CpuPlatform())
+    before = exchanges_started()
+    backend.enable(model)
+    exchanged = exchanges_started() - before
+    got = _steps(model, rank, 3)
+    st = backend.stats()
+    backend.disable()
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(ref, got)),
+        "exchanged": exchanged,
+        "explanation": st["policy"]["explanation"],
+        "num_resident": st["num_resident_blocks"],
+    }
+
+
+def test_rank_local_defaults_are_decided_by_each_rank_alone() -> None:
+    """[Note: automatic by default]: ranks whose stacks exchange nothing and which leave only
+    unset fields to the policy decide alone: no store exchange at enable (a job that asked
+    for no collective neither waits on nor fails with a peer), each from its own free
+    memory, bitwise. The same job with an explicit "auto" decides together."""
+    free = {0: 1 << 30, 1: 15_000}  # rank 1: 12 kB less headroom, about half the blocks
+    res = assert_all_ok(run_ranks(_gpu_defaults, 2, free, {}, timeout_s=120))
+    assert all(r["same"] for r in res)
+    assert [r["exchanged"] for r in res] == [0, 0]
+    assert all(r["explanation"].startswith("dlo policy (this rank alone") for r in res)
+    assert res[0]["num_resident"] == 5 and 0 < res[1]["num_resident"] < 5
+    res = assert_all_ok(run_ranks(_gpu_defaults, 2, free, {"num_slots": "auto"}, timeout_s=120))
+    assert all(r["same"] and r["exchanged"] > 0 for r in res)
+    assert res[0]["num_resident"] == res[1]["num_resident"] < 5  # the group-wide minimum
 
 
 def _enabled_or_refusal(cfg: dlo.OffloadConfig, world: int) -> str:

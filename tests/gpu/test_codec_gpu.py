@@ -34,7 +34,11 @@ def _run(model: nn.Module, n: int, dim: int) -> list[torch.Tensor]:
 
 
 def _enable(model: nn.Module, **kw: Any) -> dlo.OffloadBackend:
-    b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", codec="ans", **kw), device=DEV)
+    b = dlo.enable_offload(
+        model,
+        dlo.OffloadConfig(**{"mode": "layer", "resident_layers": 0, "codec": "ans", **kw}),
+        device=DEV,
+    )
     assert b is not None
     return b
 
@@ -137,7 +141,7 @@ def test_encoded_checkpoint_written_and_read_on_the_gpu(tmp_path: Any) -> None:
     path = save_checkpoint(build_pipeline("tiny", dtype=dt), tmp_path / "ckpt")
     ids, lat = make_inputs("tiny", seed=1, dtype=dt, device=DEV)
     ref = build_pipeline("tiny", dtype=dt, device=DEV).generate(ids, lat, 2)
-    cfg = dlo.OffloadConfig(mode="layer", codec="ans", chunk_mb=1)
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans", chunk_mb=1)
 
     def load() -> Any:
         return load_pipeline(

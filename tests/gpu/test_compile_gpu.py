@@ -88,7 +88,9 @@ def test_compiled_ring_is_bitwise_to_the_compiled_resident_model(
     del resident
     torch._dynamo.reset()
     start = _graphs()
-    backend = dlo.enable_offload(dit, dlo.OffloadConfig(mode="layer", num_slots=2), device=DEV)
+    backend = dlo.enable_offload(
+        dit, dlo.OffloadConfig(mode="layer", resident_layers=0, num_slots=2), device=DEV
+    )
     assert backend is not None
     try:
         fn = _compile(dit, form, mode)
@@ -109,7 +111,9 @@ def test_compiled_ring_is_bitwise_to_the_compiled_resident_model(
 
 def test_cuda_graph_mode_is_refused_on_the_gpu() -> None:
     dit = _dit()
-    backend = dlo.enable_offload(dit, dlo.OffloadConfig(mode="layer"), device=DEV)
+    backend = dlo.enable_offload(
+        dit, dlo.OffloadConfig(mode="layer", resident_layers=0), device=DEV
+    )
     assert backend is not None
     try:
         with pytest.raises(OffloadError, match="max-autotune-no-cudagraphs"):
@@ -129,7 +133,11 @@ def _two_shapes(
     dit = _dit()
     for block in cast(torch.nn.ModuleList, dit.blocks):
         block.forward = torch.compile(block.forward, dynamic=dynamic)
-    backend = dlo.enable_offload(dit, dlo.OffloadConfig(mode="layer")) if offload else None
+    backend = (
+        dlo.enable_offload(dit, dlo.OffloadConfig(mode="layer", resident_layers=0))
+        if offload
+        else None
+    )
     if backend is None:
         dit.to(DEV)
     out = [t.cpu() for t in _forwards(dit, tokens)]
@@ -172,7 +180,7 @@ def _both_in_one_process(rank: int, world: int, tokens: tuple[int, ...]) -> list
         for block in cast(torch.nn.ModuleList, model.blocks):
             block.forward = torch.compile(block.forward)
     ref = _forwards(resident, tokens)
-    backend = dlo.enable_offload(dit, dlo.OffloadConfig(mode="layer"))
+    backend = dlo.enable_offload(dit, dlo.OffloadConfig(mode="layer", resident_layers=0))
     assert backend is not None
     got = _forwards(dit, tokens)
     backend.disable()

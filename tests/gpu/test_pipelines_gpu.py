@@ -11,13 +11,17 @@ import torch
 
 from dlo.cli import main
 from dlo.host.region import LEDGER
-from tests.cpu.test_pipeline_folders import _BOTH, _call_flags, _folder, _reports
+from tests.cpu.test_pipeline_folders import _call_flags, _folder, _reports
 
+# every block streamed (a GPU's defaults would keep these tiny models whole: the last cases)
+_BOTH = '{"mode": "layer", "components": ["dit", "encoder"], "resident_layers": 0}'
 CASES = [
-    ("tiny-flux", "float32", []),  # blocks mapped from the file, copies staged as stored
+    ("tiny-flux", "float32", ["--resident-layers", "0"]),  # mapped, copies staged as stored
     ("tiny-flux", "bfloat16", ["--offload-config", _BOTH]),  # cast on the device
     ("tiny-wan2.2", "bfloat16", ["--offload-config", _BOTH]),  # two transformers, fp32 kept
     ("tiny-qwen-image", "bfloat16", ["--mode", "module"]),
+    ("tiny-flux", "bfloat16", []),  # the defaults: the model fits, nothing streams
+    ("tiny-wan2.2", "bfloat16", []),
 ]
 
 
@@ -26,7 +30,10 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("gpu-folders")
 
 
-@pytest.mark.parametrize(("name", "dtype", "flags"), CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
+IDS = [f"{c[0]}-{c[1]}" + ("-defaults" if not c[2] else "") for c in CASES]
+
+
+@pytest.mark.parametrize(("name", "dtype", "flags"), CASES, ids=IDS)
 def test_run_pipeline_check_is_bitwise_on_the_gpu(
     root: Path, name: str, dtype: str, flags: list[str], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -38,7 +45,10 @@ def test_run_pipeline_check_is_bitwise_on_the_gpu(
     assert rc == 0, stdout
     (r,) = _reports(stdout)
     assert r["parity"] is True and r["output_finite"], r
-    if "--mode" not in flags:
+    if not flags:  # automatic: every DiT block of a model that fits stays on the device
+        assert r["num_resident_blocks"] > 0 and r["num_streamed_blocks"] == 0, r
+        assert "resident_layers: " in r["policy"]["explanation"], r["policy"]
+    elif "--mode" not in flags:
         assert r["host_pinned_nbytes"] == r["host_nbytes"] > 0  # every streamed block pinned
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     torch.cuda.synchronize()

@@ -26,7 +26,9 @@ def _x(seed: int, dim: int = 16, tokens: int = 5) -> torch.Tensor:
 
 
 def _enable(model: nn.Module, **kw: Any) -> dlo.OffloadBackend:
-    b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", **kw), device=DEV)
+    b = dlo.enable_offload(
+        model, dlo.OffloadConfig(**{"mode": "layer", "resident_layers": 0, **kw}), device=DEV
+    )
     assert b is not None
     return b
 
@@ -72,7 +74,9 @@ def test_unstreamed_components_are_placed_on_the_device_and_moved_back() -> None
     pipe = build_pipeline("tiny", device="cpu")
     ref = build_pipeline("tiny", device=DEV)
     before = snapshot(pipe)
-    cfg = dlo.OffloadConfig(mode="layer", components=("dit",))  # the encoder is not streamed
+    cfg = dlo.OffloadConfig(
+        mode="layer", resident_layers=0, components=("dit",)
+    )  # the encoder is not streamed
     b = dlo.enable_offload(pipe, cfg, device=DEV)
     assert b is not None
     assert all(p.device == DEV for p in pipe.text_encoder.parameters())

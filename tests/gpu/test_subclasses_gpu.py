@@ -50,7 +50,7 @@ def test_quantized_blocks_stream_as_stored_on_the_gpu(kind: str, codec: str) -> 
     model = QDiT(kind)
     before = {k: v.clone() for k, v in _leaves(model).items()}
     ids = {n: id(t) for n, t in model.named_parameters()}
-    cfg = dlo.OffloadConfig(mode="layer", num_slots=2, codec=codec)
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, num_slots=2, codec=codec)
     b = dlo.enable_offload(model, cfg, device=DEV)
     got = _run(model, xs)
     assert all(torch.equal(a, c) for a, c in zip(want, got))
@@ -87,7 +87,9 @@ def test_compiled_quantized_blocks_on_the_gpu(kind: str) -> None:
     model = QDiT(kind)
     for blk in model.blocks:
         blk.compile(fullgraph=True)
-    b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", num_slots=1), device=DEV)
+    b = dlo.enable_offload(
+        model, dlo.OffloadConfig(mode="layer", resident_layers=0, num_slots=1), device=DEV
+    )
     got = _run(model, xs)
     again = _run(model, xs)
     b.disable()

@@ -36,7 +36,7 @@ def _backend(rank: int, world: int, **kw: Any) -> LayerwiseBackend:
     if kw.get("gather_engine") == "copy-kernel":
         kw["gather_engine"], kw["gather_sync"] = "copy", "kernel"
     kw.setdefault("transfer", "allgather")
-    cfg = dlo.OffloadConfig(mode="layer", **kw)
+    cfg = dlo.OffloadConfig(**{"mode": "layer", "resident_layers": 0, **kw})
     return LayerwiseBackend(
         cfg, dlo.ParallelConfig(data_parallel_size=world), CudaPlatform(torch.device("cuda", rank))
     )

@@ -20,7 +20,11 @@ def _hsdp(rank: int, world: int, engine: str) -> dict[str, Any]:
     dev = torch.device("cuda", rank)
     par = dlo.ParallelConfig(data_parallel_size=world, hsdp_shard_size=world)
     cfg = dlo.OffloadConfig(
-        mode="layer", transfer="allgather", collective_timeout_s=60.0, gather_engine=engine
+        mode="layer",
+        transfer="allgather",
+        resident_layers=0,
+        collective_timeout_s=60.0,
+        gather_engine=engine,
     )
     model = ToyDiT(5, dim=128)
     ref = clone(model).to(dev)

@@ -17,6 +17,7 @@ import dlo
 from dlo.config.fields import COMPONENTS, MODES, PIN_FAILURE_POLICIES, TRANSFERS, WEIGHT_AXES
 from dlo.config.offload import LEGACY_FLAG_DEFAULTS, LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
+from dlo.config.unset import for_device, unset_fields
 
 
 @contextlib.contextmanager
@@ -76,10 +77,10 @@ def test_defaults() -> None:
     assert cfg.mode == "layer" and cfg.strategy == "layer" and cfg.enabled
     assert cfg.components is None
     assert cfg.transfer == "rank-local"
-    assert cfg.resident_layers == 0
+    assert (cfg.resident_layers, cfg.num_slots) == (None, None)  # unset: decided per device
     assert dict(cfg.layer_options) == {}
     assert cfg.pin_memory is True
-    assert (cfg.num_slots, cfg.chunk_mb) == (2, 64)
+    assert cfg.chunk_mb == 64
     assert cfg.pin_budget_gb is None
     assert cfg.pin_failure_policy == "fail"
     assert cfg.weight_axis == "auto"
@@ -133,7 +134,6 @@ BAD_OFFLOAD_FIELDS = [
     ("resident_layers", False, TypeError),
     ("resident_layers", 1.0, TypeError),
     ("resident_layers", "2", TypeError),
-    ("resident_layers", None, TypeError),
     ("pin_memory", 1, TypeError),
     ("pin_memory", 0, TypeError),
     ("pin_memory", "yes", TypeError),
@@ -1012,7 +1012,7 @@ def test_from_dict_reads_vllm_omni_compact_configs_verbatim(
     for kind in ("dit", "encoder"):
         if kind in expected:
             assert cfg.transfer_for(kind) == expected[kind], kind
-    assert cfg.resident_layers_for("dit") == expected.get("resident", 0)
+    assert cfg.resident_layers_for("dit") == expected.get("resident")
     assert cfg.pin_memory is expected.get("pin_memory", True)
     assert OffloadConfig.from_dict(json.loads(json.dumps(data))) == cfg  # from JSON alike
 
@@ -1222,3 +1222,38 @@ def test_counts_beyond_any_model_are_refused_naming_the_field(name: str, bound: 
     with pytest.raises(ValueError, match=rf"{name} must be <= {bound}, got 1000000"):
         dlo.OffloadConfig(mode="layer", **{name: 10**6})
     assert getattr(dlo.OffloadConfig(mode="layer", **{name: bound}), name) == bound
+
+
+@pytest.mark.parametrize(
+    "given, device, want",
+    [
+        ({}, "cuda", ("auto", "auto")),  # a GPU: the policy decides
+        ({}, "cpu", (0, 2)),  # a CPU device: every block streams through 2 slots
+        ({"device_budget_gb": 1.0}, "cpu", (0, 2)),  # the budget then sizes resident blocks
+        ({"resident_layers": 3}, "cuda", (3, "auto")),  # a value given is kept
+        ({"num_slots": 4}, "cuda", ("auto", 4)),
+        ({"resident_layers": "auto", "num_slots": "auto"}, "cpu", ("auto", "auto")),
+        ({"resident_layers": 0, "num_slots": 2}, "cuda", (0, 2)),
+        ({"components": ("encoder",)}, "cuda", (0, "auto")),  # no DiT: no resident blocks
+        ({"layer_options": {"dit": {"resident_layers": 2}}}, "cuda", ("auto", "auto")),
+    ],
+)
+def test_unset_residency_and_slots_resolve_per_device(
+    given: dict[str, Any], device: str, want: tuple[Any, Any]
+) -> None:
+    """[Note: automatic by default]: unset values become "auto" on a GPU and the streaming
+    defaults on a CPU device; values given are never changed."""
+    cfg = OffloadConfig(**given)
+    got = for_device(cfg, device)
+    assert (got.resident_layers, got.num_slots) == want
+    assert got.resident_layers_for("dit") == given.get("layer_options", {}).get("dit", {}).get(
+        "resident_layers", got.resident_layers
+    )  # a per-component value wins over the filled one
+    assert unset_fields(cfg) == {n for n in ("resident_layers", "num_slots") if n not in given} - (
+        {"resident_layers"} if "layer_options" in given else set()
+    )
+    assert (cfg.resident_layers, cfg.num_slots) == (
+        given.get("resident_layers"),
+        given.get("num_slots"),
+    )  # the config itself is unchanged
+    assert for_device(OffloadConfig(mode="module"), device) == OffloadConfig(mode="module")
