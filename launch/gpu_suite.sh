@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU evidence for dlo on the machine at hand: GPU and multi-GPU tests, `dlo run --check`
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
+# The `dlo run` rows that exercise a transfer pass --resident-layers 0 (on a GPU the defaults
+# keep a model that fits resident, and nothing would stream); run_1gpu_defaults runs those.
 # Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
@@ -55,7 +57,8 @@ for s in $steps; do
     nstests) [ "$ngpu" -ge 2 ] && step ns_tests 200 python3 -m pytest -v -p no:cacheprovider -rs \
         tests/multigpu/test_node_shared_gpu.py "tests/multigpu/test_dlo_nccl.py::test_nccl_parity_half_bytes_no_alloc" ;;
     runns) [ "$ngpu" -ge 2 ] && step run_node_shared 300 torchrun --nproc-per-node="$ngpu" -m dlo \
-        run --preset "$preset" --steps 4 --tokens 4096 --transfer node-shared --check ;;
+        run --preset "$preset" --steps 4 --tokens 4096 --transfer node-shared --check \
+        --resident-layers 0 ;;
     codec)  # issue 22 on issue 24's machine: the codec under AllGather and node-shared, torchao under AllGather
       [ "$ngpu" -ge 2 ] && step codec_tests 300 python3 -m pytest -v -p no:cacheprovider -rs \
         tests/multigpu/test_codec_multigpu.py
@@ -101,7 +104,8 @@ for s in $steps; do
         --plot "$out/bench_ngpu.png" ;;
     profile)  # the AllGather gap: NCCL vs copy-engine gather vs rank-local, profiled
       [ "$ngpu" -ge 2 ] && step run_copy 200 torchrun --nproc-per-node="$ngpu" -m dlo run \
-        --preset "$preset" --steps 3 --tokens 4096 --transfer allgather --gather-engine copy --check
+        --preset "$preset" --steps 3 --tokens 4096 --transfer allgather --gather-engine copy --check \
+        --resident-layers 0
       [ "$ngpu" -ge 2 ] && step profile_ngpu 400 torchrun --nproc-per-node="$ngpu" -m dlo \
         bench --preset "$preset" \
         --methods dlo-allgather-copy,dlo-allgather-copy-kernel,dlo-allgather,dlo-rank-local \
@@ -118,14 +122,14 @@ for s in $steps; do
       for load in mapped copy; do
         [ "$ngpu" -ge 2 ] && step "ckpt_$load" 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
           --preset "$ck" --checkpoint /tmp/dlo_ckpt --checkpoint-load "$load" \
-          --transfer allgather --steps 2 --tokens 4096 --json
+          --transfer allgather --steps 2 --tokens 4096 --json --resident-layers 0
       done
       [ "$ngpu" -ge 2 ] && step ckpt_built 300 torchrun --nproc-per-node="$ngpu" -m dlo run \
-        --preset "$ck" --transfer allgather --steps 2 --tokens 4096 --json
+        --preset "$ck" --transfer allgather --steps 2 --tokens 4096 --json --resident-layers 0
       # rank-local ranks sharing the page cache: host_backing="mapped" (bounded pinned staging)
       [ "$ngpu" -ge 2 ] && step ckpt_mapped_backing 300 torchrun --nproc-per-node="$ngpu" -m dlo \
         run --preset "$ck" --checkpoint /tmp/dlo_ckpt --host-backing mapped \
-        --transfer rank-local --steps 2 --tokens 4096 --json ;;
+        --transfer rank-local --steps 2 --tokens 4096 --json --resident-layers 0 ;;
     auto)  # issue 11: dlo-auto against the manual settings on wan14b-like (N GPUs) and on one GPU
       [ "$ngpu" -ge 2 ] && step auto_wan 400 torchrun --nproc-per-node="$ngpu" -m dlo bench \
         --preset wan14b-like --tokens 4096,16384 --num-slots 2,3 \

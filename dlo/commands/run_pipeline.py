@@ -240,11 +240,13 @@ def timed_call(
 
 
 def step_times(marks: list[float]) -> dict[str, Any]:
-    """Every step's time, the median and the first (ms), and the cold start (process start
+    """Every step's time, the steady median (of the steps after the first, as ``dlo run``;
+    the first alone when there is one) and the first (ms), and the cold start (process start
     to the first DiT forward, s) from :func:`timed_call`'s marks."""
     step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
+    steady = step_ms[1:] or step_ms
     return {
-        "step_ms_median": sorted(step_ms)[len(step_ms) // 2] if step_ms else 0.0,
+        "step_ms_median": sorted(steady)[len(steady) // 2] if steady else 0.0,
         "first_step_ms": step_ms[0] if step_ms else 0.0,
         "step_ms": step_ms,
         "cold_start_s": (marks[0] - process_start_time()) if marks else 0.0,

@@ -34,9 +34,12 @@ Rank 0 hosts the store when the job's processes were started without torchrun's 
 that reads an exchange's outcome and then fails (a refused agreement: exit 2 at once) would
 take the store with it while a peer still polls for that outcome, and the peer reported "the
 store cannot be reached" instead of the refusal (1 run in 6 of the two-folder test). So every
-rank adds 1 to the exchange's read counter once it has read every record, and rank 0 waits at
-interpreter exit, before the process group is destroyed and for at most
-:data:`DRAIN_BOUND_S`, until every rank has read the last exchange of each topic.
+rank adds 1 to the exchange's read counter once it has read every record, and rank 0, where
+it hosts the store (not under torchrun's agent store), waits at interpreter exit until every
+rank has read the last exchange of each topic on that store: on a daemon thread joined for at
+most :data:`DRAIN_BOUND_S`, so an unresponsive store cannot hold the exit. Its ``atexit``
+handler is registered after dlo's own process group (:func:`dlo.parallel.groups.init`), so it
+runs before that group is destroyed; a group the user destroys first ends the wait at once.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import itertools
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -59,9 +63,9 @@ from dlo.platform.env import torchrun_env
 
 _GENERATIONS: dict[str, itertools.count[int]] = {}
 
-_LAST_READ: dict[str, tuple[str, int]] = {}
-"""Per topic, the last exchange this process read (its key prefix and world size); see
-[Note: the store outlives the last read]."""
+_LAST_READ: dict[str, tuple[int, str, int]] = {}
+"""Per topic, the last exchange this process read (the store's id, the key prefix and the
+world size); see [Note: the store outlives the last read]."""
 
 DRAIN_BOUND_S = 5.0
 """How long rank 0 waits at exit for its peers to read the last exchanges."""
@@ -311,20 +315,38 @@ def _share(
         raise OffloadError(f"{what}: a peer gave up this exchange after {timeout_s:g}s", rank=rank)
     records = [bytes(store.get(k)) for k in keys]
     store.add(f"{prefix}/read", 1)
-    if not _LAST_READ and rank == 0:
+    if rank == 0 and not _LAST_READ and not _agent_store():
         atexit.register(_await_readers)  # after dlo's group destroy handler: runs before it
-    _LAST_READ[topic] = (prefix, world_size)
+    _LAST_READ[topic] = (id(store), prefix, world_size)
     return records
 
 
+def _agent_store() -> bool:
+    try:
+        return torchrun_env().agent_store
+    except ValueError:  # a malformed torchrun environment: assume rank 0 hosts the store
+        return False
+
+
 def _await_readers(bound_s: float | None = None) -> None:
-    """Rank 0 at exit: wait until every rank has read the last exchange of each topic (at
-    most ``bound_s``, default :data:`DRAIN_BOUND_S`); see [Note: the store outlives the
-    last read]. A store already gone ends the wait."""
-    deadline = time.monotonic() + (DRAIN_BOUND_S if bound_s is None else bound_s)
+    """Rank 0 at exit: wait until every rank has read the last exchange of each topic on
+    the current store, on a daemon thread joined for at most ``bound_s`` (default
+    :data:`DRAIN_BOUND_S`); see [Note: the store outlives the last read]. A store already
+    gone ends the wait."""
+    bound = DRAIN_BOUND_S if bound_s is None else bound_s
+    waiter = threading.Thread(target=_read_by_all, args=(bound,), name="dlo-await-readers")
+    waiter.daemon = True
+    waiter.start()
+    waiter.join(bound)
+
+
+def _read_by_all(bound_s: float) -> None:
+    deadline = time.monotonic() + bound_s
     try:
         store = _default_store()
-        for prefix, world_size in list(_LAST_READ.values()):
+        for store_id, prefix, world_size in list(_LAST_READ.values()):
+            if store_id != id(store):
+                continue  # an earlier process group's store: nobody reads it any more
             while store.add(f"{prefix}/read", 0) < world_size:
                 if time.monotonic() >= deadline:
                     return

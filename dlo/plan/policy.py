@@ -67,7 +67,10 @@ unset fields to the policy decide alone, from their own measurements, with no st
 (:func:`dlo.backends.auto.policy_world`): such a job asked for no collective, so one rank's
 failure at enable must not reach the others, and a rank's resident blocks are its own
 business. An explicit ``"auto"``, a budget or an exchanging stack keeps the group-wide
-decision ([Note: one set of numbers]).
+decision ([Note: one set of numbers]). Ranks of one job must still ask alike: a rank-local
+rank with an explicit ``"auto"`` waits in the request exchange for a peer that left the field
+unset (and so decides alone) until ``collective_timeout_s``, as one with ``"auto"`` against
+one with 0 always has.
 """
 
 from __future__ import annotations
@@ -438,5 +441,7 @@ def _explain(
 def _kept(knob: str, inp: PolicyInput) -> str:
     """How the explanation calls a knob the policy kept as given."""
     if knob in inp.defaults:
+        if knob == "resident_layers" and not any(s.component == "dit" for s in inp.stacks):
+            return "unset: no DiT selected, no resident blocks"
         return f"unset: a CPU device's default; {knob}='auto' decides it"
     return "explicit"

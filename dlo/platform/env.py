@@ -34,6 +34,9 @@ class TorchrunEnv:
     """Rendezvous address (``MASTER_ADDR``), or None."""
     master_port: int | None
     """Rendezvous port (``MASTER_PORT``), or None."""
+    agent_store: bool = False
+    """torchrun's agent hosts the job's store (``TORCHELASTIC_USE_AGENT_STORE=True``), not
+    rank 0."""
 
     @property
     def is_distributed(self) -> bool:
@@ -73,6 +76,7 @@ def torchrun_env() -> TorchrunEnv:
         local_world_size=local_world,
         master_addr=os.environ.get("MASTER_ADDR"),
         master_port=port if port >= 0 else None,
+        agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
     )
 
 

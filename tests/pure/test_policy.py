@@ -706,3 +706,27 @@ def test_auto_codec_not_where_the_gather_or_residency_bounds_it_nor_for_encoders
         codec="auto",
     )
     assert decide(_input(encoder, block_compute_s=1e-4)).stacks[0].codec == "none"
+
+
+@pytest.mark.parametrize(
+    ("component", "note"),
+    [
+        ("dit", "(unset: a CPU device's default; resident_layers='auto' decides it)"),
+        ("text_encoder", "(unset: no DiT selected, no resident blocks)"),
+    ],
+)
+def test_an_unset_resident_count_is_named_for_what_it_is(component: str, note: str) -> None:
+    """[Note: automatic by default]: unset resident_layers is 0 on a CPU device, and 0 on
+    any device where the config selects no DiT ("auto" there would be refused)."""
+    stack = _stack(transfer="rank-local", group_size=1, component=component)
+    d = decide(
+        _input(
+            stack,
+            free=GIB,
+            resident_layers=0,
+            num_slots="auto",
+            defaults=frozenset({"resident_layers"}),
+        )
+    )
+    (line,) = [ln for ln in d.explanation.splitlines() if "resident_layers:" in ln]
+    assert line.endswith(note), line

@@ -26,7 +26,8 @@ class _CountingStore:
 def fake(monkeypatch: pytest.MonkeyPatch) -> _CountingStore:
     st = _CountingStore()
     monkeypatch.setattr(store_mod, "_default_store", lambda: st)
-    monkeypatch.setattr(store_mod, "_LAST_READ", {"agreement": ("dlo/agreement/0", 2)})
+    last = {"agreement": (id(st), "dlo/agreement/0", 2), "old": (0, "dlo/old/0", 2)}
+    monkeypatch.setattr(store_mod, "_LAST_READ", last)  # "old": another store's, skipped
     st.add("dlo/agreement/0/read", 1)  # rank 0's own read
     return st
 
@@ -50,12 +51,28 @@ def test_a_peer_that_never_reads_holds_rank_zero_only_for_the_bound(
     assert 0.2 <= time.monotonic() - t0 < 2.0
 
 
+def test_an_unresponsive_store_holds_rank_zero_only_for_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Stuck(_CountingStore):
+        def add(self, key: str, n: int) -> int:
+            time.sleep(30)  # a store call that never answers
+            return 0
+
+    st = Stuck()
+    monkeypatch.setattr(store_mod, "_default_store", lambda: st)
+    monkeypatch.setattr(store_mod, "_LAST_READ", {"agreement": (id(st), "dlo/agreement/0", 2)})
+    t0 = time.monotonic()
+    store_mod._await_readers(bound_s=0.3)
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_a_store_already_gone_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     def gone() -> None:
         raise RuntimeError("Connection was likely closed")
 
     monkeypatch.setattr(store_mod, "_default_store", gone)
-    monkeypatch.setattr(store_mod, "_LAST_READ", {"agreement": ("dlo/agreement/0", 2)})
+    monkeypatch.setattr(store_mod, "_LAST_READ", {"agreement": (1, "dlo/agreement/0", 2)})
     t0 = time.monotonic()
     store_mod._await_readers(bound_s=5.0)
     assert time.monotonic() - t0 < 1.0
