@@ -104,9 +104,12 @@ def _child(
         ok = False
         out.put((rank, "err", type(e).__name__, str(e), traceback.format_exc()))
     if ok:
-        try:  # the queue pickles in a feeder thread, where a failure would only be printed
-            pickle.dumps(value)
-            out.put((rank, "ok", value, None, None))
+        # pickled here, by value: the queue's own pickler passes a tensor's storage as a file
+        # descriptor that the parent fetches from this process, which may have exited by then
+        # ("Connection reset by peer" in the parent); and it pickles in a feeder thread, where
+        # a failure would only be printed
+        try:
+            out.put((rank, "ok", pickle.dumps(value), None, None))
         except Exception as e:
             out.put((rank, "err", type(e).__name__, f"result not picklable: {e}", None))
     out.close()
@@ -178,7 +181,7 @@ def _collect(procs: list[Any], out: Any, world_size: int, timeout_s: float) -> l
                 break
             continue
         results[rank] = (
-            Outcome(rank, value=a)
+            Outcome(rank, value=pickle.loads(a))
             if kind == "ok"
             else Outcome(rank, error_type=a, error=b, traceback=c)
         )

@@ -327,8 +327,9 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "policy.device_weight_nbytes": "modeled device bytes of weights: non-block + slots + "
         "resident blocks",
         "policy.capacity_nbytes": "device bytes the slots and resident blocks may take: "
-        "`device_budget_gb` less the non-block weights, else the free memory less a headroom "
-        "and less the non-block weights still to place; `None` when neither applies",
+        "the room on the device (the free memory; with `device_budget_gb`, at most the budget "
+        "less what the process holds) less a headroom for activations and less the non-block "
+        "weights still to place; `None` when unknown",
         "policy.measured": "the numbers decided from: the minimum over all ranks",
         "policy.measured.h2d_GBps": "host-to-device GB/s of one rank while every rank copies",
         "policy.measured.allgather_GBps": "AllGather output GB/s per weight axis measured",

@@ -20,7 +20,19 @@ digest and the groups compared at the startup agreement. Steps:
 5. the plan's stacks and the config are rewritten with concrete values, so the rest of the
    install sees no ``"auto"``.
 
-Nothing here is journaled: no host or device memory outlives it, and a failure raises on
+[Note: device budget]
+``device_budget_gb`` is everything the run may hold on the device, as on a device of that
+size: weights already there (the process's allocations at enable, the largest over the
+ranks), the non-block weights dlo places, slots, resident blocks, decode staging, and the
+activations and workspace of the forwards. The policy plans against it as against a device
+whose free memory is the budget less what is already held, keeping the same
+``FREE_MEMORY_HEADROOM`` for activations, and enable caps the process's allocator at the
+budget where the platform can (``torch.cuda.set_per_process_memory_fraction``; restored at
+disable), so a run that would not fit such a device fails there too instead of borrowing the
+larger device's memory. A budget above the free memory plans against the free memory. (Until
+2026-12-06 the budget counted the weights only.)
+
+Nothing here is journaled but :func:`cap_to_budget`'s cap: no host or device memory outlives it, and a failure raises on
 every rank (from the exchanges) before the backend has touched the model.
 """
 
@@ -31,12 +43,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from dlo.config.fields import COMPONENTS
+from dlo.config.fields import COMPONENTS, GIB
 from dlo.config.offload import LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.config.unset import for_device, given_only, unset_fields
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import is_dtensor
+from dlo.journal import Journal
 from dlo.parallel.groups import World, axis_groups, weight_group
 from dlo.parallel.store import share
 from dlo.plan.checks import non_block_state
@@ -50,6 +63,16 @@ from dlo.platform.device import Platform
 from dlo.runtime import measure
 
 logger = logging.getLogger(__name__)
+
+
+def cap_to_budget(platform: Platform, budget_gb: float | None, journal: Journal) -> None:
+    """Cap this process's device allocations at ``budget_gb`` where the platform can
+    ([Note: device budget]); the journal lifts the cap at disable or a failed enable."""
+    if budget_gb is None:
+        return
+    undo = platform.cap_memory(int(budget_gb * GIB))
+    if undo is not None:
+        journal.record("device budget cap", undo)
 
 
 def is_automatic(cfg: OffloadConfig) -> bool:
@@ -134,7 +157,7 @@ def policy_world(requested: OffloadConfig, plan: ResolvedOffloadPlan, world: Wor
     where its stacks exchange nothing at enable and only unset fields are automatic (the
     defaults on a GPU). Rank-local ranks hold their own memory, and a job that never asked
     for a collective must not wait on, or fail with, another rank at enable
-    ([Note: automatic by default] in :mod:`dlo.plan.policy`)."""
+    ([Note: automatic by default] in :mod:`dlo.config.unset`)."""
     if world.distributed and not plan.exchanges and not is_automatic(given_only(requested)):
         return World(world.rank, 1, world.backend)
     return world

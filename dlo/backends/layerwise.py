@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from dlo import faults
-from dlo.backends.auto import agree_requests, is_automatic, resolve_automatic
+from dlo.backends.auto import agree_requests, cap_to_budget, is_automatic, resolve_automatic
 from dlo.backends.base import OffloadBackend, claim_components
 from dlo.backends.layer_host import LayerBlock, LayerHost
 from dlo.backends.layer_runtime import (
@@ -263,6 +263,7 @@ class LayerwiseBackend(OffloadBackend):
             if sizing_error is not None:
                 raise sizing_error
             check_stacks(plan.stacks, host_backing=cfg.host_backing)
+            cap_to_budget(self.platform, self.config.device_budget_gb, journal)
             claim_components(
                 [(p, get_by_path(pipeline, p)) for p in plan.streamed_components],
                 f"dlo {self.name} backend #{id(self):x}",
@@ -290,8 +291,7 @@ class LayerwiseBackend(OffloadBackend):
             )
             faults.check("manifest_build")
             report.digest = layer.manifest.digest
-            # the whole layout of every axis in use: equal on every rank of a sound job
-            report.groups = tuple(
+            report.groups = tuple(  # every axis's whole layout: equal on every sound rank
                 tuple(tuple(g) for g in axis_groups(par, a)) for a in sorted(group_ranks)
             )
             t_print = time.perf_counter()  # every block still whole: none packed yet

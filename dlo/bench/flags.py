@@ -93,6 +93,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         + ")",
     )
     p.add_argument("--like-slots", type=int, default=2, help="slots of dlo-ring with --like")
+    p.add_argument(
+        "--budgets",
+        default=None,
+        help="with --like: comma-separated device budgets (GiB); per budget, every method "
+        "under the same allocator cap: resident (where it fits), dlo with no flags, the best "
+        "manual dlo setting of a sweep (dlo-best) and diffusers-group",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

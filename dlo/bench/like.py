@@ -229,7 +229,43 @@ def _run_method(
     elif method == "diffusers-group":
         apply_diffusers_group(model, platform.device, record_stream=True)
     platform.synchronize()
-    setup_s = time.perf_counter() - t0
+    rows = time_rows(
+        model,
+        backend,
+        method,
+        like,
+        platform,
+        dtype,
+        tokens_list,
+        args,
+        reference,
+        setup_s=time.perf_counter() - t0,
+        codec=codec,
+    )
+    if backend is not None:
+        backend.disable()
+    del model, backend
+    _clean(platform)
+    return rows
+
+
+def time_rows(
+    model: nn.Module,
+    backend: Any,
+    method: str,
+    like: Like,
+    platform: Platform,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    args: argparse.Namespace,
+    reference: dict[int, torch.Tensor],
+    *,
+    setup_s: float,
+    codec: str = "none",
+) -> list[dict[str, Any]]:
+    """One row per token count for ``model`` as set up (``backend``: dlo's, or None): the
+    first forward, the steady forwards, the peak, and bitwise against ``reference`` (which
+    the resident method fills)."""
     rows = []
     for tokens in tokens_list:
         inputs = like.inputs(tokens, platform.device, dtype, torch.Generator().manual_seed(1))
@@ -282,10 +318,6 @@ def _run_method(
         rows.append(row)
         logger.warning("%-16s tokens=%-6d %.2f ms", method, tokens, row["median_ms"])
         del inputs, forward
-    if backend is not None:
-        backend.disable()
-    del model, backend
-    _clean(platform)
     return rows
 
 

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
+from dlo.bench.budgets import like_budgets, markdown_budgets
 from dlo.bench.cost import (
     LIKE_DEFAULT_TOKENS,
     bench_cost,
@@ -415,12 +416,18 @@ def main(args: argparse.Namespace) -> int:
         check_args(args)
         check_minimums((("--like-slots", args.like_slots, 1),))
         methods = [m for m in args.methods.split(",") if m]
+        tokens = int_list("--tokens", LIKE_DEFAULT_TOKENS if args.tokens is None else args.tokens)
+        if args.budgets is not None:
+            report = like_budgets(args, tokens, methods)
+            _write(args, report, markdown_budgets(report["results"], capped=report["capped"]))
+            return 0
         if args.methods == ",".join(METHODS):  # the default: the three --like serves
             methods = ["resident", "dlo-ring", "diffusers-group"]
-        tokens = int_list("--tokens", LIKE_DEFAULT_TOKENS if args.tokens is None else args.tokens)
         report = run_like(args, tokens, methods)
         _write(args, report, markdown_like(report))
         return 0
+    if args.budgets is not None:
+        raise ValueError(f"--budgets={args.budgets!r} needs --like NAME")
     report = run_bench(args)
     if current_world().rank == 0:
         _write(args, report, markdown(report))

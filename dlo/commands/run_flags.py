@@ -82,15 +82,15 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         "--num-slots",
         type=int_or_auto,
         default=None,
-        help="device slots the streamed blocks take turns in: an int >= 1 or 'auto' (2, or 3 "
-        "with allgather; fewer where the device has no room) (default: auto on a GPU, 2 on a "
-        "CPU device)",
+        help="device slots the streamed blocks take turns in: an int >= 1 or 'auto' (2, 3 "
+        "with allgather, fewer with no room) (default: auto on a GPU, 2 on a CPU device)",
     )
     r.add_argument(
         "--device-budget-gb",
         type=float,
         default=None,
-        help="device memory for weights per rank (GiB); sizes the resident blocks",
+        help="device memory per rank for everything the run holds (GiB), as on a GPU of that "
+        "size (a fifth kept for activations); sizes the resident blocks, caps the allocator",
     )
     r.add_argument(
         "--block-compute-ms",

@@ -132,7 +132,7 @@ class OffloadConfig:
     """Leading DiT blocks kept on the device instead of streamed; ``"auto"`` keeps as many
     as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom for
     activations, so a model that fits streams nothing. None (unset): ``"auto"`` on a GPU, 0
-    on a CPU device (see [Note: automatic by default] in :mod:`dlo.plan.policy`)."""
+    on a CPU device (see [Note: automatic by default] in :mod:`dlo.config.unset`)."""
     layer_options: Mapping[str, LayerOptions] = field(default_factory=dict, hash=False)
     """Per-component overrides, keyed by component kind."""
     pin_memory: bool = True
@@ -150,9 +150,12 @@ class OffloadConfig:
     1/L of its bytes, and node-shared blocks are served before the rank's private ones);
     None is unlimited."""
     device_budget_gb: float | None = None
-    """Device memory for weights per rank (GiB): non-block weights, slots and resident
-    blocks. Given, it sizes the resident blocks (``resident_layers`` must be 0 or
-    ``"auto"``) and bounds ``num_slots="auto"``; too small for one slot is an error."""
+    """Device memory per rank for everything the run holds (GiB), as on a device of that
+    size: what the process already holds, non-block weights, slots, resident blocks, decode
+    staging, and a fifth kept for activations and workspace; on a GPU the allocator is capped
+    at it until disable (see [Note: device budget] in :mod:`dlo.backends.auto`). Given, it
+    sizes the resident blocks (``resident_layers`` must be unset, 0 or ``"auto"``) and bounds
+    ``num_slots="auto"``; too small for one slot is an error."""
     block_compute_ms: float | None = None
     """Expected device time of one streamed DiT block's forward under the workload (ms;
     ``dlo bench`` prints it as "resident compute per block"). Automatic settings only: with

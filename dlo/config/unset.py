@@ -1,8 +1,28 @@
 """Offload settings left unset, resolved for the device at enable.
 
-``OffloadConfig`` leaves ``resident_layers`` and ``num_slots`` unset (None) by default; enable
-resolves them here before anything else (see [Note: automatic by default] in
-:mod:`dlo.plan.policy`). Pure: nothing here reads a device or a process group.
+Pure: nothing here reads a device or a process group.
+
+[Note: automatic by default]
+``OffloadConfig()`` leaves ``resident_layers`` and ``num_slots`` unset (None), and enable
+resolves them for the device before anything else (:func:`for_device`): on a GPU both are
+``"auto"``, so a user who sets nothing gets the policy of :mod:`dlo.plan.policy`, and where the whole DiT fits the
+free device memory less the activation headroom every block is resident and nothing streams
+(a FLUX.1-dev folder on one 80 GB GPU streamed every block under the old defaults, 2.4x
+slower than ``resident_layers="auto"``, H100, 2026-12-05). A value given, ``"auto"``
+included, is kept as given. A CPU device has no memory apart from the host, so there the
+unset values are 0 resident blocks and 2 slots: the CPU lane streams every block, as the GPU
+path it tests, with no probe at enable. (A ``device_budget_gb`` still sizes the resident
+blocks when ``resident_layers`` is 0, given or unset, as it always has.)
+
+Ranks whose stacks exchange nothing at enable (every stack rank-local) and that leave only
+unset fields to the policy decide alone, from their own measurements, with no store exchange
+(:func:`dlo.backends.auto.policy_world`): such a job asked for no collective, so one rank's
+failure at enable must not reach the others, and a rank's resident blocks are its own
+business. An explicit ``"auto"``, a budget or an exchanging stack keeps the group-wide
+decision ([Note: one set of numbers]). Ranks of one job must still ask alike: a rank-local
+rank with an explicit ``"auto"`` waits in the request exchange for a peer that left the field
+unset (and so decides alone) until ``collective_timeout_s``, as one with ``"auto"`` against
+one with 0 always has.
 """
 
 from __future__ import annotations

@@ -44,33 +44,12 @@ blocks in the budget: the third slot is one block's bytes, and it helps every st
 
 Memory. Device weight bytes are the non-block weights, ``num_slots`` slots of the largest
 padded streamed block, and the padded bytes of every resident block. The capacity is
-``device_budget_gb`` when given, else ``(1 - FREE_MEMORY_HEADROOM)`` of the free device
-memory minus the non-block weights not yet on the device (the headroom is left for
-activations, the allocator and communication buffers). ``resident_layers="auto"`` keeps the
+``(1 - FREE_MEMORY_HEADROOM)`` of the room left on the device minus the non-block weights not
+yet on it (the headroom is left for activations, the allocator and communication buffers);
+the room is the free device memory, and with a ``device_budget_gb`` at most the budget less
+what the process already holds ([Note: device budget]). ``resident_layers="auto"`` keeps the
 largest number r of leading blocks of each eligible DiT whose total fits, scanning every r
 (the slot shrinks once the largest block is resident, so the cost is not monotonic in r).
-
-[Note: automatic by default]
-``OffloadConfig()`` leaves ``resident_layers`` and ``num_slots`` unset (None), and enable
-resolves them for the device before anything else (:mod:`dlo.config.unset`): on a GPU both
-are ``"auto"``, so a user who sets nothing gets this policy, and where the whole DiT fits the
-free device memory less the activation headroom every block is resident and nothing streams
-(a FLUX.1-dev folder on one 80 GB GPU streamed every block under the old defaults, 2.4x
-slower than ``resident_layers="auto"``, H100, 2026-12-05). A value given, ``"auto"``
-included, is kept as given. A CPU device has no memory apart from the host, so there the
-unset values are 0 resident blocks and 2 slots: the CPU lane streams every block, as the GPU
-path it tests, with no probe at enable. (A ``device_budget_gb`` still sizes the resident
-blocks when ``resident_layers`` is 0, given or unset, as it always has.)
-
-Ranks whose stacks exchange nothing at enable (every stack rank-local) and that leave only
-unset fields to the policy decide alone, from their own measurements, with no store exchange
-(:func:`dlo.backends.auto.policy_world`): such a job asked for no collective, so one rank's
-failure at enable must not reach the others, and a rank's resident blocks are its own
-business. An explicit ``"auto"``, a budget or an exchanging stack keeps the group-wide
-decision ([Note: one set of numbers]). Ranks of one job must still ask alike: a rank-local
-rank with an explicit ``"auto"`` waits in the request exchange for a peer that left the field
-unset (and so decides alone) until ``collective_timeout_s``, as one with ``"auto"`` against
-one with 0 always has.
 """
 
 from __future__ import annotations
@@ -255,6 +234,20 @@ def _weights(
     return slot, allocated_slots(stacks, resident, num_slots) * slot + resident_nbytes + staging
 
 
+def _room(inp: PolicyInput) -> tuple[int | None, int]:
+    """The device bytes this run may still take (the free memory, capped by the budget less
+    what the process holds: [Note: device budget]) and the held bytes counted."""
+    m = inp.measured
+    held = m.held_device_nbytes
+    if held is None:  # unknown (a CPU device): the non-block weights already there
+        held = inp.non_block_nbytes - inp.non_block_to_place_nbytes
+    room = m.free_device_nbytes
+    if inp.device_budget_gb is not None:
+        left = max(0, int(inp.device_budget_gb * GIB) - held)
+        room = left if room is None else min(room, left)
+    return room, held
+
+
 def decide(inp: PolicyInput) -> PolicyDecision:
     """The automatic settings for ``inp`` (see [Note: policy model]). Deterministic.
 
@@ -296,13 +289,12 @@ def decide(inp: PolicyInput) -> PolicyDecision:
             cycle_slots = max(cycle_slots, slots_needed(lat, occ, None))
 
     budget = int(inp.device_budget_gb * GIB) if inp.device_budget_gb is not None else None
+    room, held = _room(inp)
     capacity: int | None = None
-    if budget is not None:
-        capacity = budget - inp.non_block_nbytes
-    elif m.free_device_nbytes is not None and (
-        inp.resident_layers == "auto" or inp.num_slots == "auto"
+    if room is not None and (
+        budget is not None or inp.resident_layers == "auto" or inp.num_slots == "auto"
     ):
-        usable = int(m.free_device_nbytes * (1 - FREE_MEMORY_HEADROOM))
+        usable = int(room * (1 - FREE_MEMORY_HEADROOM))
         capacity = usable - inp.non_block_to_place_nbytes
 
     # candidate resident splits: every per-DiT count when "auto", else the explicit one
@@ -341,10 +333,14 @@ def decide(inp: PolicyInput) -> PolicyDecision:
         need = min(
             _weights(inp.stacks, choices, split, num_slots, chunk)[1] for split in splits.values()
         )
+        reserve = FREE_MEMORY_HEADROOM
+        total = (held + inp.non_block_to_place_nbytes + need) / (1 - reserve)
         raise ValueError(
-            f"device_budget_gb={inp.device_budget_gb!r} cannot hold the non-block weights "
-            f"({_size(inp.non_block_nbytes)}) and {num_slots} slot(s) "
-            f"({_size(need)}): {_size(need + inp.non_block_nbytes)} needed"
+            f"device_budget_gb={inp.device_budget_gb!r} cannot hold what the run needs on "
+            f"the device: {_size(held)} already there, the non-block weights still to place "
+            f"({_size(inp.non_block_to_place_nbytes)}) and {num_slots} slot(s) "
+            f"({_size(need)}), with {reserve:.0%} kept for activations: at least "
+            f"{_size(int(total))} needed"
         )
     if inp.resident_layers == "auto":
         # the cost is not monotonic in r (the slot shrinks once the largest block is
@@ -373,8 +369,12 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     if allocated < num_slots:
         slot_note += f"; {allocated} allocated, one per streamed block"
     lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
-    if budget is not None:
-        bound = f" (device_budget_gb: {_size(budget)})"
+    if budget is not None and capacity is not None:
+        bound = (
+            f" (device_budget_gb {_size(budget)} less {_size(held)} already held, less "
+            f"{FREE_MEMORY_HEADROOM:.0%} for activations: "
+            f"{_size(capacity + inp.non_block_nbytes)})"
+        )
     elif capacity is not None:
         bound = f" (free memory less headroom: {_size(capacity + inp.non_block_nbytes)})"
     else:

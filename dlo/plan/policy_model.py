@@ -43,6 +43,9 @@ class Measurements:
     """Weight axis -> AllGather output bytes per second of that axis's group."""
     free_device_nbytes: int | None = None
     """Free device memory at enable, before dlo allocates (None: unknown)."""
+    held_device_nbytes: int | None = None
+    """Device bytes the process held at enable, the largest over the ranks (None: unknown;
+    a ``device_budget_gb`` counts them)."""
     shared_memory_nbytes: int | None = None
     """Free bytes in the shared-memory folder of the fullest node (None: unknown)."""
     num_ranks: int = 1
@@ -101,7 +104,8 @@ class PolicyInput:
     resident_layers: int | str = 0
     """``"auto"`` is decided; an int is kept (the stacks' ``num_resident``)."""
     device_budget_gb: float | None = None
-    """``OffloadConfig.device_budget_gb`` (GiB of device memory for weights)."""
+    """``OffloadConfig.device_budget_gb``: GiB of device memory for everything the run holds
+    (see [Note: device budget])."""
     non_block_nbytes: int = 0
     """Non-block weights of the streamed components and resident modules (device bytes)."""
     non_block_to_place_nbytes: int = 0

@@ -145,6 +145,16 @@ class Platform:
         """Free device memory in bytes now (None where unknown)."""
         return None
 
+    def held_memory(self) -> int | None:
+        """Device bytes this process holds in tensors now (None where unknown)."""
+        return None
+
+    def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
+        """Cap this process's device allocations at ``nbytes`` (a device budget: a larger
+        allocation fails as on a device of that size); returns the undo, or None where the
+        platform cannot cap (the CPU)."""
+        return None
+
     @property
     def dist_backend(self) -> str:
         """The process-group backend that serves this device."""
@@ -274,6 +284,16 @@ class CudaPlatform(Platform):
     def free_memory(self) -> int | None:
         free, _total = torch.cuda.mem_get_info(self.device)
         return int(free)
+
+    def held_memory(self) -> int | None:
+        return int(torch.cuda.memory_allocated(self.device))
+
+    def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        before = float(get(self.device)) if get is not None else 1.0
+        torch.cuda.set_per_process_memory_fraction(min(before, nbytes / total), self.device)
+        return lambda: torch.cuda.set_per_process_memory_fraction(before, self.device)
 
     @property
     def dist_backend(self) -> str:

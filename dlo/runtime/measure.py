@@ -174,6 +174,8 @@ class RankMeasurement:
     h2d_bps: float = 0.0
     allgather_bps: dict[str, float] = field(default_factory=dict)
     free_device_nbytes: int | None = None
+    held_device_nbytes: int | None = None
+    """Device bytes this process held at enable (None: unknown; a device budget counts it)."""
     shared_memory_nbytes: int | None = None
     """Free bytes in this node's shared-memory folder (for a node-shared copy)."""
     host: str = ""
@@ -206,6 +208,7 @@ def measure_rank(
     )
     try:
         m.free_device_nbytes = platform.free_memory()
+        m.held_device_nbytes = platform.held_memory()
         m.shared_memory_nbytes = shared_memory_free_nbytes()
         m.host = host_name()
         m.h2d_bps = h2d_bandwidth(platform, nbytes, pinned=pinned)
@@ -252,12 +255,14 @@ def combine(records: Sequence[RankMeasurement]) -> Measurements:
     axes = sorted({a for r in records for a in r.allgather_bps})
     free = [r.free_device_nbytes for r in records if r.free_device_nbytes is not None]
     shm = [r.shared_memory_nbytes for r in records if r.shared_memory_nbytes is not None]
+    held = [r.held_device_nbytes for r in records if r.held_device_nbytes is not None]
     return Measurements(
         h2d_bps=min(r.h2d_bps for r in records),
         allgather_bps={
             a: min(r.allgather_bps[a] for r in records if a in r.allgather_bps) for a in axes
         },
         free_device_nbytes=min(free) if len(free) == len(records) else None,
+        held_device_nbytes=max(held) if len(held) == len(records) else None,
         shared_memory_nbytes=min(shm) if len(shm) == len(records) else None,
         num_ranks=len(records),
     )

@@ -39,3 +39,45 @@ def test_bench_like_refuses_bad_input_naming_it(
 ) -> None:
     assert main(["bench", "--like", "tiny-flux", "--reps", "1", *flags]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_bench_like_budgets_rows_per_budget(tmp_path: Path) -> None:
+    """Issue 35 item 5 on the CPU (no allocator cap here: the plumbing, not the numbers):
+    per budget, resident where the weights fit, dlo with no flags planned against the
+    budget, the best setting of the sweep, each bitwise against resident; a budget nothing
+    fits under is a row that says so, not a crash."""
+    out = tmp_path / "budgets.json"
+    argv = ["bench", "--like", "tiny-flux", "--tokens", "16", "--reps", "1", "--warmup", "0"]
+    assert main([*argv, "--budgets", "0.0001,1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["capped"] is False
+    rows = {(r["budget_gb"], r["method"]): r for r in report["results"]}
+    assert set(rows) == {(b, m) for b in (0.0001, 1.0) for m in ("resident", "dlo", "dlo-best")}
+    assert "exceed the budget" in rows[(0.0001, "resident")]["failed"]
+    assert "device_budget_gb=0.0001 cannot hold" in rows[(0.0001, "dlo")]["failed"]
+    dlo, best = rows[(1.0, "dlo")], rows[(1.0, "dlo-best")]
+    assert dlo["num_streamed_blocks"] == 0  # the tiny model fits 1 GiB: nothing streams
+    assert dlo["bitwise_vs_resident"] is True and best["bitwise_vs_resident"] is True
+    assert best["swept"] == len([s for s in report["sweep"] if s["budget_gb"] == 1.0])
+    assert best["median_ms"] == min(
+        s["median_ms"] for s in report["sweep"] if s["budget_gb"] == 1.0
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--budgets", "0"], "--budgets='0': expected GiB > 0"),
+        (["--budgets", "24", "--methods", "dlo-ring"], "'dlo-ring' is not one of"),
+    ],
+)
+def test_bench_budgets_refuse_bad_input_naming_it(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--like", "tiny-flux", "--reps", "1", *flags]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_budgets_need_like(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--budgets", "24"]) != 0
+    assert "--budgets='24' needs --like NAME" in capsys.readouterr().err

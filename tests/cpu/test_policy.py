@@ -247,14 +247,15 @@ def test_the_explanation_calls_only_untouched_knobs_the_default(
 
 
 def test_budget_sizes_resident_blocks_identically() -> None:
-    # a budget that holds about half of the toy's blocks beside two slots
-    cfg = {"transfer": "rank-local", "device_budget_gb": 12_000 / (1 << 30)}
+    # a budget that holds about half of the toy's blocks beside two slots, the non-block
+    # weights and the fifth kept for activations ([Note: device budget])
+    cfg = {"transfer": "rank-local", "device_budget_gb": 16_000 / (1 << 30)}
     res = assert_all_ok(run_ranks(_auto, 2, None, cfg, timeout_s=120))
     assert all(r["same"] for r in res)
     assert res[0]["policy"] == res[1]["policy"]
     n = res[0]["num_resident"]
     assert 0 < n < 5 and res[1]["num_resident"] == n
-    assert res[0]["policy"]["device_weight_nbytes"] <= 12_000
+    assert res[0]["policy"]["device_weight_nbytes"] <= 16_000
 
 
 def _gpu_defaults(rank: int, world: int, free: dict[int, int], cfg_kw: dict[str, Any]) -> Any:

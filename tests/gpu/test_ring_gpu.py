@@ -252,3 +252,28 @@ def test_hundred_cycles_return_device_and_pinned_memory() -> None:
     # the model's own weights went back to the device they came from (CPU): nothing of dlo's
     # stays allocated, and cycle 99 holds what cycle 10 held
     assert seen[99] == seen[10] <= base + (1 << 20), (base, seen[10], seen[99])
+
+
+def test_the_device_budget_caps_the_allocator_until_disable() -> None:
+    """[Note: device budget]: under device_budget_gb the process allocates as on a device of
+    that size (a larger tensor fails), the run stays bitwise, and disable lifts the cap."""
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(DEV)
+    model = ToyDiT(5, dim=256)
+    ref = _steps(clone(model).to(DEV), 2, dim=256)
+    budget_gb = 2.0
+    held = torch.cuda.memory_allocated(DEV)
+    b = _enable(model, resident_layers=None, device_budget_gb=budget_gb)
+    try:
+        cap = torch.cuda.get_per_process_memory_fraction(DEV)
+        assert cap == pytest.approx(min(before, budget_gb * 2**30 / total))
+        st = b.stats()
+        assert st["num_resident_blocks"] == 5  # the toy fits the budget: nothing streams
+        assert "device_budget_gb 2.00 GiB less" in st["policy"]["explanation"]
+        assert all(torch.equal(a, c) for a, c in zip(ref, _steps(model, 2, dim=256)))
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(int(budget_gb * 2**30) - held, dtype=torch.uint8, device=DEV)
+    finally:
+        b.disable()
+    assert torch.cuda.get_per_process_memory_fraction(DEV) == before
+    torch.empty(int(budget_gb * 2**30), dtype=torch.uint8, device=DEV)  # lifted

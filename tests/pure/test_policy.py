@@ -364,9 +364,16 @@ def test_explicit_slots_are_kept(n: int) -> None:
     assert decide(_input(_stack(), num_slots=n)).num_slots == n
 
 
+def _budget(weights: int, held: int = 0) -> float:
+    """The device_budget_gb whose room holds ``weights`` of slots and resident blocks beside
+    ``held`` bytes already on the device and the activation headroom ([Note: device
+    budget])."""
+    return (held + math.ceil(weights / (1 - FREE_MEMORY_HEADROOM)) + 1024) / GIB
+
+
 def test_auto_slots_shrink_to_fit_the_budget() -> None:
     slot = padded_nbytes(64 * MIB, 2, 64 * MIB)
-    budget = (2 * slot + MIB) / GIB  # room for two slots, not three
+    budget = _budget(2 * slot + MIB)  # room for two slots, not three
     d = decide(_input(_stack((64 * MIB,) * 4), num_slots="auto", device_budget_gb=budget))
     assert d.num_slots == 2 and d.resident_layers == 0
 
@@ -376,7 +383,7 @@ def test_auto_slots_shrink_to_fit_the_budget() -> None:
 def test_budget_keeps_as_many_leading_blocks_as_fit(k: int) -> None:
     n, size, non_block = 10, 16 * MIB, 5 * MIB
     p = padded_nbytes(size, 2, 64 * MIB)
-    budget = (non_block + 2 * p + k * p + p // 2) / GIB
+    budget = _budget(2 * p + k * p + p // 2, held=non_block)
     d = decide(
         _input(
             _stack((size,) * n),
@@ -398,9 +405,9 @@ def test_all_blocks_resident_frees_the_slots() -> None:
     stack = _stack(sizes, transfer="rank-local")
     # r=0: 2*4 = 8; r=1: 4+2 = 6; r=2: 5+2 = 7; r=3: 6+2 = 8; r=4: 7 + 0 slots
     everything = sum(pad)
-    d = decide(_input(stack, resident_layers="auto", device_budget_gb=everything / GIB))
+    d = decide(_input(stack, resident_layers="auto", device_budget_gb=_budget(everything)))
     assert d.resident_layers == 4 and d.slot_nbytes == 0
-    d = decide(_input(stack, resident_layers="auto", device_budget_gb=(pad[0] + 2 * pad[1]) / GIB))
+    d = decide(_input(stack, resident_layers="auto", device_budget_gb=_budget(pad[0] + 2 * pad[1])))
     assert d.resident_layers == 1 and d.slot_nbytes == pad[1]
 
 
@@ -640,7 +647,7 @@ def test_slots_beyond_the_streamed_blocks_are_neither_allocated_nor_budgeted() -
     """Issue 26 item 6: ``num_slots`` may ask for more slots than blocks stream; the budget
     and the explanation count one slot per streamed block."""
     stack = _stack((64 * MIB,) * 3, group_size=1, transfer="rank-local")
-    budget = (3 * 64 * MIB + 8 * MIB) / GIB  # three slots, not a thousand
+    budget = _budget(3 * 64 * MIB + 8 * MIB)  # three slots, not a thousand
     d = decide(_input(stack, num_slots=1000, device_budget_gb=budget))
     assert d.num_slots == 1000
     assert d.device_weight_nbytes == 3 * d.slot_nbytes
