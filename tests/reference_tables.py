@@ -337,6 +337,9 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "fullest node (`None`: unknown)",
         "policy.measured.free_device_nbytes": "free device memory at enable, before dlo "
         "allocates (`None`: unknown)",
+        "policy.measured.held_device_nbytes": "device bytes the process held at enable, "
+        "blocks enable moves off excluded, the largest over the ranks (`None`: unknown); a "
+        "device budget counts them",
         "policy.measured.num_ranks": "ranks that measured",
         "policy.explanation": "the text `dlo run --explain` prints",
         "policy.per_rank": "each rank's own measurements, in rank order",
@@ -344,6 +347,7 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "policy.per_rank[].h2d_GBps": "its host-to-device GB/s",
         "policy.per_rank[].allgather_GBps": "its AllGather GB/s per weight axis",
         "policy.per_rank[].free_device_nbytes": "its free device memory",
+        "policy.per_rank[].held_device_nbytes": "the device bytes it held at enable",
         "policy.per_rank[].shared_memory_nbytes": "free bytes of its node's shared-memory folder",
         "policy.per_rank[].non_block_nbytes": "its non-block weight bytes (the policy budgets "
         "for the largest)",

@@ -29,7 +29,13 @@ whose free memory is the budget less what is already held, keeping the same
 ``FREE_MEMORY_HEADROOM`` for activations, and enable caps the process's allocator at the
 budget where the platform can (``torch.cuda.set_per_process_memory_fraction``; restored at
 disable), so a run that would not fit such a device fails there too instead of borrowing the
-larger device's memory. A budget above the free memory plans against the free memory. (Until
+larger device's memory. A budget above the free memory plans against the free memory. Blocks
+already on the device at enable do not count as held (enable moves them off). The cap covers
+PyTorch's caching allocator only (not the CUDA context or NCCL's buffers), and budgets
+stack: the smallest in force binds (:mod:`dlo.platform.memory_cap`); ``disable(restore=True)``
+lifts it before gathering whole blocks back. Known gap: under HSDP the non-block weights are
+counted at their shard size, but FSDP2 keeps them unsharded on the device after the first
+forward (``reshard_after_forward=False``), so a tight budget can run out there. (Until
 2026-12-06 the budget counted the weights only.)
 
 Nothing here is journaled but :func:`cap_to_budget`'s cap: no host or device memory outlives it, and a failure raises on
@@ -39,8 +45,9 @@ every rank (from the exchanges) before the backend has touched the model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dlo.config.fields import COMPONENTS, GIB
@@ -49,10 +56,11 @@ from dlo.config.parallel import ParallelConfig
 from dlo.config.unset import for_device, given_only, unset_fields
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import is_dtensor
-from dlo.journal import Journal
+from dlo.journal import Journal, atomic
 from dlo.parallel.groups import World, axis_groups, weight_group
 from dlo.parallel.store import share
 from dlo.plan.checks import non_block_state
+from dlo.plan.declarations import get_by_path
 from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.layers import TensorDescription, payload_nbytes
 from dlo.plan.policy import decide
@@ -65,14 +73,24 @@ from dlo.runtime import measure
 logger = logging.getLogger(__name__)
 
 
-def cap_to_budget(platform: Platform, budget_gb: float | None, journal: Journal) -> None:
+def cap_to_budget(
+    platform: Platform, budget_gb: float | None, journal: Journal
+) -> Callable[[], None]:
     """Cap this process's device allocations at ``budget_gb`` where the platform can
-    ([Note: device budget]); the journal lifts the cap at disable or a failed enable."""
-    if budget_gb is None:
-        return
-    undo = platform.cap_memory(int(budget_gb * GIB))
-    if undo is not None:
-        journal.record("device budget cap", undo)
+    ([Note: device budget]); the journal lifts the cap at disable or a failed enable, and
+    the returned undo (idempotent; a no-op where nothing was capped) lifts it earlier: a
+    restore gathers whole blocks."""
+    undo = None
+    if budget_gb is not None:
+        with atomic():  # the cap and the record of its undo, or neither
+            undo = platform.cap_memory(int(budget_gb * GIB))
+            if undo is not None:
+                journal.record("device budget cap", undo)
+    return undo if undo is not None else _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 def is_automatic(cfg: OffloadConfig) -> bool:
@@ -256,6 +274,7 @@ def resolve_automatic(
         groups=groups,
         non_block_nbytes=inp.non_block_nbytes,
         non_block_to_place_nbytes=inp.non_block_to_place_nbytes,
+        leaving_nbytes=_blocks_on(pipeline, plan, platform),
     )
     measured, records = measure.agree(
         mine, world_size=world.size, timeout_s=cfg.collective_timeout_s
@@ -286,12 +305,27 @@ def resolve_automatic(
             "h2d_GBps": r.h2d_bps / measure.GB,
             "allgather_GBps": {a: v / measure.GB for a, v in sorted(r.allgather_bps.items())},
             "free_device_nbytes": r.free_device_nbytes,
+            "held_device_nbytes": r.held_device_nbytes,
             "shared_memory_nbytes": r.shared_memory_nbytes,
             "non_block_nbytes": r.non_block_nbytes,
         }
         for r in records
     ]
     return _concrete_config(cfg, decision), _concrete_plan(plan, decision), record
+
+
+def _blocks_on(pipeline: Any, plan: ResolvedOffloadPlan, platform: Platform) -> int:
+    """Bytes of the plan's blocks on the device now: enable moves them off, so the device
+    memory the process holds at enable does not count them ([Note: device budget])."""
+    seen: set[int] = set()
+    total = 0
+    for path in plan.all_block_paths:
+        module = get_by_path(pipeline, path)
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            if id(t) not in seen and t.device == platform.device:
+                seen.add(id(t))
+                total += tensor_nbytes(t)
+    return total
 
 
 def _policy_input(

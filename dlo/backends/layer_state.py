@@ -3,6 +3,7 @@ and what it moved (DESIGN.md section 2 names the keys every backend reports)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ class LayerState:
     """Of the enable: the pinning left after the last block was filled."""
     enable_peak_rss: int = 0
     policy: dict[str, Any] | None = None
+    uncap: Callable[[], None] = lambda: None
+    """Lifts the device budget's allocator cap (idempotent; the journal runs it too)."""
     """The automatic policy's record (``stats()["policy"]``), None without one."""
 
     @property

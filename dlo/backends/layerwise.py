@@ -103,9 +103,7 @@ class LayerwiseBackend(OffloadBackend):
 
     def __init__(self, config: OffloadConfig, parallel: ParallelConfig, platform: Platform) -> None:
         super().__init__()
-        self.config = config
-        self.parallel = parallel
-        self.platform = platform
+        self.config, self.parallel, self.platform = config, parallel, platform
         self.world: World = current_world()
         if self.world.size > 1:
             announce(self.world.rank)  # [Note: naming a missing rank]
@@ -145,14 +143,14 @@ class LayerwiseBackend(OffloadBackend):
         Args:
             restore: also gather every AllGather block back into ordinary tensors on its
                 original device, so the model runs without dlo and can be enabled again (a
-                collective: every rank of the group calls it). Without it a block of an
-                AllGather stack keeps empty placeholders, and its forward raises an
-                :class:`~dlo.OffloadError` saying so (see [Note: what disable restores]).
+                collective: every rank calls it). Without it an AllGather block keeps empty
+                placeholders and its forward raises :class:`~dlo.OffloadError` ([Note: what
+                disable restores]); a device budget's cap is lifted first.
 
         Raises:
-            dlo.OffloadError: another thread is running a block's forward, or restore=True
-                from inside a forward (nothing changed); a restore that failed (the backend
-                is disabled, the blocks it did not gather are released, and it is poisoned).
+            dlo.OffloadError: a block's forward runs in another thread, or restore=True inside
+                a forward (nothing changed); a restore failed (disabled, poisoned, the blocks
+                not gathered released).
         """
         sched, failed = self._state.scheduler, None
         if sched is not None and self.is_enabled():
@@ -176,6 +174,7 @@ class LayerwiseBackend(OffloadBackend):
         state = self._state
         assert state.host is not None and state.transports is not None
         try:
+            state.uncap()  # whole blocks come back: not under the device budget's cap
             with torch.inference_mode(False):  # [Note: no inference tensors]
                 restore_gathered(self.platform, state.host, state.transports)
         except BaseException as e:
@@ -263,7 +262,7 @@ class LayerwiseBackend(OffloadBackend):
             if sizing_error is not None:
                 raise sizing_error
             check_stacks(plan.stacks, host_backing=cfg.host_backing)
-            cap_to_budget(self.platform, self.config.device_budget_gb, journal)
+            state.uncap = cap_to_budget(self.platform, self.config.device_budget_gb, journal)
             claim_components(
                 [(p, get_by_path(pipeline, p)) for p in plan.streamed_components],
                 f"dlo {self.name} backend #{id(self):x}",

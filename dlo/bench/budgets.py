@@ -35,6 +35,9 @@ from dlo.bench.methods import METHODS, _clean, codec_list, manual_codecs
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.fields import GIB
 from dlo.config.offload import OffloadConfig
+from dlo.config.parallel import ParallelConfig
+from dlo.errors import OffloadError
+from dlo.plan.topology import resolve_offload_plan
 from dlo.platform.device import Platform, get_platform
 
 logger = logging.getLogger(__name__)
@@ -206,7 +209,8 @@ def _budget_rows(
                 num_slots=st.get("num_slots", 0),
                 **extra,
             )
-        except (torch.OutOfMemoryError, ValueError) as e:  # ValueError: a budget refused
+        except (torch.OutOfMemoryError, ValueError, OffloadError) as e:  # a budget refused,
+            # or a probe or allocation of enable ran out under the cap
             return failed(method, f"{type(e).__name__}: {str(e)[:200]}", **extra)
         finally:
             if backend is not None:
@@ -242,8 +246,8 @@ def _budget_rows(
     auto = dlo_rows(OffloadConfig(device_budget_gb=budget), "dlo")
     rows += auto
     if "dlo-best" in methods:
-        r_auto = auto[0].get("num_resident_blocks", 0)
-        n = r_auto + auto[0].get("num_streamed_blocks", 0)
+        n = len(resolve_offload_plan(model, OffloadConfig(), ParallelConfig()).all_block_paths)
+        r_auto = auto[0].get("num_resident_blocks", 0)  # 0 where the dlo row failed
         tried: list[dict[str, Any]] = []
         for codec in manual_codecs(codec_list(getattr(args, "codec", "none"))):
             for r in sweep_counts(n, r_auto):

@@ -333,14 +333,17 @@ def decide(inp: PolicyInput) -> PolicyDecision:
         need = min(
             _weights(inp.stacks, choices, split, num_slots, chunk)[1] for split in splits.values()
         )
-        reserve = FREE_MEMORY_HEADROOM
-        total = (held + inp.non_block_to_place_nbytes + need) / (1 - reserve)
+        reserve, free = FREE_MEMORY_HEADROOM, m.free_device_nbytes
+        total = held + (inp.non_block_to_place_nbytes + need) / (1 - reserve)
+        limit = f"device_budget_gb={inp.device_budget_gb!r}"
+        if free is not None and free < budget - held:  # the device, not the budget, binds
+            limit += f" (the device has only {_size(free)} free)"
         raise ValueError(
-            f"device_budget_gb={inp.device_budget_gb!r} cannot hold what the run needs on "
-            f"the device: {_size(held)} already there, the non-block weights still to place "
-            f"({_size(inp.non_block_to_place_nbytes)}) and {num_slots} slot(s) "
-            f"({_size(need)}), with {reserve:.0%} kept for activations: at least "
-            f"{_size(int(total))} needed"
+            f"{limit} cannot hold what the run needs on the device: {_size(held)} already "
+            f"there, the non-block weights still to place "
+            f"({_size(inp.non_block_to_place_nbytes)}) and {num_slots} slot(s) and resident "
+            f"blocks ({_size(need)}), with {reserve:.0%} of the rest kept for activations: a "
+            f"budget of at least {_size(int(total))} and as much free memory"
         )
     if inp.resident_layers == "auto":
         # the cost is not monotonic in r (the slot shrinks once the largest block is
@@ -371,9 +374,9 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
     if budget is not None and capacity is not None:
         bound = (
-            f" (device_budget_gb {_size(budget)} less {_size(held)} already held, less "
-            f"{FREE_MEMORY_HEADROOM:.0%} for activations: "
-            f"{_size(capacity + inp.non_block_nbytes)})"
+            f" (device_budget_gb {_size(budget)}: at most {_size(capacity + inp.non_block_nbytes)}"
+            f" of weights, {_size(held)} held at enable, {FREE_MEMORY_HEADROOM:.0%} of the "
+            "rest kept for activations)"
         )
     elif capacity is not None:
         bound = f" (free memory less headroom: {_size(capacity + inp.non_block_nbytes)})"

@@ -185,6 +185,7 @@ class PolicyDecision:
                 "h2d_GBps": m.h2d_bps / GB,
                 "allgather_GBps": {k: v / GB for k, v in sorted(m.allgather_bps.items())},
                 "free_device_nbytes": m.free_device_nbytes,
+                "held_device_nbytes": m.held_device_nbytes,
                 "shared_memory_nbytes": m.shared_memory_nbytes,
                 "num_ranks": m.num_ranks,
             },

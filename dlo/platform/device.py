@@ -151,8 +151,8 @@ class Platform:
 
     def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
         """Cap this process's device allocations at ``nbytes`` (a device budget: a larger
-        allocation fails as on a device of that size); returns the undo, or None where the
-        platform cannot cap (the CPU)."""
+        allocation fails as on a device of that size); returns the undo (idempotent), or None
+        where the platform cannot cap (the CPU; :mod:`dlo.platform.memory_cap`)."""
         return None
 
     @property
@@ -289,11 +289,9 @@ class CudaPlatform(Platform):
         return int(torch.cuda.memory_allocated(self.device))
 
     def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        before = float(get(self.device)) if get is not None else 1.0
-        torch.cuda.set_per_process_memory_fraction(min(before, nbytes / total), self.device)
-        return lambda: torch.cuda.set_per_process_memory_fraction(before, self.device)
+        from dlo.platform.memory_cap import cap
+
+        return cap(self.device, nbytes)
 
     @property
     def dist_backend(self) -> str:

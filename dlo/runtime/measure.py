@@ -195,12 +195,14 @@ def measure_rank(
     groups: Mapping[str, Any],
     non_block_nbytes: int = 0,
     non_block_to_place_nbytes: int = 0,
+    leaving_nbytes: int = 0,
 ) -> RankMeasurement:
     """This rank's numbers: free device memory (first, before the probes allocate), pinned
     H2D while the other ranks copy too, then the AllGather of each weight group in
     ``groups`` (axis -> communicator; every rank of a group must probe it). A local failure
     is caught and reported; the gathers still run so no peer waits on this rank. The
-    non-block byte counts are this rank's sizing, published with the measurements."""
+    non-block byte counts are this rank's sizing, published with the measurements;
+    ``leaving_nbytes`` are the device bytes of blocks enable will move off the device."""
     m = RankMeasurement(
         rank,
         non_block_nbytes=non_block_nbytes,
@@ -208,7 +210,8 @@ def measure_rank(
     )
     try:
         m.free_device_nbytes = platform.free_memory()
-        m.held_device_nbytes = platform.held_memory()
+        held = platform.held_memory()  # less the blocks enable moves off the device
+        m.held_device_nbytes = None if held is None else max(0, held - leaving_nbytes)
         m.shared_memory_nbytes = shared_memory_free_nbytes()
         m.host = host_name()
         m.h2d_bps = h2d_bandwidth(platform, nbytes, pinned=pinned)

@@ -269,7 +269,7 @@ def test_the_device_budget_caps_the_allocator_until_disable() -> None:
         assert cap == pytest.approx(min(before, budget_gb * 2**30 / total))
         st = b.stats()
         assert st["num_resident_blocks"] == 5  # the toy fits the budget: nothing streams
-        assert "device_budget_gb 2.00 GiB less" in st["policy"]["explanation"]
+        assert "device_budget_gb 2.00 GiB: at most" in st["policy"]["explanation"]
         assert all(torch.equal(a, c) for a, c in zip(ref, _steps(model, 2, dim=256)))
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(int(budget_gb * 2**30) - held, dtype=torch.uint8, device=DEV)
@@ -277,3 +277,25 @@ def test_the_device_budget_caps_the_allocator_until_disable() -> None:
         b.disable()
     assert torch.cuda.get_per_process_memory_fraction(DEV) == before
     torch.empty(int(budget_gb * 2**30), dtype=torch.uint8, device=DEV)  # lifted
+
+
+def test_two_budgets_stack_and_unwind_in_either_order() -> None:
+    """dlo.platform.memory_cap on the device: the smaller budget binds while both are
+    enabled; disabling the first leaves the second's cap; the last gives back the fraction
+    the process had."""
+    total = torch.cuda.get_device_properties(DEV).total_memory
+    before = torch.cuda.get_per_process_memory_fraction(DEV)
+    a = _enable(ToyDiT(5), resident_layers=None, device_budget_gb=2.0)
+    b = _enable(ToyDiT(5), resident_layers=None, device_budget_gb=3.0)
+    try:
+        assert torch.cuda.get_per_process_memory_fraction(DEV) == pytest.approx(
+            min(before, 2 * 2**30 / total)
+        )
+        a.disable()
+        assert torch.cuda.get_per_process_memory_fraction(DEV) == pytest.approx(
+            min(before, 3 * 2**30 / total)
+        )
+    finally:
+        a.disable()
+        b.disable()
+    assert torch.cuda.get_per_process_memory_fraction(DEV) == before

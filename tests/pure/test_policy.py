@@ -737,3 +737,29 @@ def test_an_unset_resident_count_is_named_for_what_it_is(component: str, note: s
     )
     (line,) = [ln for ln in d.explanation.splitlines() if "resident_layers:" in ln]
     assert line.endswith(note), line
+
+
+def _held(held: int, free: int | None, **kw: Any) -> PolicyInput:
+    inp = _input(_stack((512 * MIB,) * 8, transfer="rank-local", group_size=1), free=free, **kw)
+    return dataclasses.replace(
+        inp, measured=dataclasses.replace(inp.measured, held_device_nbytes=held)
+    )
+
+
+def test_a_budget_counts_what_the_process_holds_and_names_the_least_that_fits() -> None:
+    """[Note: device budget]: the room is the budget less the bytes held at enable, a fifth
+    of it kept for activations; a budget too small names the least budget that fits, and
+    that budget fits."""
+    held, to_place = 4 * GIB, 256 * MIB
+    kw = {"num_slots": 2, "resident_layers": "auto", "non_block_nbytes": held + to_place}
+    kw["non_block_to_place_nbytes"] = to_place
+    d = decide(_held(held, 80 * GIB, device_budget_gb=8.0, **kw))
+    assert d.capacity_nbytes == int((8 * GIB - held) * (1 - FREE_MEMORY_HEADROOM)) - to_place
+    assert "device_budget_gb 8.00 GiB: at most" in d.explanation
+    with pytest.raises(ValueError, match=r"a budget of at least 5\.56 GiB") as e:
+        decide(_held(held, 80 * GIB, device_budget_gb=5.0, **kw))
+    assert "4.00 GiB already there" in str(e.value) and "only" not in str(e.value)
+    least = held + (to_place + 2 * 512 * MIB) / (1 - FREE_MEMORY_HEADROOM)
+    assert decide(_held(held, 80 * GIB, device_budget_gb=least / GIB + 1e-6, **kw)).num_slots == 2
+    with pytest.raises(ValueError, match=r"\(the device has only 1\.00 GiB free\)"):
+        decide(_held(held, GIB, device_budget_gb=8.0, **kw))  # the device binds, not the budget
