@@ -362,8 +362,6 @@ def _policy_input(
     resident = cfg.resident_layers_for("dit")
     # resolved for the device at enable (dlo.config.unset.for_device): nothing is unset here
     assert resident is not None and cfg.num_slots is not None
-    if cfg.device_budget_gb is not None and resident == 0:
-        resident = "auto"  # a budget sizes the resident blocks (see OffloadConfig)
     return PolicyInput(
         stacks=specs,
         chunk_nbytes=cfg.chunk_nbytes,
@@ -386,7 +384,7 @@ def _concrete_config(cfg: OffloadConfig, d: PolicyDecision) -> OffloadConfig:
 
     options = {k: fix(o) for k, o in cfg.layer_options.items()}
     resident = cfg.resident_layers
-    if resident == "auto" or cfg.device_budget_gb is not None:
+    if resident == "auto":
         resident = d.resident_layers
     return cfg.replace(
         num_slots=d.num_slots,

@@ -154,8 +154,9 @@ class OffloadConfig:
     size: what the process already holds, non-block weights, slots, resident blocks, decode
     staging, and a fifth kept for activations and workspace; on a GPU the allocator is capped
     at it until disable (see [Note: device budget] in :mod:`dlo.backends.auto`). Given, it
-    sizes the resident blocks (``resident_layers`` must be unset, 0 or ``"auto"``) and bounds
-    ``num_slots="auto"``; too small for one slot is an error."""
+    sizes the resident blocks where ``resident_layers`` is unset or ``"auto"`` (an explicit
+    count is kept, and must fit) and bounds ``num_slots="auto"``; too small for one slot is
+    an error."""
     block_compute_ms: float | None = None
     """Expected device time of one streamed DiT block's forward under the workload (ms;
     ``dlo bench`` prints it as "resident compute per block"). Automatic settings only: with
@@ -267,13 +268,6 @@ class OffloadConfig:
             raise ValueError(
                 f"resident_layers={self.resident_layers_for('dit')} applies to DiT blocks but "
                 f"components={self.components!r} does not select 'dit'"
-            )
-        resident = self.resident_layers_for("dit")
-        if self.device_budget_gb is not None and resident not in (None, 0, "auto"):
-            raise ValueError(
-                f"resident_layers={resident!r} conflicts with device_budget_gb="
-                f"{self.device_budget_gb!r}: the budget sizes the resident blocks (leave "
-                "resident_layers at 0 or set 'auto')"
             )
 
     def _validate_layer_options(self) -> None:

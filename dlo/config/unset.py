@@ -11,8 +11,10 @@ free device memory less the activation headroom every block is resident and noth
 slower than ``resident_layers="auto"``, H100, 2026-12-05). A value given, ``"auto"``
 included, is kept as given. A CPU device has no memory apart from the host, so there the
 unset values are 0 resident blocks and 2 slots: the CPU lane streams every block, as the GPU
-path it tests, with no probe at enable. (A ``device_budget_gb`` still sizes the resident
-blocks when ``resident_layers`` is 0, given or unset, as it always has.)
+path it tests, with no probe at enable. A ``device_budget_gb`` makes an unset
+``resident_layers`` ``"auto"`` on every device (the budget sizes the resident blocks); an
+explicit count, 0 included, is kept under a budget too, which then only checks that it fits
+and caps the allocator (before 2026-12-06 a budget turned an explicit 0 into ``"auto"``).
 
 Ranks whose stacks exchange nothing at enable (every stack rank-local) and that leave only
 unset fields to the policy decide alone, from their own measurements, with no store exchange
@@ -59,10 +61,14 @@ def unset_fields(cfg: OffloadConfig) -> frozenset[str]:
 
 
 def for_device(cfg: OffloadConfig, device_type: str) -> OffloadConfig:
-    """``cfg`` with its unset fields resolved for ``device_type`` (:func:`device_values`).
-    ``resident_layers`` is 0 where the config selects no DiT (resident blocks are DiT blocks).
-    Values given, ``"auto"`` included, are kept."""
-    return _filled(cfg, device_values(device_type))
+    """``cfg`` with its unset fields resolved for ``device_type`` (:func:`device_values`);
+    with a ``device_budget_gb`` an unset ``resident_layers`` is ``"auto"`` on any device (the
+    budget sizes it). ``resident_layers`` is 0 where the config selects no DiT (resident
+    blocks are DiT blocks). Values given, ``"auto"`` included, are kept."""
+    values = device_values(device_type)
+    if cfg.device_budget_gb is not None:
+        values["resident_layers"] = "auto"
+    return _filled(cfg, values)
 
 
 def given_only(cfg: OffloadConfig) -> OffloadConfig:

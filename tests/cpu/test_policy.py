@@ -394,14 +394,26 @@ def test_run_explain_without_automatic_settings(capsys: pytest.CaptureFixture[st
     assert "nothing automatic" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("given", ["0", "1"])
+def test_an_explicit_resident_count_is_kept_under_a_budget(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 35 item 1: the budget no longer revises an explicit count (0 was made "auto")."""
+    argv = ["run", "--steps", "1", "--device", "cpu", "--json", "--device-budget-gb", "1"]
+    assert main([*argv, "--resident-layers", given]) == 0
+    (report,) = json.loads(capsys.readouterr().out)
+    assert report["num_resident_blocks"] == int(given)
+    assert f"resident_layers: {given} per DiT (explicit)" in report["policy"]["explanation"]
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
         (["run", "--num-slots", "many"], "'many' is not an int or 'auto'"),
         (["run", "--device-budget-gb", "0"], "device_budget_gb must be a finite number > 0"),
         (
-            ["run", "--resident-layers", "2", "--device-budget-gb", "4"],
-            "resident_layers=2 conflicts with device_budget_gb=4.0",
+            ["run", "--resident-layers", "2", "--device-budget-gb", "0.000001"],
+            "device_budget_gb=1e-06 cannot hold what the run needs",
         ),
     ],
 )

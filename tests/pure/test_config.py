@@ -1229,7 +1229,8 @@ def test_counts_beyond_any_model_are_refused_naming_the_field(name: str, bound: 
     [
         ({}, "cuda", ("auto", "auto")),  # a GPU: the policy decides
         ({}, "cpu", (0, 2)),  # a CPU device: every block streams through 2 slots
-        ({"device_budget_gb": 1.0}, "cpu", (0, 2)),  # the budget then sizes resident blocks
+        ({"device_budget_gb": 1.0}, "cpu", ("auto", 2)),  # the budget sizes resident blocks
+        ({"device_budget_gb": 1.0, "resident_layers": 0}, "cuda", (0, "auto")),  # kept
         ({"resident_layers": 3}, "cuda", (3, "auto")),  # a value given is kept
         ({"num_slots": 4}, "cuda", ("auto", 4)),
         ({"resident_layers": "auto", "num_slots": "auto"}, "cpu", ("auto", "auto")),

@@ -552,16 +552,6 @@ def test_config_accepts_auto_and_budget() -> None:
         ({"device_budget_gb": math.inf}, ValueError, ["device_budget_gb", "inf"]),
         ({"device_budget_gb": "40"}, TypeError, ["device_budget_gb", "'40'"]),
         ({"device_budget_gb": True}, TypeError, ["device_budget_gb", "True"]),
-        (
-            {"resident_layers": 3, "device_budget_gb": 40.0},
-            ValueError,
-            ["resident_layers=3", "device_budget_gb=40.0"],
-        ),
-        (
-            {"layer_options": {"dit": {"resident_layers": 2}}, "device_budget_gb": 1.0},
-            ValueError,
-            ["resident_layers=2", "device_budget_gb=1.0"],
-        ),
         ({"mode": "module", "num_slots": "auto"}, ValueError, ["num_slots='auto'", "module"]),
         (
             {"mode": "module", "resident_layers": "auto"},
@@ -763,3 +753,19 @@ def test_a_budget_counts_what_the_process_holds_and_names_the_least_that_fits() 
     assert decide(_held(held, 80 * GIB, device_budget_gb=least / GIB + 1e-6, **kw)).num_slots == 2
     with pytest.raises(ValueError, match=r"\(the device has only 1\.00 GiB free\)"):
         decide(_held(held, GIB, device_budget_gb=8.0, **kw))  # the device binds, not the budget
+
+
+@pytest.mark.parametrize("r", [0, 3])
+def test_an_explicit_resident_count_is_kept_under_a_budget_and_must_fit(r: int) -> None:
+    """Issue 35 item 1: an explicit setting always wins: under a budget an explicit count
+    (0 included) is kept, not revised to "auto"; one that does not fit is refused naming the
+    budget and the least that fits."""
+    assert OffloadConfig(resident_layers=r, device_budget_gb=40.0).resident_layers == r
+
+    def stack(n: int) -> StackSpec:  # the topology lays out an explicit count
+        return _stack((512 * MIB,) * 8, transfer="rank-local", group_size=1, num_resident=n)
+
+    d = decide(_input(stack(r), free=80 * GIB, resident_layers=r, device_budget_gb=8.0))
+    assert d.resident_layers == r and d.stacks[0].num_resident == r
+    with pytest.raises(ValueError, match=r"device_budget_gb=1\.0 cannot hold .* a budget of"):
+        decide(_input(stack(r + 1), free=80 * GIB, resident_layers=r + 1, device_budget_gb=1.0))
