@@ -22,8 +22,10 @@ their own. Outputs are compared bit for bit with one resident run made before an
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -168,6 +170,15 @@ def _budget_rows(
     sweep: list[dict[str, Any]],
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
+    timed = functools.partial(
+        time_rows,
+        like=like,
+        platform=platform,
+        dtype=dtype,
+        tokens_list=tokens_list,
+        args=args,
+        reference=reference,
+    )
 
     def tag(new: list[dict[str, Any]], method: str, **extra: Any) -> list[dict[str, Any]]:
         for r in new:
@@ -187,28 +198,10 @@ def _budget_rows(
         try:
             backend = enable_offload(model, cfg, device=platform.device)
             platform.synchronize()
-            new = time_rows(
-                model,
-                backend,
-                method,
-                like,
-                platform,
-                dtype,
-                tokens_list,
-                args,
-                reference,
-                setup_s=time.perf_counter() - t0,
-                codec=cfg.codec,
-            )
+            new = timed(model, backend, method, setup_s=time.perf_counter() - t0, codec=cfg.codec)
             st = backend.stats() if backend is not None else {}
-            return tag(
-                new,
-                method,
-                num_resident_blocks=st.get("num_resident_blocks", 0),
-                num_streamed_blocks=st.get("num_streamed_blocks", 0),
-                num_slots=st.get("num_slots", 0),
-                **extra,
-            )
+            split = {k: st.get(k, 0) for k in ("num_resident_blocks", "num_streamed_blocks")}
+            return tag(new, method, num_slots=st.get("num_slots", 0), **split, **extra)
         except (torch.OutOfMemoryError, ValueError, OffloadError) as e:  # a budget refused,
             # or a probe or allocation of enable ran out under the cap
             return failed(method, f"{type(e).__name__}: {str(e)[:200]}", **extra)
@@ -217,32 +210,23 @@ def _budget_rows(
                 backend.disable()
             _clean(platform)
 
+    def whole_rows(method: str, place: Callable[[nn.Module], Any]) -> list[dict[str, Any]]:
+        """A fresh build of the model, set up by ``place`` (resident, diffusers)."""
+        whole = build(like, dtype)
+        try:
+            place(whole)
+            return tag(timed(whole, None, method, setup_s=0.0), method)
+        except torch.OutOfMemoryError as e:
+            return failed(method, f"OutOfMemoryError: {str(e)[:200]}")
+        finally:
+            del whole
+            _clean(platform)
+
     if "resident" in methods:
         if nbytes > budget * GIB:
             rows += failed("resident", f"the weights ({nbytes / GIB:.2f} GiB) exceed the budget")
         else:
-            res = build(like, dtype)
-            try:
-                res.to(platform.device)
-                rows += tag(
-                    time_rows(
-                        res,
-                        None,
-                        "resident",
-                        like,
-                        platform,
-                        dtype,
-                        tokens_list,
-                        args,
-                        reference,
-                        setup_s=0.0,
-                    ),
-                    "resident",
-                )
-            except torch.OutOfMemoryError as e:
-                rows += failed("resident", f"OutOfMemoryError: {str(e)[:200]}")
-            del res
-            _clean(platform)
+            rows += whole_rows("resident", lambda m: m.to(platform.device))
     auto = dlo_rows(OffloadConfig(device_budget_gb=budget), "dlo")
     rows += auto
     if "dlo-best" in methods:
@@ -262,28 +246,10 @@ def _budget_rows(
                 rows.append(best)
         sweep += tried
     if "diffusers-group" in methods and platform.has_streams:
-        peer = build(like, dtype)
-        try:
-            apply_diffusers_group(peer, platform.device, record_stream=True)
-            rows += tag(
-                time_rows(
-                    peer,
-                    None,
-                    "diffusers-group",
-                    like,
-                    platform,
-                    dtype,
-                    tokens_list,
-                    args,
-                    reference,
-                    setup_s=0.0,
-                ),
-                "diffusers-group",
-            )
-        except torch.OutOfMemoryError as e:
-            rows += failed("diffusers-group", f"OutOfMemoryError: {str(e)[:200]}")
-        del peer
-        _clean(platform)
+        rows += whole_rows(
+            "diffusers-group",
+            lambda m: apply_diffusers_group(m, platform.device, record_stream=True),
+        )
     return rows
 
 
