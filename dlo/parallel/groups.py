@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dlo.config.parallel import ParallelConfig
-from dlo.parallel.store import store_unreachable
+from dlo.parallel.store import forget_reads, store_unreachable
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,8 @@ def shutdown() -> None:
     stuck peer it can block for the whole collective timeout."""
     if dist.is_available() and dist.is_initialized():
         _GROUPS.clear()  # drop dlo's communicators before the default group goes
-        dist.barrier()
+        dist.barrier()  # every rank has read every exchange: nothing to wait for at exit
+        forget_reads()
         dist.destroy_process_group()
 
 

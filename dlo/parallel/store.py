@@ -321,6 +321,12 @@ def _share(
     return records
 
 
+def forget_reads() -> None:
+    """Drop the exchanges waited on at exit: their store is going (a process group
+    destroyed; a new one's store could reuse the id)."""
+    _LAST_READ.clear()
+
+
 def _agent_store() -> bool:
     try:
         return torchrun_env().agent_store
