@@ -316,7 +316,10 @@ def resolve_automatic(
 
 def _blocks_on(pipeline: Any, plan: ResolvedOffloadPlan, platform: Platform) -> int:
     """Bytes of the plan's blocks on the device now: enable moves them off, so the device
-    memory the process holds at enable does not count them ([Note: device budget])."""
+    memory the process holds at enable does not count them ([Note: device budget]). None on a
+    CPU device: the host is the device, and enable moves nothing off it."""
+    if platform.device.type == "cpu":
+        return 0
     seen: set[int] = set()
     total = 0
     for path in plan.all_block_paths:

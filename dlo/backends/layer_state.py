@@ -41,9 +41,9 @@ class LayerState:
     """Of the enable: the pinning left after the last block was filled."""
     enable_peak_rss: int = 0
     policy: dict[str, Any] | None = None
+    """The automatic policy's record (``stats()["policy"]``), None without one."""
     uncap: Callable[[], None] = lambda: None
     """Lifts the device budget's allocator cap (idempotent; the journal runs it too)."""
-    """The automatic policy's record (``stats()["policy"]``), None without one."""
 
     @property
     def blocks(self) -> list[LayerBlock]:

@@ -262,7 +262,7 @@ def _explain(cfg: OffloadConfig, backend: Any) -> str:
     return (
         f"dlo policy: nothing automatic: transfer={shown.transfer!r}, "
         f"num_slots={value('num_slots')}, resident_layers={value('resident_layers')} (pass "
-        "'auto' or --device-budget-gb to let dlo measure and decide)" + gather
+        "'auto', or --device-budget-gb with them unset, to let dlo measure and decide)" + gather
     )
 
 

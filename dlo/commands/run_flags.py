@@ -76,7 +76,7 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         type=int_or_auto,
         default=None,
         help="leading DiT blocks kept on the device: an int >= 0 or 'auto' (as many as fit: a "
-        "model that fits streams nothing) (default: auto on a GPU, 0 on a CPU device)",
+        "model that fits streams nothing) (default: auto on a GPU or with a budget, else 0)",
     )
     r.add_argument(
         "--num-slots",

@@ -131,15 +131,17 @@ class OffloadConfig:
     resident_layers: int | str | None = None
     """Leading DiT blocks kept on the device instead of streamed; ``"auto"`` keeps as many
     as fit in :attr:`device_budget_gb`, else in the free device memory less a headroom for
-    activations, so a model that fits streams nothing. None (unset): ``"auto"`` on a GPU, 0
-    on a CPU device (see [Note: automatic by default] in :mod:`dlo.config.unset`)."""
+    activations, so a model that fits streams nothing. None (unset): ``"auto"`` on a GPU or
+    with a :attr:`device_budget_gb`, else 0 on a CPU device (see [Note: automatic by
+    default] in :mod:`dlo.config.unset`)."""
     layer_options: Mapping[str, LayerOptions] = field(default_factory=dict, hash=False)
     """Per-component overrides, keyed by component kind."""
     pin_memory: bool = True
     """Page-lock host storage where the platform can (never on CPU-only torch)."""
     num_slots: int | str | None = None
     """Device slots shared by every ring (1 to 1024); the prefetch depth is
-    ``num_slots - 1``. None (unset): ``"auto"`` on a GPU, 2 on a CPU device. ``"auto"``: 2 when every streamed stack is rank-local, 3 with
+    ``num_slots - 1``. None (unset): ``"auto"`` on a GPU, 2 on a CPU device. ``"auto"``: 2
+    when every streamed stack is rank-local, 3 with
     AllGather (its copy and gather latency outlasts one transfer), fewer when the device
     budget has no room."""
     chunk_mb: int = 64

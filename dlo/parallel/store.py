@@ -325,6 +325,7 @@ def forget_reads() -> None:
     """Drop the exchanges waited on at exit: their store is going (a process group
     destroyed; a new one's store could reuse the id)."""
     _LAST_READ.clear()
+    _announced.clear()
 
 
 def _agent_store() -> bool:

@@ -42,7 +42,14 @@ def cap(device: torch.device, nbytes: int) -> Callable[[], None] | None:
         _BEFORE[index] = float(get(index))
     token = next(_TOKENS)
     caps[token] = nbytes
-    _apply(index)
+    try:
+        _apply(index)
+    except BaseException:  # no cap applied: no entry left to bind a later budget
+        caps.pop(token, None)
+        if not caps:
+            _CAPS.pop(index, None)
+            _BEFORE.pop(index, None)
+        raise
     done = False
 
     def undo() -> None:

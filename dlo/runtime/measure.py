@@ -209,8 +209,9 @@ def measure_rank(
         non_block_to_place_nbytes=non_block_to_place_nbytes,
     )
     try:
-        m.free_device_nbytes = platform.free_memory()
-        held = platform.held_memory()  # less the blocks enable moves off the device
+        free = platform.free_memory()  # both as after enable moves the blocks off the device
+        m.free_device_nbytes = None if free is None else free + leaving_nbytes
+        held = platform.held_memory()
         m.held_device_nbytes = None if held is None else max(0, held - leaving_nbytes)
         m.shared_memory_nbytes = shared_memory_free_nbytes()
         m.host = host_name()

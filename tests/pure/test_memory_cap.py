@@ -56,3 +56,23 @@ def test_a_torch_that_cannot_read_the_fraction_plans_without_a_cap(
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction", raising=False)
     assert memory_cap.cap(torch.device("cuda", 0), 1 << 30) is None
     assert "does not cap the allocator" in caplog.text
+
+
+def test_a_cap_that_fails_to_apply_leaves_no_entry_behind(
+    fraction: dict[int, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dev = torch.device("cuda", 0)
+    real = torch.cuda.set_per_process_memory_fraction
+
+    def broken(f: float, i: int) -> None:
+        raise RuntimeError("driver said no")
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", broken)
+    with pytest.raises(RuntimeError, match="driver said no"):
+        memory_cap.cap(dev, 10 << 30)
+    assert memory_cap._CAPS == {} and memory_cap._BEFORE == {}
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", real)
+    undo = memory_cap.cap(dev, 50 << 30)  # binds alone: the failed 10 GiB left nothing
+    assert fraction[0] == pytest.approx(0.5) and undo is not None
+    undo()
+    assert fraction[0] == pytest.approx(0.9)
