@@ -255,3 +255,48 @@ def run_program(
         text=True,
         timeout=timeout_s,
     )
+
+
+def run_rank_processes(
+    argv_of: Callable[[int], list[str]], world: int, *, timeout_s: float = 240
+) -> list[tuple[int, str, str]]:
+    """One process per rank, started by hand with torchrun's variables (no torchrun, so no
+    agent store: rank 0 hosts the job's store), dlo from this checkout; rank r runs
+    ``argv_of(r)``. Returns ``(exit code, stdout, stderr)`` per rank; a process still
+    running at the end is killed."""
+    root = Path(__file__).resolve().parents[1]
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(root),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "OMP_NUM_THREADS": "1",
+        }
+        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs.append(
+            subprocess.Popen(
+                argv_of(rank),
+                env=env,
+                cwd=root,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout_s)
+            outs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs

@@ -45,10 +45,11 @@ every rank (from the exchanges) before the backend has touched the model.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+import torch
 
 from dlo.config.fields import COMPONENTS, GIB
 from dlo.config.offload import LayerOptions, OffloadConfig
@@ -60,7 +61,6 @@ from dlo.journal import Journal, atomic
 from dlo.parallel.groups import World, axis_groups, weight_group
 from dlo.parallel.store import share
 from dlo.plan.checks import non_block_state
-from dlo.plan.declarations import get_by_path
 from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.layers import TensorDescription, payload_nbytes
 from dlo.plan.policy import decide
@@ -189,13 +189,13 @@ def resolve_automatic(
     platform: Platform,
     world: World,
     tensors: Mapping[str, TensorDescription],
-    block_tensor_ids: set[int],
+    block_tensors: Mapping[int, torch.Tensor],
     sizing_error: Exception | None = None,
 ) -> tuple[OffloadConfig, ResolvedOffloadPlan, dict[str, Any]]:
     """Decide every automatic setting (see the module docstring) of ``requested`` (the
     user's config; its unset fields are resolved for the device here too). ``tensors``
     describes every block of ``plan`` (block path -> tensor description, as the layer plan
-    reads them) and ``block_tensor_ids`` holds the ids of the blocks' tensors (the rest is
+    reads them) and ``block_tensors`` holds the blocks' tensors by id (the rest is
     non-block state); ``sizing_error`` is this rank's failure to read them (sized like any
     other failure). The ranks of :func:`policy_world` decide together.
 
@@ -215,7 +215,7 @@ def resolve_automatic(
     try:
         if sizing_error is not None:  # reading the blocks' tensors failed on this rank
             raise sizing_error
-        inp = _policy_input(pipeline, plan, cfg, platform, tensors, block_tensor_ids)
+        inp = _policy_input(pipeline, plan, cfg, platform, tensors, set(block_tensors))
         inp = dataclasses.replace(inp, defaults=unset_fields(requested), alone=alone)
     except Exception as e:
         if not world.distributed:
@@ -274,7 +274,7 @@ def resolve_automatic(
         groups=groups,
         non_block_nbytes=inp.non_block_nbytes,
         non_block_to_place_nbytes=inp.non_block_to_place_nbytes,
-        leaving_nbytes=_blocks_on(pipeline, plan, platform),
+        leaving_nbytes=_on_device(block_tensors.values(), platform),
     )
     measured, records = measure.agree(
         mine, world_size=world.size, timeout_s=cfg.collective_timeout_s
@@ -314,21 +314,13 @@ def resolve_automatic(
     return _concrete_config(cfg, decision), _concrete_plan(plan, decision), record
 
 
-def _blocks_on(pipeline: Any, plan: ResolvedOffloadPlan, platform: Platform) -> int:
-    """Bytes of the plan's blocks on the device now: enable moves them off, so the device
-    memory the process holds at enable does not count them ([Note: device budget]). None on a
+def _on_device(block_tensors: Iterable[torch.Tensor], platform: Platform) -> int:
+    """Bytes of the blocks' tensors on the device now: enable moves them off, so the device
+    memory the process holds at enable does not count them ([Note: device budget]). 0 on a
     CPU device: the host is the device, and enable moves nothing off it."""
     if platform.device.type == "cpu":
         return 0
-    seen: set[int] = set()
-    total = 0
-    for path in plan.all_block_paths:
-        module = get_by_path(pipeline, path)
-        for t in itertools.chain(module.parameters(), module.buffers()):
-            if id(t) not in seen and t.device == platform.device:
-                seen.add(id(t))
-                total += tensor_nbytes(t)
-    return total
+    return sum(tensor_nbytes(t) for t in block_tensors if t.device == platform.device)
 
 
 def _policy_input(

@@ -228,8 +228,8 @@ class LayerwiseBackend(OffloadBackend):
         except Exception as e:
             entries, tensors, sizing_error = {}, {}, e
         if is_automatic(cfg):  # before the layer plan: it may change group sizes
-            block_ids = {id(t) for e in entries.values() for _, _, t in e}
-            sized = (tensors, block_ids, sizing_error)  # the requested config: unset resolved there
+            by_id = {id(t): t for e in entries.values() for _, _, t in e}
+            sized = (tensors, by_id, sizing_error)  # the requested config: unset resolved there
             cfg, plan, state.policy = resolve_automatic(
                 pipeline, plan, self.config, par, self.platform, world, *sized
             )

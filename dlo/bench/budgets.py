@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import enable_offload
-from dlo.bench.like import LIKE, build, time_rows
+from dlo.bench.like import LIKE, build, check_like_input, model_nbytes, time_rows
 from dlo.bench.methods import METHODS, _clean, codec_list, manual_codecs
 from dlo.bench.peers import apply_diffusers_group
 from dlo.config.fields import GIB
@@ -105,7 +105,7 @@ def run_budgets(
     del ref_model
     _clean(platform)
     model = build(like, dtype)  # every dlo row's
-    nbytes = sum(t.numel() * t.element_size() for t in model.parameters())
+    nbytes = model_nbytes(model)
     for budget in budgets:
         undo = platform.cap_memory(int(budget * GIB))
         capped.append(undo is not None)
@@ -136,18 +136,11 @@ def like_budgets(args: argparse.Namespace, tokens_list: list[int], methods: list
     budget_list(args.budgets)  # bad input fails before the model is built
     if args.methods == ",".join(METHODS):
         methods = list(BUDGET_METHODS)
-    for method in methods:
-        if method not in BUDGET_METHODS:
-            raise ValueError(
-                f"--methods: {method!r} is not one of {', '.join(BUDGET_METHODS)} (--budgets)"
-            )
-    for tokens in tokens_list:
-        like.inputs(tokens, torch.device("meta"), torch.bfloat16, torch.Generator())
+    dtype = getattr(torch, args.dtype)
+    check_like_input(like, dtype, tokens_list, methods, BUDGET_METHODS, "--budgets")
     platform = get_platform(None)
     report: dict[str, Any] = {"like": like.name, "class": like.cls, "dtype": args.dtype}
-    report.update(
-        run_budgets(args, like, platform, getattr(torch, args.dtype), tokens_list, methods)
-    )
+    report.update(run_budgets(args, like, platform, dtype, tokens_list, methods))
     return report
 
 

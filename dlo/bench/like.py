@@ -148,8 +148,25 @@ def build(like: Like, dtype: torch.dtype, *, seed: int = 0) -> nn.Module:
     return fill_random(model, dtype, seed=seed)
 
 
-def _model_nbytes(model: nn.Module) -> int:
+def model_nbytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.parameters())
+
+
+def check_like_input(
+    like: Like,
+    dtype: torch.dtype,
+    tokens_list: list[int],
+    methods: list[str],
+    known: tuple[str, ...],
+    flag: str,
+) -> None:
+    """Bad input fails before the model (tens of GB) is built: every method one of
+    ``known`` (``flag`` names the mode in the error), every token count valid for ``like``."""
+    for method in methods:
+        if method not in known:
+            raise ValueError(f"--methods: {method!r} is not one of {', '.join(known)} ({flag})")
+    for tokens in tokens_list:
+        like.inputs(tokens, torch.device("meta"), dtype, torch.Generator())
 
 
 def run_like(args: argparse.Namespace, tokens_list: list[int], methods: list[str]) -> dict:
@@ -157,14 +174,9 @@ def run_like(args: argparse.Namespace, tokens_list: list[int], methods: list[str
     like = LIKE[args.like]
     platform = get_platform(None)
     dtype = getattr(torch, args.dtype)
-    # bad input fails before 30 GB are built: every method known, every token count valid
     known = ("resident", "dlo-ring", "diffusers-group")
-    for method in methods:
-        if method not in known:
-            raise ValueError(f"--methods: {method!r} is not one of {', '.join(known)} (--like)")
-    for tokens in tokens_list:
-        like.inputs(tokens, torch.device("meta"), dtype, torch.Generator())
-    nbytes = _model_nbytes(build(like, dtype))
+    check_like_input(like, dtype, tokens_list, methods, known, "--like")
+    nbytes = model_nbytes(build(like, dtype))
     report: dict[str, Any] = {
         "like": like.name,
         "class": like.cls,

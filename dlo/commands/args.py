@@ -66,6 +66,13 @@ def compile_blocks(dit: Any, mode: str | None) -> Any:
     return dit
 
 
+def steady_median(step_ms: list[float]) -> float:
+    """The median step of the steady state: the steps after the first (the first alone when
+    there is one; 0.0 with none), the upper one of an even count."""
+    steady = step_ms[1:] or step_ms
+    return sorted(steady)[len(steady) // 2] if steady else 0.0
+
+
 def count_nonfinite(out: torch.Tensor) -> int:
     """How many values of a run's output are NaN or inf."""
     return int(out.numel() - torch.isfinite(out.float()).sum())

@@ -27,6 +27,7 @@ from dlo.commands.args import (
     count_nonfinite,
     parity_word,
     report_ranks,
+    steady_median,
 )
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "steps": args.steps,
         "tokens": latents.shape[1],
         "device": str(device),
-        "step_ms_median": sorted(step_ms[1:] or step_ms)[len(step_ms[1:] or step_ms) // 2],
+        "step_ms_median": steady_median(step_ms),
         "first_step_ms": step_ms[0],
         "wall_s": wall,
         "load": "built" if args.checkpoint is None else f"checkpoint-{args.checkpoint_load}",

@@ -36,6 +36,7 @@ from dlo.commands.args import (
     count_nonfinite,
     parity_word,
     report_ranks,
+    steady_median,
 )
 from dlo.commands.run_flags import (
     PIPELINE_CALL_FLAGS,
@@ -244,9 +245,8 @@ def step_times(marks: list[float]) -> dict[str, Any]:
     the first alone when there is one) and the first (ms), and the cold start (process start
     to the first DiT forward, s) from :func:`timed_call`'s marks."""
     step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
-    steady = step_ms[1:] or step_ms
     return {
-        "step_ms_median": sorted(steady)[len(steady) // 2] if steady else 0.0,
+        "step_ms_median": steady_median(step_ms),
         "first_step_ms": step_ms[0] if step_ms else 0.0,
         "step_ms": step_ms,
         "cold_start_s": (marks[0] - process_start_time()) if marks else 0.0,

@@ -70,6 +70,8 @@ world size); see [Note: the store outlives the last read]."""
 DRAIN_BOUND_S = 5.0
 """How long rank 0 waits at exit for its peers to read the last exchanges."""
 
+_await_registered = False
+
 
 _exchanges_started = 0
 
@@ -315,7 +317,9 @@ def _share(
         raise OffloadError(f"{what}: a peer gave up this exchange after {timeout_s:g}s", rank=rank)
     records = [bytes(store.get(k)) for k in keys]
     store.add(f"{prefix}/read", 1)
-    if rank == 0 and not _LAST_READ and not _agent_store():
+    global _await_registered
+    if rank == 0 and not _await_registered and not _agent_store():
+        _await_registered = True  # once, even after forget_reads() emptied _LAST_READ
         atexit.register(_await_readers)  # after dlo's group destroy handler: runs before it
     _LAST_READ[topic] = (id(store), prefix, world_size)
     return records

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from dlo.platform import memory_cap
 from dlo.platform.env import host_available_bytes, torchrun_env
 
 logger = logging.getLogger(__name__)
@@ -289,9 +290,7 @@ class CudaPlatform(Platform):
         return int(torch.cuda.memory_allocated(self.device))
 
     def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
-        from dlo.platform.memory_cap import cap
-
-        return cap(self.device, nbytes)
+        return memory_cap.cap(self.device, nbytes)
 
     @property
     def dist_backend(self) -> str:

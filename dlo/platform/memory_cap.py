@@ -46,9 +46,7 @@ def cap(device: torch.device, nbytes: int) -> Callable[[], None] | None:
         _apply(index)
     except BaseException:  # no cap applied: no entry left to bind a later budget
         caps.pop(token, None)
-        if not caps:
-            _CAPS.pop(index, None)
-            _BEFORE.pop(index, None)
+        _forget_if_empty(index)
         raise
     done = False
 
@@ -68,6 +66,11 @@ def _apply(index: int) -> None:
     total = torch.cuda.get_device_properties(index).total_memory
     fraction = min([before, *(n / total for n in caps.values())])
     torch.cuda.set_per_process_memory_fraction(fraction, index)
-    if not caps:
+    _forget_if_empty(index)
+
+
+def _forget_if_empty(index: int) -> None:
+    """No budget left on ``index``: the next first one reads the fraction afresh."""
+    if not _CAPS.get(index):
         _CAPS.pop(index, None)
         _BEFORE.pop(index, None)

@@ -5,14 +5,9 @@ store gone ("cannot be reached"); with it both read every record."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
-from tests.harness import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.harness import run_rank_processes
 
 _RANK = """
 import datetime, sys, time
@@ -30,38 +25,7 @@ print("records", got, flush=True)
 
 
 def test_rank_zero_exiting_right_after_an_exchange_leaves_the_store_to_its_reader() -> None:
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", _RANK, str(rank)],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            outs.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = run_rank_processes(lambda rank: [sys.executable, "-c", _RANK, str(rank)], 2)
     for rc, out, err in outs:
         assert rc == 0, err[-2000:]
         assert "records [['hello', 0], ['hello', 1]]" in out or "records [('hello', 0)" in out, out

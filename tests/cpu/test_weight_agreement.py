@@ -6,8 +6,6 @@ refused on every rank instead of mixed into every rank's blocks. Real gloo ranks
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,10 +26,9 @@ from dlo.pipelines.layouts import FOLDERS
 from dlo.pipelines.synth import save_folder
 from dlo.platform.device import CpuPlatform
 from tests.cpu.test_dlo import _cfg, _par, _steps
-from tests.harness import assert_all_ok, free_port, run_ranks
+from tests.harness import assert_all_ok, run_rank_processes, run_ranks
 from tests.toys import ToyDiT, assert_same, clone, snapshot
 
-ROOT = Path(__file__).resolve().parents[2]
 TRANSFERS = ["allgather", "node-shared"]
 
 
@@ -211,42 +208,19 @@ def test_dlo_run_pipeline_with_another_folder_on_one_rank_is_one_error_line(
     """Two ``dlo run --pipeline`` processes of one job (torchrun's variables set by hand,
     so each rank names its own folder): both exit 2 with one ``dlo: error:`` line naming
     both folders."""
-    port = str(free_port())
     call = {"guidance_scale": "--guidance"}
     flags = [
         x
         for k, v in FOLDERS["tiny-flux"].call.items()
         for x in (call.get(k, "--" + k.replace("_", "-")), str(v))
     ]
-    procs = []
-    for rank in (0, 1):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2",
-            "OMP_NUM_THREADS": "1",
-        }
-        argv = [sys.executable, "-m", "dlo", "run", "--pipeline", folders[rank], "--steps", "1"]
-        argv += ["--device", "cpu", "--dtype", "float32", "--transfer", "allgather"]
-        argv += ["--output", str(tmp_path / f"out{rank}.png"), *flags]
-        procs.append(
-            subprocess.Popen(
-                argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outs = []
-    try:
-        for p in procs:
-            outs.append((p.wait(timeout=240), p.stderr.read() if p.stderr else ""))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+
+    def argv(rank: int) -> list[str]:
+        out = [sys.executable, "-m", "dlo", "run", "--pipeline", folders[rank], "--steps", "1"]
+        out += ["--device", "cpu", "--dtype", "float32", "--transfer", "allgather"]
+        return [*out, "--output", str(tmp_path / f"out{rank}.png"), *flags]
+
+    outs = [(rc, err) for rc, _, err in run_rank_processes(argv, 2)]
     for rc, err in outs:
         lines = [line for line in err.splitlines() if line.startswith("dlo: error:")]
         assert rc == 2 and len(lines) == 1, err[-3000:]
