@@ -305,8 +305,11 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "pin_time_s": "of the enable: the pinning left after the last block was filled",
         "enable_peak_rss_nbytes": "the process's peak resident set size (VmHWM) read at the "
         "end of enable: a process-lifetime peak, not a delta",
-        "policy": "`None` unless a setting was automatic; else the automatic policy's record "
-        "(the keys below)",
+        "num_pinned_blocks": "streamed blocks a re-plan pinned: each holds a device buffer of "
+        "its own and loads nothing per forward ([Note: re-plan between forwards])",
+        "device_pinned_block_nbytes": "device bytes of the pinned blocks' buffers (padded)",
+        "policy": "`None` unless a setting was automatic or a DiT ring is re-planned; else the "
+        "automatic policy's record (the keys below)",
         "policy.stacks": "per stack, by container path",
         "policy.stacks.<stack>": "the decision for one stack",
         "policy.stacks.<stack>.transfer": "the transfer chosen",
@@ -351,6 +354,12 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "policy.per_rank[].shared_memory_nbytes": "free bytes of its node's shared-memory folder",
         "policy.per_rank[].non_block_nbytes": "its non-block weight bytes (the policy budgets "
         "for the largest)",
+        "policy.replans": "every re-plan between forwards of a DiT ring whose resident count "
+        "the policy chose, as it happened: `forward` (the forward it preceded), `elements` "
+        "(its first block's input elements), `pinned`, `streamed`, `num_slots`, "
+        "`slot_nbytes`, `movable_room_nbytes` (what pinned blocks and slots could take), "
+        "`limit_nbytes` (what the allocator may hold), `action` (`pin` or `unpin`); empty "
+        "where the device gives no allocator statistics (the CPU)",
     },
     "module": {
         "enabled": "`is_enabled()`",

@@ -34,12 +34,15 @@ from dlo.host.shards import shard_view, unpack_tensor
 from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
+from dlo.plan.declarations import get_by_path
+from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.layers import LayerPlan
 from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
 from dlo.runtime.decoding import Decoder
+from dlo.runtime.replan import ComponentHook, Replanner, ResidentBlockHook
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
@@ -49,6 +52,7 @@ from dlo.runtime.transport import BlockTransport, TransferCounters, Transport
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "dlo.ring"
+REPLAN_HOOK = "dlo.replan"
 
 
 def allocate_slots(
@@ -100,6 +104,11 @@ class Transports:
     encoded_by_axis: dict[str, Transport] = field(default_factory=dict)
     """The transports of the encoded blocks, per weight axis (see [Note: decode pipeline])."""
     decoders: list[Decoder] = field(default_factory=list)
+
+    def drain(self) -> None:
+        """Wait until the staged transport issued every load (a no-op without one)."""
+        if self.staging is not None:
+            self.staging.drain()
 
     def of(self, b: LayerBlock) -> Transport:
         """The transport that loads block ``b``."""
@@ -270,9 +279,38 @@ def load_resident(
                 f"keep writes {b.name}",
                 functools.partial(host.keep_resident_writes, b, versions),
             )
-    if transports.staging is not None:
-        transports.staging.drain()
+    transports.drain()
     platform.synchronize()
+
+
+def install_replanners(
+    platform: Platform,
+    pipeline: Any,
+    blocks: list[LayerBlock],
+    scheduler: RingScheduler,
+    transports: Transports,
+    registry: HookRegistry,
+    journal: Journal,
+    *,
+    rank: int,
+) -> None:
+    """A re-planner for the ring of each DiT that may hold resident blocks, with hooks on the
+    DiT and on its resident blocks ([Note: re-plan between forwards] in
+    :mod:`dlo.plan.replan`)."""
+    eligible = resident_dit_paths_of(pipeline)
+    for ring in scheduler.rings:
+        path = ring.name
+        mine = [b for b in blocks if b.stack.component_path == path]
+        if not mine or mine[0].stack.component != "dit":
+            continue
+        if eligible is not None and path not in eligible:
+            continue
+        r = Replanner(platform, scheduler, ring, drain=transports.drain, rank=rank)
+        journal.record(f"re-plans of {path or 'the model'}", r.close)
+        registry.register(get_by_path(pipeline, path), REPLAN_HOOK, ComponentHook(r))
+        for b in mine:
+            if b.resident:
+                registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))
 
 
 def install_rings(
@@ -285,9 +323,11 @@ def install_rings(
     owner: str,
     rank: int,
     journal: Journal,
+    automatic: bool = False,
 ) -> RingScheduler:
     """One ring per stack of streamed blocks, sharing ``pool``; hooks, state-dict views and
-    refusals on the model; block 0 of each ring preloaded."""
+    refusals on the model; block 0 of each ring preloaded; the DiTs' rings re-planned where
+    the resident count was left to the policy (``automatic``)."""
     scheduler = RingScheduler(platform, pool, rank=rank)
 
     def unbind() -> None:
@@ -352,6 +392,10 @@ def install_rings(
                 t.data = ph
     scheduler.preload()
     platform.synchronize()
+    if automatic:
+        install_replanners(
+            platform, pipeline, blocks, scheduler, transports, registry, journal, rank=rank
+        )
     return scheduler
 
 

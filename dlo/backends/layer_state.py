@@ -162,5 +162,18 @@ class LayerState:
             "fill_time_s": self.fill_time_s,
             "pin_time_s": self.pin_time_s,
             "enable_peak_rss_nbytes": self.enable_peak_rss,
-            "policy": self.policy,
+            "num_pinned_blocks": sum(b.own is not None for b in streamed),
+            "device_pinned_block_nbytes": sum(
+                b.layout.padded_nbytes for b in streamed if b.own is not None
+            ),
+            "policy": self._policy(),
         }
+
+    def _policy(self) -> dict[str, Any] | None:
+        """The policy's record, with every re-plan since enable."""
+        rings = self.scheduler.rings if self.scheduler else []
+        replanners = [r.replanner for r in rings if r.replanner is not None]
+        records = [r for p in replanners for r in p.records]
+        if not replanners or (self.policy is None and not records):
+            return self.policy
+        return {**(self.policy or {}), "replans": records}

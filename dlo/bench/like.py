@@ -307,10 +307,6 @@ def time_rows(
             "setup_s": setup_s,
             "peak_device_nbytes": _peak(platform),
         }
-        if method == "resident":
-            reference[tokens] = out
-        elif tokens in reference:
-            row["bitwise_vs_resident"] = torch.equal(out, reference[tokens])
         if backend is not None:
             after = backend.stats()
             row["demand_loads_after_warmup"] = after["num_demand_loads"] - before.get(
@@ -321,11 +317,19 @@ def time_rows(
                 - after["host_encoded_nbytes"]
                 + after["host_encoded_raw_nbytes"]
             )
+            row["num_pinned_blocks"] = after.get("num_pinned_blocks", 0)
             row["codec"], row["codec_ratio"] = codec, after["codec_ratio"]
             row["decode_gbps"] = after["decode_gbps"]
             row["decode_tail_ms_per_load"] = after["decode_tail_ms_per_load"]
             row["h2d_nbytes_per_forward"] = (after["h2d_nbytes"] - before["h2d_nbytes"]) / max(
                 1.0, timing["forwards"]
+            )
+        if method == "resident":
+            reference[tokens] = out
+        elif tokens in reference:  # the first forward, and one after any re-plan
+            last = forward()[0].float().cpu()
+            row["bitwise_vs_resident"] = torch.equal(out, reference[tokens]) and torch.equal(
+                last, reference[tokens]
             )
         rows.append(row)
         logger.warning("%-16s tokens=%-6d %.2f ms", method, tokens, row["median_ms"])

@@ -221,6 +221,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "num_slots": stats.get("num_slots", 0),
         "num_resident_blocks": stats.get("num_resident_blocks", 0),
         "num_streamed_blocks": stats.get("num_streamed_blocks", 0),
+        "num_pinned_blocks": stats.get("num_pinned_blocks", 0),
         "policy": stats.get("policy"),
     }
     ok = report_ranks(

@@ -381,6 +381,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "num_slots": stats.get("num_slots", 0),
             "num_resident_blocks": stats.get("num_resident_blocks", 0),
             "num_streamed_blocks": stats.get("num_streamed_blocks", 0),
+            "num_pinned_blocks": stats.get("num_pinned_blocks", 0),
             "policy": stats.get("policy"),
             "output": [str(p) for p in written],
             "output_location": None if location is None else str(location),

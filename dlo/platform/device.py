@@ -24,6 +24,7 @@ import ctypes
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,18 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- CPU stand-ins
+@dataclass(frozen=True)
+class MemoryNow:
+    """A device allocator's statistics at one moment (nothing reset)."""
+
+    allocated: int
+    peak: int
+    """The most allocated since the process started or its peak was last reset."""
+    limit: int
+    """The most the allocator may hold: its cap (a device budget's, or the user's fraction)
+    or the free device memory plus what it holds, whichever is smaller."""
+
+
 class NullStream:
     """A stream on a device whose operations are already ordered on the host."""
 
@@ -148,6 +161,11 @@ class Platform:
 
     def held_memory(self) -> int | None:
         """Device bytes this process holds in tensors now (None where unknown)."""
+        return None
+
+    def memory_now(self) -> MemoryNow | None:
+        """The allocator's bytes now, its peak and the most it may hold (None where unknown:
+        the CPU)."""
         return None
 
     def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
@@ -291,6 +309,16 @@ class CudaPlatform(Platform):
 
     def cap_memory(self, nbytes: int) -> Callable[[], None] | None:
         return memory_cap.cap(self.device, nbytes)
+
+    def memory_now(self) -> MemoryNow | None:
+        stats = torch.cuda.memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        reserved = int(stats.get("reserved_bytes.all.current", 0))
+        return MemoryNow(
+            allocated=int(stats.get("allocated_bytes.all.current", 0)),
+            peak=int(stats.get("allocated_bytes.all.peak", 0)),
+            limit=min(int(memory_cap.fraction(self.device) * total), reserved + int(free)),
+        )
 
     @property
     def dist_backend(self) -> str:

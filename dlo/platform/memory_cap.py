@@ -60,6 +60,14 @@ def cap(device: torch.device, nbytes: int) -> Callable[[], None] | None:
     return undo
 
 
+def fraction(device: torch.device) -> float:
+    """The fraction of ``device``'s memory the allocator may hold now (1.0 where this torch
+    cannot say)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return float(get(index)) if get is not None else 1.0
+
+
 def _apply(index: int) -> None:
     caps = _CAPS.get(index, {})
     before = _BEFORE.get(index, 1.0)

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,71 +55,14 @@ from dlo import faults
 from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.host.shards import copy_back, placeholder, shard_view, written_tensors
-from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
-from dlo.runtime.chain import ExecutionOrder, learn
+from dlo.runtime.chain import learn
 from dlo.runtime.guard import Guard, every_claim
 from dlo.runtime.slots import Slot, SlotPool
-from dlo.runtime.transport import Transport
+from dlo.runtime.streamed import IDLE, LOADED, RUNNING, BlockRing, StreamedBlock
 
 logger = logging.getLogger(__name__)
-
-
-IDLE, LOADED, RUNNING = "idle", "loaded", "running"
-
-
-@dataclass(eq=False)
-class StreamedBlock:
-    """One block of a ring and everything needed to bind it to any slot."""
-
-    name: str
-    module: nn.Module
-    layout: BlockLayout
-    shard: Any
-    """This rank's host shard of the block (uint8), or with ``host_backing="mapped"`` the
-    block's place in the checkpoint, a :class:`~dlo.host.mapped.MappedBlock` (see [Note: mapped
-    host backing]): whatever its transport's ``load`` takes."""
-    tensors: list[torch.Tensor]
-    """The block's Parameter and buffer objects, in layout order."""
-    transport: Transport
-    index: int = -1
-    """Position in the manifest (identifies the block in the lock-step check)."""
-    host_writable: bool = True
-    """``shard`` is this rank's own copy of the whole block, so in-place writes can go back
-    to it (not with AllGather, the mapped backing or a node-shared copy)."""
-    placeholders: list[torch.Tensor] = field(default_factory=list)
-    views: list[list[torch.Tensor]] = field(default_factory=list)
-    """``views[slot.index][i]``: tensor i as a view of that slot."""
-    ring: BlockRing | None = None
-    state: str = IDLE
-    slot: Slot | None = None
-    wait: StreamTimer | None = None
-    """Exposed wait of this block: compute-stream time spent waiting on ``ready``."""
-    num_runs: int = 0
-    num_demand_loads: int = 0
-    versions: list[int] = field(default_factory=list)
-    """Each tensor's version counter when the block entered (see [Note: writes into
-    streamed tensors])."""
-
-
-@dataclass(eq=False)
-class BlockRing:
-    """The streamed blocks of one component, its stacks in declared order, and the order
-    they run in (see [Note: prefetch chain])."""
-
-    name: str
-    blocks: list[StreamedBlock]
-    order: ExecutionOrder[StreamedBlock] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.order = ExecutionOrder(self.blocks, name=_block_name)
-        for b in self.blocks:
-            b.ring = self
-
-
-def _block_name(block: StreamedBlock) -> str:
-    return block.name
 
 
 class _BlockHook(ModelHook):
@@ -176,6 +118,12 @@ class RingScheduler:
             b.wait = StreamTimer(self.platform)
         self.rings.append(ring)
 
+    def refresh_views(self) -> None:
+        """Every block's views of the pool's slots, after the pool was resized."""
+        for ring in self.rings:
+            for b in ring.blocks:
+                b.views = [self._views(b, slot) for slot in self.pool.slots]
+
     def _views(self, block: StreamedBlock, slot: Slot) -> list[torch.Tensor]:
         return [shard_view(slot.buffer, spec) for spec in block.layout.tensors]
 
@@ -186,9 +134,9 @@ class RingScheduler:
         """Load the first block of each ring while free slots last (block 0 is on the
         device before the first forward)."""
         for ring in self.rings:
-            if not ring.blocks:
+            first = next((b for b in ring.blocks if b.own is None), None)
+            if first is None:
                 continue
-            first = ring.blocks[0]
             slot = self._free_slot()
             if slot is None:
                 break
@@ -212,15 +160,16 @@ class RingScheduler:
         without this the views would keep the slots' device memory until the garbage
         collector ran, long after the pool released its buffers."""
         for ring in self.rings:
+            ring.replanner = None
             for b in ring.blocks:
-                b.views, b.placeholders, b.ring = [], [], None
+                b.views, b.placeholders, b.ring, b.own, b.own_views = [], [], None, None, []
         self.guard.on_stale = None  # a bound method of this scheduler
 
     # ------------------------------------------------------------------ hot path
     def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
         self._claim(block, args, kwargs)
         try:
-            self._activate(block)
+            self._activate(block, args, kwargs)
             faults.check("block_forward")  # tests: a failure inside the block, prefetch in flight
         except BaseException as e:
             # this hook's own post-forward will not run (its pre-forward did not complete):
@@ -255,19 +204,26 @@ class RingScheduler:
             self.guard.release(block)
             raise
 
-    def _activate(self, block: StreamedBlock) -> None:
-        """Steps 1-4 of [Note: ring protocol]: load on demand, wait, rebind, prefetch."""
-        assert block.ring is not None
-        learn(block.ring.order, block, block.transport.agree, block.ring.name)
-        if block.state == IDLE:
-            block.num_demand_loads += 1
-            slot = self._acquire(block, protect=())
-            assert slot is not None, "no slot to evict while nothing runs"
-            self._load(block, slot)
-        slot = block.slot
-        assert slot is not None
-        self._wait(block, slot, self.platform.current_stream())
-        self._rebind(block, block.views[slot.index])
+    def _activate(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
+        """Steps 1-4 of [Note: ring protocol]: load on demand, wait, rebind, prefetch (a
+        pinned block is on the device already)."""
+        ring = block.ring
+        assert ring is not None
+        learn(ring.order, block, block.transport.agree, ring.name)
+        if ring.replanner is not None:
+            ring.replanner.entering(args, kwargs, block.name)
+        if block.own is not None:
+            self._rebind(block, block.own_views)
+        else:
+            if block.state == IDLE:
+                block.num_demand_loads += 1
+                slot = self._acquire(block, protect=())
+                assert slot is not None, "no slot to evict while nothing runs"
+                self._load(block, slot)
+            slot = block.slot
+            assert slot is not None
+            self._wait(block, slot, self.platform.current_stream())
+            self._rebind(block, block.views[slot.index])
         block.versions = [t._version for t in block.tensors]
         block.state = RUNNING
         block.num_runs += 1
@@ -287,7 +243,7 @@ class RingScheduler:
             # KeyboardInterrupt (or another BaseException) inside dlo's own loading: a
             # prefetch may be half enqueued, and a rank of a gathering group has left the
             # group's collective sequence midway
-            self._drop_loaded()
+            self.drop_loaded()
             if self._gathers():
                 self.poisoned = (
                     f"interrupted ({type(e).__name__}) while loading weights with a "
@@ -297,7 +253,7 @@ class RingScheduler:
             # the group may be misaligned now: no further weight collective is safe
             self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
 
-    def _drop_loaded(self) -> None:
+    def drop_loaded(self) -> None:
         """Forget every loaded (not running) block: its slot is free and it loads again."""
         for ring in self.rings:
             for b in ring.blocks:
@@ -343,6 +299,10 @@ class RingScheduler:
         stale claim."""
         lost = self._keep_writes(block)
         self._rebind(block, block.placeholders)
+        if block.own is not None:  # [free]: as a slot's, before a re-plan frees the buffer
+            block.own.free.record(self.platform.current_stream())
+            block.state = IDLE
+            return lost
         slot = block.slot
         assert slot is not None
         # [free] producer: compute stream, after the block's kernels; consumer: copy stream
@@ -429,7 +389,14 @@ class RingScheduler:
     def _prefetch(self, block: StreamedBlock) -> None:
         ring = block.ring
         assert ring is not None
-        window = ring.order.after(block, len(self.pool.slots) - 1)
+        size = len(self.pool.slots) - 1
+        if size <= 0:
+            return
+        if ring.num_pinned:  # the next blocks that stream, past the pinned ones
+            window = [b for b in ring.order.after(block, len(ring.blocks)) if b.own is None]
+            window = window[:size]
+        else:
+            window = ring.order.after(block, size)
         protect = (block, *window)
         for nxt in window:
             if nxt.state != IDLE:

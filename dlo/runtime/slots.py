@@ -84,3 +84,14 @@ class SlotPool:
             s.owner = None
         self.slots.clear()
         self.base = None
+
+
+def resize(pool: SlotPool, num_slots: int, slot_nbytes: int) -> None:
+    """Give ``pool`` ``num_slots`` fresh slots of ``slot_nbytes`` (a re-plan: [Note: re-plan
+    between forwards] in :mod:`dlo.plan.replan`). The caller released the old ones (and
+    every view of them) first; not for symmetric pools."""
+    assert pool.base is None and not pool.slots, "a released, ordinary pool"
+    pool.slot_nbytes = slot_nbytes
+    for i in range(num_slots):
+        buf = torch.empty(slot_nbytes, dtype=torch.uint8, device=pool.platform.device)
+        pool.slots.append(Slot(i, buf, pool.platform.new_event(), pool.platform.new_event()))

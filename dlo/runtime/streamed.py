@@ -1,0 +1,79 @@
+"""A ring's blocks: what binds one streamed block to any slot (or its own buffer), and the
+ring of a component's blocks in the order they run (see [Note: ring protocol] in
+:mod:`dlo.runtime.ring`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlo.plan.layout import BlockLayout
+from dlo.platform.timing import StreamTimer
+from dlo.runtime.chain import ExecutionOrder
+from dlo.runtime.slots import Slot
+from dlo.runtime.transport import Transport
+
+IDLE, LOADED, RUNNING = "idle", "loaded", "running"
+
+
+@dataclass(eq=False)
+class StreamedBlock:
+    """One block of a ring and everything needed to bind it to any slot."""
+
+    name: str
+    module: nn.Module
+    layout: BlockLayout
+    shard: Any
+    """This rank's host shard of the block (uint8), or with ``host_backing="mapped"`` the
+    block's place in the checkpoint, a :class:`~dlo.host.mapped.MappedBlock` (see [Note: mapped
+    host backing]): whatever its transport's ``load`` takes."""
+    tensors: list[torch.Tensor]
+    """The block's Parameter and buffer objects, in layout order."""
+    transport: Transport
+    index: int = -1
+    """Position in the manifest (identifies the block in the lock-step check)."""
+    host_writable: bool = True
+    """``shard`` is this rank's own copy of the whole block, so in-place writes can go back
+    to it (not with AllGather, the mapped backing or a node-shared copy)."""
+    placeholders: list[torch.Tensor] = field(default_factory=list)
+    views: list[list[torch.Tensor]] = field(default_factory=list)
+    """``views[slot.index][i]``: tensor i as a view of that slot."""
+    ring: BlockRing | None = None
+    state: str = IDLE
+    slot: Slot | None = None
+    wait: StreamTimer | None = None
+    """Exposed wait of this block: compute-stream time spent waiting on ``ready``."""
+    num_runs: int = 0
+    num_demand_loads: int = 0
+    versions: list[int] = field(default_factory=list)
+    """Each tensor's version counter when the block entered (see [Note: writes into
+    streamed tensors])."""
+    own: Slot | None = None
+    """A pinned block's own device buffer, outside the pool ([Note: re-plan between
+    forwards] in :mod:`dlo.plan.replan`); None while it streams."""
+    own_views: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class BlockRing:
+    """The streamed blocks of one component, its stacks in declared order, and the order
+    they run in (see [Note: prefetch chain])."""
+
+    name: str
+    blocks: list[StreamedBlock]
+    order: ExecutionOrder[StreamedBlock] = field(init=False)
+    replanner: Any = None
+    """Told of each entry and exit (:class:`dlo.runtime.replan.Replanner`), or None."""
+    num_pinned: int = 0
+
+    def __post_init__(self) -> None:
+        self.order = ExecutionOrder(self.blocks, name=_block_name)
+        for b in self.blocks:
+            b.ring = self
+
+
+def _block_name(block: StreamedBlock) -> str:
+    return block.name

@@ -1,0 +1,373 @@
+"""Re-plans between forwards on the CPU ([Note: re-plan between forwards] in dlo.plan.replan):
+blocks pinned into measured room and unpinned before a larger input, bitwise against the
+resident model; a forward that cannot fit refused before any block runs; the ranks that gather
+together take one plan. The allocator is :class:`tests.fake_memory.FakeMemory`, with the
+planner's margins set to zero so its arithmetic is exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.commands.run_pipeline import resident_reference
+from dlo.errors import OffloadError
+from dlo.host.region import LEDGER
+from dlo.pipelines.layouts import FOLDERS
+from dlo.pipelines.synth import save_folder
+from dlo.plan import replan
+from tests.cpu.test_compile import Counter, _compile
+from tests.cpu.test_streamed_writes import _CachingDiT as CachingDiT
+from tests.cpu.test_streamed_writes import _x as caching_input
+from tests.fake_memory import FakeMemory, x
+from tests.harness import assert_all_ok, run_ranks
+from tests.toys import ToyDiT, ToyPipeline, TwoStackDiT, clone
+
+FIXED = 1 << 20
+PER_ELEMENT = 64
+BLOCK = 2816  # padded bytes of a ToyDiT block of width 16 (read from the layout below)
+
+
+def _exact() -> dict[str, float]:
+    return {"REPLAN_MARGIN": 0.0, "REPLAN_MARGIN_MIN": 0, "INPUT_RESERVE": 0.0, "HYSTERESIS": 0.0}
+
+
+@pytest.fixture
+def exact(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in _exact().items():
+        monkeypatch.setattr(replan, k, v)
+
+
+def _limit(batch: int, room: int, dim: int = 16) -> int:
+    """The limit that leaves ``room`` movable bytes before a forward of ``batch`` rows."""
+    return FIXED + PER_ELEMENT * batch * dim + room
+
+
+def _run(model: Any, ref: Any, inp: torch.Tensor) -> None:
+    with torch.inference_mode():
+        assert torch.equal(model(inp), ref(inp))
+
+
+def _stats(backend: Any) -> tuple[int, int, int, int]:
+    s = backend.stats()
+    return s["num_pinned_blocks"], s["num_slots"], s["device_slot_nbytes"], s["num_loads"]
+
+
+def test_blocks_are_pinned_into_room_and_unpinned_before_a_larger_input(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    model = ToyDiT(8)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
+    fake.backend = backend
+    try:
+        assert backend._state.pool.slot_nbytes == BLOCK
+        _run(model, ref, x(2, seed=0))  # measured; nothing changes inside the first forward
+        assert _stats(backend)[:2] == (0, 2)
+        _run(model, ref, x(2, seed=1))  # every block fits: pinned, and no slot is left
+        pinned, slots, slot_nbytes, loads = _stats(backend)
+        assert (pinned, slots, slot_nbytes) == (8, 0, 0)
+        _run(model, ref, x(2, seed=2))
+        assert _stats(backend)[3] == loads  # a pinned block loads nothing
+        # 10 more rows need 10 * 16 * 64 bytes more: the room left holds p blocks + 2 slots
+        _run(model, ref, x(12, seed=3))
+        pinned, slots, slot_nbytes, loads = _stats(backend)
+        room = fake.limit - FIXED - PER_ELEMENT * 12 * 16
+        assert pinned == room // BLOCK - 2 and slots == 2 and slot_nbytes == 2 * BLOCK
+        assert 0 < pinned < 8
+        _run(model, ref, x(12, seed=4))
+        assert _stats(backend)[3] - loads == 8 - pinned  # only the streamed blocks load
+        # a smaller input again: the larger forward's growth is kept, nothing is pinned back
+        _run(model, ref, x(2, seed=5))
+        assert _stats(backend)[0] == pinned
+        records = backend.stats()["policy"]["replans"]
+        assert [r["action"] for r in records] == ["pin", "unpin"]
+        assert records[0] | {"movable_room_nbytes": 0} == {
+            "forward": 2,
+            "elements": 32,
+            "pinned": 8,
+            "streamed": 0,
+            "num_slots": 0,
+            "slot_nbytes": 0,
+            "movable_room_nbytes": 0,
+            "limit_nbytes": fake.limit,
+            "action": "pin",
+        }
+        assert records[1]["elements"] == 12 * 16 and records[1]["pinned"] == pinned
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    _run(model, ref, x(3, seed=6))  # the model is whole again
+
+
+def test_a_forward_that_cannot_fit_is_refused_before_any_block_runs(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    model = ToyDiT(8)
+    ref = clone(model)
+    ran: list[int] = []
+    fake.watch(list(model.blocks))
+    for b in model.blocks:
+        b.register_forward_pre_hook(lambda m, a: ran.append(1))
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
+    fake.backend = backend
+    try:
+        _run(model, ref, x(2, seed=0))
+        _run(model, ref, x(2, seed=1))
+        ran.clear()
+        # 2 + 100 rows: 100 * 16 * 64 bytes more than the limit leaves, with one slot
+        with pytest.raises(OffloadError) as e, torch.inference_mode():
+            model(x(102))
+        assert not ran  # no block ran
+        msg = str(e.value)
+        assert "blocks.0" in msg and "with every block streamed through one slot" in msg
+        assert "MiB is available" in msg and "smaller input" in msg
+        _run(model, ref, x(2, seed=2))  # the ring is sound: the next forward runs
+        _run(model, ref, x(2, seed=3))
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_an_explicit_resident_count_is_never_replanned(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    fake = FakeMemory(limit=1 << 40, fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    model = ToyDiT(4)
+    ref = clone(model)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(resident_layers=1), device="cpu")
+    fake.backend = backend
+    try:
+        for s in range(3):
+            _run(model, ref, x(2, seed=s))
+        assert _stats(backend)[:2] == (0, 2) and fake.calls == 0
+        assert backend.stats()["policy"] is None
+    finally:
+        backend.disable()
+
+
+def test_other_rings_keep_the_shared_slots_they_need(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """Two DiTs and a streamed text encoder share one pool: each DiT pins its blocks, and
+    the slots stay, sized for the encoder's blocks."""
+    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    pipe = ToyPipeline()
+    ref = clone(pipe)
+    cfg = dlo.OffloadConfig(components=("dit", "encoder"))
+    backend = dlo.enable_offload(pipe, cfg, device="cpu")
+    fake.backend = backend
+    try:
+        encoder = max(
+            b.layout.padded_nbytes for b in backend._state.blocks if b.stack.component == "encoder"
+        )
+        for s in range(4):
+            inp = x(2, seed=s)
+            with torch.inference_mode():
+                assert torch.equal(pipe(inp, steps=4), ref(inp, steps=4))
+        pinned, slots, slot_nbytes, _ = _stats(backend)
+        assert pinned == 4 + 3 and slots == 2 and slot_nbytes == 2 * encoder
+        rings = {r["elements"] for r in backend.stats()["policy"]["replans"]}
+        assert rings  # both DiTs re-planned
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_writes_of_a_pinned_block_are_kept_as_when_it_streams(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """A block that writes its own buffer in place: pinned, the write goes back to its host
+    copy at exit as when it streams, so unpinning it later loses nothing."""
+    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    model = CachingDiT(4)
+    ref = clone(model)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
+    fake.backend = backend
+    try:
+        for step in range(6):
+            if step == 4:  # unpin everything: the next loads come from the host copies
+                fake.limit = FIXED
+            with torch.inference_mode():
+                assert torch.equal(model(caching_input(step), step), ref(caching_input(step), step))
+            if step == 2:
+                assert _stats(backend)[0] == 4
+        assert _stats(backend)[0] == 0
+    finally:
+        backend.disable()
+    for name, t in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("replan-folders")
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan2.1"])
+def test_default_pipeline_folders_are_bitwise_across_replans(
+    monkeypatch: pytest.MonkeyPatch, exact: None, folders: Path, name: str
+) -> None:
+    """A tiny folder with no settings: pinned after the first step, unpinned before a
+    larger call, every call the resident pipeline's bits."""
+    folder = folders / name
+    save_folder(FOLDERS[name], folder, max_shard_size=40_000)
+    ref = resident_reference(str(folder), torch.float32, torch.device("cpu"))
+    cfg = dlo.OffloadConfig(mode="layer")
+    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu", dtype=torch.float32)
+    assert backend is not None
+    blocks = [b.module for b in backend._state.blocks if b.stack.component == "dit"]
+    total = sum(b.layout.padded_nbytes for b in backend._state.blocks if b.module in blocks)
+    fake = FakeMemory(limit=0, fixed=FIXED, per_element=4)
+    fake.install(monkeypatch)
+    fake.watch(blocks)
+    fake.backend = backend
+    call: dict[str, Any] = {**FOLDERS[name].call, "output_type": "pt", "prompt": "a red fox"}
+    video = "num_frames" in call
+    base = call["height"]
+    pipe.set_progress_bar_config(disable=True)
+    ref.set_progress_bar_config(disable=True)
+    key = "frames" if video else "images"
+    try:
+        for calls, size in enumerate([base, base, 2 * base]):
+            if calls == 0:  # room for every block at the first size, not at twice the size
+                fake.limit = FIXED + 10 * total
+            c = {**call, "num_inference_steps": 2, "height": size, "width": size}
+            a = pipe(**c, generator=torch.Generator().manual_seed(calls))
+            b = ref(**c, generator=torch.Generator().manual_seed(calls))
+            assert torch.equal(getattr(a, key), getattr(b, key)), calls
+        records = backend.stats()["policy"]["replans"]
+        assert records and records[0]["action"] == "pin"
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def _gathering_rank(rank: int, world: int, spare: list[int]) -> dict[str, Any]:
+    for k, v in _exact().items():
+        setattr(replan, k, v)
+    fake = FakeMemory(limit=0, fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install()
+    model = ToyDiT(6)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(transfer="allgather"), device="cpu")
+    fake.backend = backend
+    padded = backend._state.pool.slot_nbytes  # every block's, at this group size
+    fake.limit = _limit(2, 6 * padded + spare[rank])  # every block pinned at 2 rows
+    same = []
+    try:
+        for s, batch in enumerate([2, 2, 2, 6, 6]):
+            inp = x(batch, seed=s)
+            with torch.inference_mode():
+                same.append(torch.equal(model(inp), ref(inp)))
+        stats = backend.stats()
+        return {
+            "same": same,
+            "replans": stats["policy"]["replans"],
+            "pinned": stats["num_pinned_blocks"],
+            "loads": stats["num_loads"],
+            "group_size": stats["group_size"],
+            "padded": padded,
+        }
+    finally:
+        backend.disable()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_gather_together_take_one_plan(world: int) -> None:
+    """Every rank measures a different limit; the plan is the tightest rank's, on all:
+    every block pinned at 2 rows; at 6 rows (4 * 16 * 64 bytes more) the last rank, with
+    1000 bytes to spare, must stream some, and so do the others, which had room."""
+    spare = [100_000 * (r + 1) for r in range(world)]
+    spare[-1] = 1000
+    res = assert_all_ok(run_ranks(_gathering_rank, world, spare, timeout_s=180))
+    assert all(all(r["same"]) for r in res)
+    assert all(r["group_size"] == world for r in res)
+    assert all(r["replans"] == res[0]["replans"] for r in res)
+    assert [r["action"] for r in res[0]["replans"]] == ["pin", "unpin"]
+    assert all(r["loads"] == res[0]["loads"] and r["pinned"] == res[0]["pinned"] for r in res)
+    p = res[0]["padded"]
+    room = 6 * p + 1000 - PER_ELEMENT * 4 * 16
+    assert res[0]["pinned"] == room // p - 2 and 0 < res[0]["pinned"] < 6
+
+
+@pytest.mark.parametrize("form", ["repeated", "whole"])
+def test_compiled_blocks_stay_bitwise_and_compile_nothing_new_across_replans(
+    monkeypatch: pytest.MonkeyPatch, exact: None, form: str
+) -> None:
+    """Pinned blocks' own buffers are views like the slots': the compiled blocks run on them
+    with the graphs they already have, and give the resident compile's bits."""
+    torch._dynamo.reset()
+    model = TwoStackDiT(3, num_blocks2=2)
+    counter = Counter()
+    ref = _compile(clone(model), form, counter)
+    inputs = [torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    with torch.inference_mode():
+        want = [ref(t).clone() for t in inputs]
+    ref_graphs = counter.graphs
+    torch._dynamo.reset()
+    counter = Counter()
+    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)  # no activation hooks: they would be compiled too
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
+    fake.backend = backend
+    fn = _compile(model, form, counter)
+    try:
+        for s, t in enumerate(inputs):
+            if s == 4:  # unpin everything
+                fake.limit = FIXED
+            with torch.inference_mode():
+                assert torch.equal(fn(t), want[s]), s
+            if s == 2:
+                assert _stats(backend)[0] == 5
+        assert _stats(backend)[0] == 0
+        assert [r["action"] for r in backend.stats()["policy"]["replans"]] == ["pin", "unpin"]
+        if form == "repeated":
+            assert counter.graphs == ref_graphs
+    finally:
+        backend.disable()
+
+
+def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """Enable keeps the leading blocks resident under a budget; the re-plan point is the
+    forward's first block all the same, so a refused forward runs none of them."""
+    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    model = ToyDiT(8)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    ran: list[str] = []
+    for i, b in enumerate(model.blocks):
+        b.register_forward_pre_hook(lambda m, a, i=i: ran.append(f"blocks.{i}"))
+    budget = 6 * BLOCK / 0.8 / 2**30  # about 3 blocks beside 2 slots and the non-block
+    cfg = dlo.OffloadConfig(resident_layers="auto", device_budget_gb=budget)
+    backend = dlo.enable_offload(model, cfg, device="cpu")
+    fake.backend = backend
+    try:
+        resident = backend.stats()["num_resident_blocks"]
+        assert 0 < resident < 8
+        _run(model, ref, x(2, seed=0))
+        _run(model, ref, x(2, seed=1))
+        assert _stats(backend)[0] == 8 - resident  # the streamed ones were pinned
+        ran.clear()
+        with pytest.raises(OffloadError, match=r"blocks\.0") as e, torch.inference_mode():
+            model(x(102))
+        assert ran == [] and "this forward needs about" in str(e.value)
+        _run(model, ref, x(2, seed=2))
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)

@@ -1,0 +1,110 @@
+"""Re-plans between forwards on a GPU ([Note: re-plan between forwards] in dlo.plan.replan),
+from the CUDA allocator's own statistics under a device budget: blocks enable left streaming
+are pinned once a forward was measured, unpinned before a larger input, a forward that
+cannot fit is refused before it runs (no out-of-memory error), and every output is the
+resident model's bits, eager and compiled."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.errors import OffloadError
+from tests.toys import ToyDiT
+
+DEV = torch.device("cuda")
+DIM = 4096
+BLOCKS = 32  # 96 MiB each (bf16), 3 GiB in all, with 128 MiB of fp32 non-block weights
+BUDGET_GB = 3.5
+"""Enable keeps a fifth of it for activations and streams about 7 blocks; a re-plan keeps
+its margin (256 MiB) and reserve (5%) and pins some of them."""
+
+
+def _model(seed: int = 0) -> ToyDiT:
+    torch.manual_seed(seed)
+    return ToyDiT(BLOCKS, dim=DIM, seed=seed)
+
+
+def _inputs(rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, DIM, generator=g).to(DEV)
+
+
+def _reference(rows_list: list[int], compile_blocks: bool) -> list[torch.Tensor]:
+    model = _model().to(DEV)
+    if compile_blocks:  # a static graph per shape: the same kernels in both models
+        for b in model.blocks:
+            b.compile(dynamic=False)
+    with torch.inference_mode():
+        out = [model(_inputs(r, i)).cpu() for i, r in enumerate(rows_list)]
+    del model
+    torch._dynamo.reset()  # its compiled code holds the model's weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def _stats(backend: Any) -> dict[str, Any]:
+    return dict(backend.stats())
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True], ids=["eager", "compiled"])
+def test_budgeted_defaults_pin_unpin_and_stay_bitwise(compile_blocks: bool) -> None:
+    rows = [256, 256, 256, 256, 4096, 4096, 256]
+    want = _reference(rows, compile_blocks)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = _model()
+    if compile_blocks:
+        for b in model.blocks:
+            b.compile(dynamic=False)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(device_budget_gb=BUDGET_GB), device=DEV)
+    try:
+        st = _stats(backend)
+        streamed_at_enable = st["num_streamed_blocks"]
+        assert 0 < streamed_at_enable < BLOCKS, st["policy"]["explanation"]
+        outs, pinned, loads = [], [], []
+        for i, r in enumerate(rows):
+            try:
+                with torch.inference_mode():
+                    outs.append(model(_inputs(r, i)).cpu())
+            except torch.OutOfMemoryError as e:
+                raise AssertionError(f"forward {i}: pinned {pinned}, {_stats(backend)}") from e
+            st = _stats(backend)
+            pinned.append(st["num_pinned_blocks"])
+            loads.append(st["num_loads"])
+        for i, (a, b) in enumerate(zip(outs, want)):
+            assert torch.equal(a, b), i
+        records = st["policy"]["replans"]
+        assert pinned[0] == 0 and pinned[1] > 0, (pinned, records)
+        assert loads[3] - loads[2] == streamed_at_enable - pinned[2]  # pinned blocks load nothing
+        # 4096 rows of 4096 floats: activations of about half a GiB, more than the room the
+        # pinned blocks left: unpinned before that forward ran
+        assert pinned[4] < pinned[3], (pinned, records)
+        assert [r["action"] for r in records][:2] == ["pin", "unpin"], records
+        assert torch.cuda.max_memory_allocated() <= BUDGET_GB * 2**30
+    finally:
+        backend.disable()
+
+
+def test_a_forward_that_cannot_fit_is_refused_not_out_of_memory() -> None:
+    # a peak no forward reaches (an earlier test's whole model) would hide the activations:
+    # growth would be a bound, never evidence for a refusal (the Note's known limit)
+    torch.cuda.reset_peak_memory_stats()
+    model = _model()
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(device_budget_gb=BUDGET_GB), device=DEV)
+    try:
+        for i in range(3):
+            with torch.inference_mode():
+                model(_inputs(256 * (i + 1), i))  # growth measured exactly, at three sizes
+        needs = r"this forward needs about .* is available"
+        with pytest.raises(OffloadError, match=needs), torch.inference_mode():
+            model(_inputs(10240, 9))  # 10 K rows: GiBs of activations in all
+        with torch.inference_mode():
+            model(_inputs(256, 10))  # the ring is sound after the refusal
+    finally:
+        backend.disable()

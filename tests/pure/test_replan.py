@@ -1,0 +1,144 @@
+"""The re-plan model's decisions ([Note: re-plan between forwards] in dlo.plan.replan): pure."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from dlo.config.fields import GIB, MIB
+from dlo.plan import replan
+from dlo.plan.replan import Block, ForwardSample, Observed, Plan, Room
+
+FLUX = [Block(f"double.{i}", 680 * MIB) for i in range(19)] + [
+    Block(f"single.{i}", 280 * MIB) for i in range(38)
+]
+
+
+def test_spread_order_prefixes_are_even() -> None:
+    order = replan.spread_order(8)
+    assert sorted(order) == list(range(8))
+    assert order[:2] == [0, 4] and sorted(order[:4]) == [0, 2, 4, 6]
+    assert replan.spread_order(0) == [] and replan.spread_order(1) == [0]
+
+
+def test_choose_streams_the_smallest_blocks_spread_out_and_the_slots_shrink() -> None:
+    total = sum(b.nbytes for b in FLUX)
+    everything = replan.choose(FLUX, total, num_slots=2, floor_slot_nbytes=0)
+    assert everything == Plan(frozenset(b.name for b in FLUX), 0, 0)
+    # 2 GiB short: single blocks stream (the slot is a single block's), spread over them
+    plan = replan.choose(FLUX, total - 2 * GIB, num_slots=2, floor_slot_nbytes=0)
+    streamed = [b.name for b in FLUX if b.name not in plan.pinned]
+    assert all(n.startswith("single.") for n in streamed)
+    assert (plan.num_slots, plan.slot_nbytes) == (2, 280 * MIB)
+    assert plan.movable(FLUX) <= total - 2 * GIB
+    gaps = sorted(int(n.split(".")[1]) for n in streamed)
+    assert len(streamed) == 10 and max(b - a for a, b in itertools.pairwise(gaps)) <= 6
+    # fewer room, more streamed: the streamed sets are nested (no block is pinned back)
+    tighter = replan.choose(FLUX, total - 4 * GIB, num_slots=2, floor_slot_nbytes=0)
+    assert tighter.pinned < plan.pinned
+    nothing = replan.choose(FLUX, 0, num_slots=2, floor_slot_nbytes=0)
+    assert nothing == Plan(frozenset(), 1, 680 * MIB)  # not even two slots: one
+    assert replan.choose(FLUX, 2 * 680 * MIB, num_slots=2, floor_slot_nbytes=0).num_slots == 2
+
+
+def test_one_slot_is_a_last_resort_and_two_come_back_with_the_room() -> None:
+    blocks = [Block(f"b{i}", 100 * MIB) for i in range(4)]
+    limit = 10 * GIB
+    two = Plan(frozenset(), 2, 100 * MIB)
+    one = replan.next_plan(
+        two, blocks, Room(150 * MIB, None, limit), num_slots=2, floor_slot_nbytes=0
+    )
+    assert one == Plan(frozenset(), 1, 100 * MIB)
+    back = Room(200 * MIB + int(replan.HYSTERESIS * limit), None, limit)
+    assert replan.next_plan(one, blocks, back, num_slots=2, floor_slot_nbytes=0) == two
+
+
+def test_choose_keeps_the_slots_other_rings_stream_through() -> None:
+    blocks = [Block("a", 10), Block("b", 10)]
+    plan = replan.choose(blocks, 1000, num_slots=3, floor_slot_nbytes=50)
+    assert plan == Plan(frozenset({"a", "b"}), 3, 50)
+
+
+def test_next_plan_grows_only_with_hysteresis_and_shrinks_at_once() -> None:
+    blocks = [Block(f"b{i}", 100 * MIB) for i in range(10)]
+    limit = 10 * GIB
+    none = Plan(frozenset(), 2, 100 * MIB)
+    exact = Room(10 * 100 * MIB, None, limit)  # every block, without the hysteresis
+    some = replan.next_plan(none, blocks, exact, num_slots=2, floor_slot_nbytes=0)
+    assert len(some.pinned) == 6 and some.num_slots == 2  # what fits with it to spare
+    # the same room again: no flapping up to every block and back
+    assert replan.next_plan(some, blocks, exact, num_slots=2, floor_slot_nbytes=0) is some
+    roomy = Room(10 * 100 * MIB + int(replan.HYSTERESIS * limit), None, limit)
+    grown = replan.next_plan(none, blocks, roomy, num_slots=2, floor_slot_nbytes=0)
+    assert len(grown.pinned) == 10 and grown.num_slots == 0
+    # the room shrinks by two blocks: unpinned at once, with the slots back
+    small = Room(8 * 100 * MIB, None, limit)
+    shrunk = replan.next_plan(grown, blocks, small, num_slots=2, floor_slot_nbytes=0)
+    assert len(shrunk.pinned) == 6 and shrunk.num_slots == 2
+    unknown = Room(None, None, limit)
+    assert replan.next_plan(grown, blocks, unknown, num_slots=2, floor_slot_nbytes=0) is grown
+
+
+def test_growth_is_a_bound_exact_only_when_the_peak_rose() -> None:
+    rose = ForwardSample(elements=100, start_nbytes=10, peak_at_start=50, peak_at_end=60)
+    assert rose.growth == 50 and rose.exact
+    flat = ForwardSample(elements=100, start_nbytes=10, peak_at_start=60, peak_at_end=60)
+    assert flat.growth == 50 and not flat.exact
+    reset = ForwardSample(elements=100, start_nbytes=10, peak_at_start=60, peak_at_end=20)
+    assert reset.growth is None
+
+
+def test_prediction_uses_larger_forwards_as_they_are_and_scales_above_them() -> None:
+    seen = Observed()
+    small = ForwardSample(100, 0, 0, 1000)  # exact, 10 bytes per element
+    seen = replan.observe(seen, small, peak=1000, movable=0)
+    assert replan.predicted_growth(seen, 50) == 1000  # never below a larger forward's
+    assert replan.predicted_growth(seen, 300) == 3000  # linear above the largest
+    big = ForwardSample(1000, 0, 1000, 5000)  # 5 per element
+    seen = replan.observe(seen, big, peak=5000, movable=0)
+    assert replan.predicted_growth(seen, 500) == 5000
+    assert replan.predicted_growth(seen, 2000) == 10000
+    # a bound (the peak did not rise) predicts, but is not evidence for a refusal
+    bound = replan.observe(Observed(), ForwardSample(10, 0, 900, 900), peak=900, movable=0)
+    assert replan.predicted_growth(bound, 10) == 900
+    assert replan.predicted_growth(bound, 10, exact_only=True) is None
+    assert replan.predicted_growth(Observed(), 10) is None
+
+
+def test_observe_keeps_the_largest_rest_between_forwards() -> None:
+    s = ForwardSample(10, 100, 100, 200)
+    seen = replan.observe(Observed(), s, peak=200, movable=50)
+    assert seen.between_nbytes == 150
+    # the peak rose after the forward ended: work between forwards (a VAE decode)
+    seen = replan.observe(seen, ForwardSample(10, 100, 200, 200), peak=900, movable=50)
+    assert seen.between_nbytes == 850
+    seen = replan.observe(seen, None, peak=900, movable=500)  # more pinned: less rest
+    assert seen.between_nbytes == 850
+
+
+def test_room_keeps_a_reserve_beyond_every_measured_need() -> None:
+    limit = 20 * GIB
+    seen = replan.observe(Observed(), ForwardSample(10, GIB, GIB, 2 * GIB), 2 * GIB, 0)
+    r = replan.room(seen, 10, allocated=GIB, movable=0, limit=limit)
+    reserve = int(replan.INPUT_RESERVE * limit)
+    assert r.movable_room == limit - replan.margin(limit) - (2 * GIB + reserve)
+    assert r.refuse_need == 2 * GIB
+    after = Observed(seen.samples, between_nbytes=3 * GIB)  # a VAE decode needed more
+    r = replan.room(after, 10, allocated=GIB, movable=0, limit=limit)
+    assert r.movable_room == limit - replan.margin(limit) - 3 * GIB - reserve
+    assert replan.room(Observed(), 10, allocated=GIB, movable=0, limit=limit).movable_room is None
+
+
+def test_worst_takes_the_least_room_and_the_neediest_refusal() -> None:
+    a, b = Room(100, 50, 1000), Room(70, 990, 1000)
+    assert replan.worst([a, b]) == Room(70, 990, 1000)
+    assert replan.worst([a, Room(None, None, 1000)]).movable_room is None
+
+
+def test_a_forward_that_cannot_fit_one_slot_is_refused_naming_both_sizes() -> None:
+    blocks = [Block("a", 2 * GIB)]
+    replan.check_fits(Room(0, 7 * GIB, 9 * GIB), blocks, 0)  # 9 GiB: just fits
+    with pytest.raises(replan.Refusal, match=r"9\.00 GiB on the device .*2\.00 GiB\).*8\.00 GiB"):
+        replan.check_fits(Room(0, 7 * GIB, 8 * GIB), blocks, 0)
+    replan.check_fits(Room(0, None, 1), blocks, 0)  # nothing exact: never refused
