@@ -28,7 +28,7 @@ from dlo.codec.codecs import get_codec
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
-from dlo.hooks.foreign import is_dtensor
+from dlo.hooks.foreign import foreign_offloader, is_dtensor
 from dlo.hooks.registry import HookRegistry
 from dlo.host.shards import shard_view, unpack_tensor
 from dlo.journal import Journal
@@ -305,9 +305,13 @@ def install_replanners(
             continue
         if eligible is not None and path not in eligible:
             continue
+        dit = get_by_path(pipeline, path)
+        if foreign_offloader(dit) is not None:  # HSDP's fully_shard owns the DiT's hooks
+            logger.info("dlo: %s is managed by %s: no re-plans", path, foreign_offloader(dit))
+            continue
         r = Replanner(platform, scheduler, ring, drain=transports.drain, rank=rank)
         journal.record(f"re-plans of {path or 'the model'}", r.close)
-        registry.register(get_by_path(pipeline, path), REPLAN_HOOK, ComponentHook(r))
+        registry.register(dit, REPLAN_HOOK, ComponentHook(r))
         for b in mine:
             if b.resident:
                 registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))

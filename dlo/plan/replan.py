@@ -43,8 +43,10 @@ the rest: a larger input and its prologue (both allocated before the first block
 after the re-plan point), and work between forwards that has not run yet (the first VAE
 decode runs after the first forwards).
 
-Known limit: a peak from before enable (the model once whole on the device) that no forward
-reaches hides the activations until the peak is reset.
+Known limits: a peak from before enable (the model once whole on the device) that no forward
+reaches hides the activations until the peak is reset; a DiT that FSDP2's ``fully_shard``
+owns (HSDP) is not re-planned (its hooks are FSDP's); the re-plan point is inside the DiT's
+call, after its prologue, so an input whose prologue alone does not fit fails there.
 """
 
 from __future__ import annotations
