@@ -10,7 +10,7 @@ from dlo.backends.base import OffloadBackend
 from dlo.backends.factory import enable_offload, get_offload_backend
 from dlo.config.offload import LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.errors import BackendPoisonedError, OffloadError
+from dlo.errors import BackendPoisonedError, ForwardRefused, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.registry import HookRegistry
 from dlo.io.checkpoint import Checkpoint, CheckpointError
@@ -24,6 +24,7 @@ __all__ = [
     "BlockStack",
     "Checkpoint",
     "CheckpointError",
+    "ForwardRefused",
     "HookRegistry",
     "LayerOptions",
     "ModelHook",

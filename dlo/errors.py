@@ -36,3 +36,9 @@ class InjectedFault(RuntimeError):
     def __init__(self, point: str) -> None:
         self.point = point
         super().__init__(f"injected fault at {point!r}")
+
+
+class ForwardRefused(OffloadError):
+    """A forward refused before any block ran: it cannot fit the device even with every
+    block streamed through one slot (see [Note: re-plan between forwards] in
+    :mod:`dlo.plan.replan`). Nothing moved; the backend stays usable for smaller inputs."""

@@ -354,12 +354,12 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "policy.per_rank[].shared_memory_nbytes": "free bytes of its node's shared-memory folder",
         "policy.per_rank[].non_block_nbytes": "its non-block weight bytes (the policy budgets "
         "for the largest)",
-        "policy.replans": "every re-plan between forwards of a DiT ring whose resident count "
-        "the policy chose, as it happened: `forward` (the forward it preceded), `elements` "
-        "(its first block's input elements), `pinned`, `streamed`, `num_slots`, "
+        "policy.replans": "while enabled, every re-plan between forwards of a DiT ring whose "
+        "resident count the policy chose: `component`, `forward` (the forward it preceded), "
+        "`elements` (its first block's input elements), `pinned`, `streamed`, `num_slots`, "
         "`slot_nbytes`, `movable_room_nbytes` (what pinned blocks and slots could take), "
-        "`limit_nbytes` (what the allocator may hold), `action` (`pin` or `unpin`); empty "
-        "where the device gives no allocator statistics (the CPU)",
+        "`limit_nbytes` (what the allocator may hold), `action` (`pin`, `unpin` or `slots`); "
+        "present where the policy decided at enable or a re-plan happened",
     },
     "module": {
         "enabled": "`is_enabled()`",

@@ -34,7 +34,6 @@ from dlo.host.shards import shard_view, unpack_tensor
 from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
-from dlo.plan.declarations import get_by_path
 from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.layers import LayerPlan
 from dlo.plan.subclasses import move_tensor, tensor_nbytes
@@ -42,7 +41,7 @@ from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
 from dlo.runtime.decoding import Decoder
-from dlo.runtime.replan import ComponentHook, Replanner, ResidentBlockHook
+from dlo.runtime.replan import Replanner, ResidentBlockHook
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
@@ -292,11 +291,12 @@ def install_replanners(
     registry: HookRegistry,
     journal: Journal,
     *,
+    keep_slots: bool,
     rank: int,
 ) -> None:
     """A re-planner for the ring of each DiT that may hold resident blocks, with hooks on the
-    DiT and on its resident blocks ([Note: re-plan between forwards] in
-    :mod:`dlo.plan.replan`)."""
+    DiT's resident blocks ([Note: re-plan between forwards] in :mod:`dlo.plan.replan`). A
+    DiT whose resident blocks another mechanism manages is left as enable planned it."""
     eligible = resident_dit_paths_of(pipeline)
     for ring in scheduler.rings:
         path = ring.name
@@ -305,16 +305,16 @@ def install_replanners(
             continue
         if eligible is not None and path not in eligible:
             continue
-        dit = get_by_path(pipeline, path)
-        if foreign_offloader(dit) is not None:  # HSDP's fully_shard owns the DiT's hooks
-            logger.info("dlo: %s is managed by %s: no re-plans", path, foreign_offloader(dit))
+        resident = [b for b in mine if b.resident]
+        if any(foreign_offloader(b.module) is not None for b in resident):
+            logger.info("dlo: %s's resident blocks have other hooks: no re-plans", path)
             continue
-        r = Replanner(platform, scheduler, ring, drain=transports.drain, rank=rank)
+        r = Replanner(
+            platform, scheduler, ring, drain=transports.drain, keep_slots=keep_slots, rank=rank
+        )
         journal.record(f"re-plans of {path or 'the model'}", r.close)
-        registry.register(dit, REPLAN_HOOK, ComponentHook(r))
-        for b in mine:
-            if b.resident:
-                registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))
+        for b in resident:
+            registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))
 
 
 def install_rings(
@@ -327,11 +327,11 @@ def install_rings(
     owner: str,
     rank: int,
     journal: Journal,
-    automatic: bool = False,
+    requested: OffloadConfig | None = None,
 ) -> RingScheduler:
     """One ring per stack of streamed blocks, sharing ``pool``; hooks, state-dict views and
     refusals on the model; block 0 of each ring preloaded; the DiTs' rings re-planned where
-    the resident count was left to the policy (``automatic``)."""
+    the ``requested`` config left the resident count to the policy."""
     scheduler = RingScheduler(platform, pool, rank=rank)
 
     def unbind() -> None:
@@ -396,9 +396,18 @@ def install_rings(
                 t.data = ph
     scheduler.preload()
     platform.synchronize()
-    if automatic:
+    if requested is not None and requested.resident_layers_for("dit") in (None, "auto"):
+        keep = requested.num_slots not in (None, "auto")
         install_replanners(
-            platform, pipeline, blocks, scheduler, transports, registry, journal, rank=rank
+            platform,
+            pipeline,
+            blocks,
+            scheduler,
+            transports,
+            registry,
+            journal,
+            keep_slots=keep,
+            rank=rank,
         )
     return scheduler
 

@@ -421,7 +421,7 @@ class LayerwiseBackend(OffloadBackend):
             owner=f"dlo.layer#{id(self):x}",
             rank=rank,
             journal=journal,
-            automatic=self.config.resident_layers_for("dit") in (None, "auto"),
+            requested=self.config,
         )
 
     # ------------------------------------------------------------------ telemetry

@@ -17,7 +17,7 @@ The memory model, with the device's allocator statistics at three points of ever
 * ``M``: the movable bytes, the pinned blocks' buffers plus the slots (the only bytes a
   re-plan changes); the *rest* is everything else the process holds.
 * The forward's growth ``g = peak at its last block's exit - allocated at its first block's
-  entry``: an upper bound on what the forward added (exact when the peak rose during it).
+  entry`` (the first and last blocks are learned from the first forward): an upper bound on what the forward added (exact when the peak rose during it).
   It is predicted for an input of ``e`` elements (the floating-point elements of the first
   block's inputs: hidden states, text states, rotary tables; they scale with the tokens) as
   the most any forward at least that large added, else linearly from the largest forward
@@ -39,9 +39,9 @@ even so is refused before its first block runs (:class:`Refusal`), but only on a
 measured exactly (a bound is not evidence that it cannot fit).
 
 What no measurement covers yet is kept free too, ``INPUT_RESERVE`` of the limit on top of
-the rest: a larger input and its prologue (both allocated before the first block enters, so
-after the re-plan point), and work between forwards that has not run yet (the first VAE
-decode runs after the first forwards).
+the rest: a larger input and its prologue (both allocated before the first block enters,
+that is before the re-plan point can see them), and work between forwards that has not run
+yet (the first VAE decode runs after the first forwards).
 
 Known limits: a peak from before enable (the model once whole on the device) that no forward
 reaches hides the activations until the peak is reset; a DiT that FSDP2's ``fully_shard``
@@ -104,17 +104,23 @@ class Observed:
     """The most the rest held at any time between two re-plan points (``o``)."""
 
 
-def observe(seen: Observed, sample: ForwardSample | None, peak: int, movable: int) -> Observed:
+def observe(
+    seen: Observed, sample: ForwardSample | None, peak: int | None, movable: int
+) -> Observed:
     """``seen`` plus the forward that ended (if its end was seen) and the interval that ends
-    now, at a re-plan point where the peak is ``peak`` and the movable bytes since the last
-    one were ``movable``."""
+    now, at a re-plan point where the peak is ``peak`` (None: no evidence, a peak no later
+    than enable's or a refused forward's) and the movable bytes since the last one were
+    ``movable``. Per input size the latest exact growth is kept, else the largest bound (a
+    first forward's one-off allocations, such as a library's workspace, stay allocated and
+    would be counted twice)."""
     samples = seen.samples
     if sample is not None and sample.growth is not None:
-        # keep the largest growth per size: the prediction uses no other
-        samples = tuple(s for s in samples if s.elements != sample.elements or s.growth is None)
-        old = [s for s in seen.samples if s.elements == sample.elements]
-        best = max([*old, sample], key=lambda s: (s.growth or 0, s.exact))
-        samples = (*samples, best)
+        same = [s for s in samples if s.elements == sample.elements]
+        exact = [s for s in [*same, sample] if s.exact]
+        best = exact[-1] if exact else max([*same, sample], key=lambda s: s.growth or 0)
+        samples = (*(s for s in samples if s.elements != sample.elements), best)
+    if peak is None:
+        return Observed(samples, seen.between_nbytes)
     return Observed(samples, max(seen.between_nbytes, peak - movable, 0))
 
 
@@ -239,20 +245,21 @@ def choose(
     raise AssertionError("unreachable")
 
 
-def check_fits(r: Room, blocks: Sequence[Block], floor_slot_nbytes: int) -> None:
-    """Refuse a forward that cannot fit even with every block streamed through one slot
-    (its need against the limit itself: the margin is the planner's, not the device's)."""
+def check_fits(r: Room, least_slots_nbytes: int) -> None:
+    """Refuse a forward that cannot fit even with every block streamed through the least
+    slots the ring can run with (one slot of the largest block where the slots are resized;
+    the fixed slots otherwise): its need against the limit itself (the margin is the
+    planner's, not the device's)."""
     if r.refuse_need is None:
         return
-    one_slot = max([floor_slot_nbytes, *(b.nbytes for b in blocks)])
-    need = r.refuse_need + one_slot
+    need = r.refuse_need + least_slots_nbytes
     if need > r.limit:
         raise Refusal(
             f"this forward needs about {_size(need)} on the device with every block streamed "
-            f"through one slot ({_size(one_slot)}) and its activations predicted from the "
-            f"forwards measured so far, but {_size(r.limit)} is available (the device budget "
-            "or the free device memory): use a smaller input (resolution, frames, batch), or "
-            "a larger device_budget_gb or device"
+            f"through the least slots ({_size(least_slots_nbytes)}) and its activations "
+            f"predicted from the forwards measured so far, but {_size(r.limit)} is available "
+            "(the device budget or the free device memory): use a smaller input (resolution, "
+            "frames, batch), or a larger device_budget_gb or device"
         )
 
 

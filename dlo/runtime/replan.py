@@ -1,13 +1,21 @@
 """Re-planning a ring between its forwards: pinning and unpinning its blocks, resizing the
 slots ([Note: re-plan between forwards] in :mod:`dlo.plan.replan`, whose pure model decides).
 
-A :class:`Replanner` watches one DiT's ring. When the DiT's forward begins it arms; at the
-entry of the forward's first block (a resident one included: enable keeps the leading blocks)
-it reads the device allocator, closes the last forward's sample, agrees on the room with the
-ranks that load its blocks together (one small collective of the weight group, only where the
-ring gathers), and applies the plan the model gives: unpin, resize the slots, pin, with the
-device synchronized around it, before the block runs. When the DiT's forward returns it reads
-the peak the forward reached. Nothing here runs inside a forward's blocks.
+A :class:`Replanner` watches one DiT's blocks (its ring's, and the resident ones enable kept
+through :class:`ResidentBlockHook`; no hook goes on the DiT itself, whose ``compile()`` would
+then suppress its blocks' hooks). The first block the first forward enters is the DiT's
+first block, and the block that exited just before it entered again its last: each later
+entry of the first block begins a forward. There it reads the device allocator, closes the
+last forward's sample (the peak when its last block exited), agrees on the room with the
+ranks that load the blocks together (one small collective of the weight group, only where
+the ring gathers), and applies the plan the model gives before the block runs:
+
+1. local and fallible: unpin (free), resize the slots, allocate every new pin's buffer;
+2. where the ring gathers, the ranks agree that step 1 succeeded everywhere (one more small
+   collective), else every rank falls back to enable's plan and stops re-planning;
+3. load the new pins, in ring order (the same loads on every rank).
+
+Nothing here runs inside a forward's blocks, nor while another thread's block runs.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from typing import Any
 
 import torch
 
-from dlo.errors import OffloadError
+from dlo.errors import ForwardRefused, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.host.shards import shard_view
 from dlo.plan import replan
@@ -26,7 +34,7 @@ from dlo.platform.device import MemoryNow, Platform
 from dlo.runtime.collectives import all_gather_objects
 from dlo.runtime.ring import RingScheduler
 from dlo.runtime.slots import Slot, resize
-from dlo.runtime.streamed import IDLE, LOADED, BlockRing, StreamedBlock
+from dlo.runtime.streamed import IDLE, LOADED, RUNNING, BlockRing
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +59,7 @@ class Replanner:
     Args:
         drain: waits until every enqueued load was issued (the staged transport's), or
             nothing.
+        keep_slots: the slot count was given explicitly: the slots are never resized.
         rank: for errors and logs.
     """
 
@@ -61,100 +70,133 @@ class Replanner:
         ring: BlockRing,
         *,
         drain: Callable[[], None],
+        keep_slots: bool,
         rank: int,
     ) -> None:
         self.platform, self.scheduler, self.ring = platform, scheduler, ring
         self.drain, self.rank = drain, rank
         self.blocks = [replan.Block(b.name, b.layout.padded_nbytes) for b in ring.blocks]
-        self.by_name = {b.name: b for b in ring.blocks}
         pool = scheduler.pool
-        self.num_slots = len(pool.slots)
-        self.resizable = pool.base is None  # symmetric slots are one allocation
-        self.enable_slot_nbytes = pool.slot_nbytes
+        self.num_slots, self.enable_slot_nbytes = len(pool.slots), pool.slot_nbytes
+        self.symmetric = pool.base is not None  # one allocation, outside the allocator
+        self.resizable = not self.symmetric and not keep_slots
         self.plan = replan.Plan(frozenset(), self.num_slots, pool.slot_nbytes)
         gathering = [b.transport for b in ring.blocks if b.transport.group_size > 1]
         self.group = getattr(gathering[0], "group", None) if gathering else None
         self.seen = replan.Observed()
         self.records: list[dict[str, Any]] = []
         self.forwards = 0
+        self.first: str | None = None
+        self.last: str | None = None
+        self._last_exit: str | None = None
         self._start: tuple[int, int, int] | None = None
         """The forward running: (elements, allocated, peak) at its first block's entry."""
         self._sample: replan.ForwardSample | None = None
-        self._off = False
-        self._armed = False
+        mem = platform.memory_now()
+        self._off = mem is None  # no allocator statistics: enable's plan stays
+        self._stale_peak = mem.peak if mem is not None else 0
+        """A peak no later than this is no evidence: it may predate enable, or be a refused
+        forward's."""
         ring.replanner = self
 
     # ------------------------------------------------------------------ events
-    def started(self) -> None:
-        """The DiT's forward began (its pre-forward hook)."""
-        self._armed, self._start = not self._off, None
-
-    def entering(self, args: tuple, kwargs: dict, name: str) -> None:
-        """Block ``name`` is entering (streamed or resident): the forward's first re-plans."""
-        if not self._armed:
+    def entering(self, args: tuple, kwargs: dict, name: str, key: Any = None) -> None:
+        """Block ``name`` enters (``key``: its ring claim, if it streams); the first block of
+        a forward re-plans."""
+        if self._off:
             return
-        self._armed = False
+        if self.first is None:
+            self.first = name  # the first forward's first block
+        elif name != self.first:
+            return
+        elif self.last is None:
+            self.last = self._last_exit
+        sched = self.scheduler
+        if sched.poisoned is not None or any(c.key is not key for c in sched.guard.claims):
+            self._start = None  # poisoned, or another thread's block runs: no re-plan
+            return
         mem = self.platform.memory_now()
-        if mem is None:
-            self._off = True  # no allocator statistics: enable's plan stays
-            return
+        assert mem is not None
         elements = input_elements(args, kwargs)
         if self.forwards:
-            movable = self.plan.movable(self.blocks)
-            self.seen = replan.observe(self.seen, self._sample, mem.peak, movable)
-            self._replan(name, elements, mem)
+            peak = mem.peak if mem.peak > self._stale_peak else None
+            seen = replan.observe(self.seen, self._sample, peak, self._movable())
+            self._replan(name, elements, mem, seen)
             mem = self.platform.memory_now() or mem
         self._sample = None
         self.forwards += 1
         self._start = (elements, mem.allocated, mem.peak)
 
-    def ended(self) -> None:
-        """The DiT's forward returned (its post-forward hook): the peak it reached."""
-        self._armed = False
-        if self._start is None:
+    def exited(self, name: str) -> None:
+        """Block ``name`` exited: the forward's last block samples its peak (every block of
+        the first forward, whose last block is not known yet)."""
+        self._last_exit = name
+        if self._start is None or (self.last is not None and name != self.last):
             return
         mem = self.platform.memory_now()
         if mem is not None:
             e, allocated, peak = self._start
             self._sample = replan.ForwardSample(e, allocated, peak, mem.peak)
-        self._start = None
+        if self.last is not None:
+            self._start = None
 
     # ------------------------------------------------------------------ deciding
+    def _movable(self) -> int:
+        """The device bytes a re-plan changes, read from what is allocated: the pinned
+        buffers and the slots (unless symmetric: outside the allocator)."""
+        pool = self.scheduler.pool
+        own = sum(b.layout.padded_nbytes for b in self.ring.blocks if b.own is not None)
+        return own + (0 if self.symmetric else pool.nbytes)
+
     def _floor(self) -> int:
         """The largest block other rings of the pool still stream."""
+        others = [r for r in self.scheduler.rings if r is not self.ring]
         return max(
-            (
-                b.layout.padded_nbytes
-                for r in self.scheduler.rings
-                if r is not self.ring
-                for b in r.blocks
-                if b.own is None
-            ),
+            (b.layout.padded_nbytes for r in others for b in r.blocks if b.own is None),
             default=0,
         )
 
-    def _replan(self, name: str, elements: int, mem: MemoryNow) -> None:
-        movable = self.plan.movable(self.blocks)
+    def _replan(self, name: str, elements: int, mem: MemoryNow, seen: replan.Observed) -> None:
+        pool = self.scheduler.pool
+        # another DiT's re-plan may have resized the shared slots
+        self.plan = replan.Plan(self.plan.pinned, len(pool.slots), pool.slot_nbytes)
         room = replan.room(
-            self.seen, elements, allocated=mem.allocated, movable=movable, limit=mem.limit
+            seen, elements, allocated=mem.allocated, movable=self._movable(), limit=mem.limit
         )
         if self.group is not None:  # the ranks that gather these blocks decide together
-            room = replan.worst(all_gather_objects(room, self.group))
-        floor = self._floor() if self.resizable else self.scheduler.pool.slot_nbytes
+            with self.platform.device_context():
+                room = replan.worst(all_gather_objects(room, self.group))
+        floor = self._floor()
+        fixed = 0 if self.resizable or self.symmetric else pool.nbytes
+        least = max([floor, *(b.nbytes for b in self.blocks)]) if self.resizable else fixed
         try:
-            replan.check_fits(room, self.blocks, floor)
+            replan.check_fits(room, least)
         except replan.Refusal as e:
-            raise OffloadError(str(e), rank=self.rank, block=name) from None
-        new = replan.next_plan(
-            self.plan, self.blocks, room, num_slots=self.num_slots, floor_slot_nbytes=floor
-        )
-        if not self.resizable:
-            new = replan.Plan(new.pinned, self.num_slots, self.scheduler.pool.slot_nbytes)
-        if replan.unchanged(self.plan, new):
-            return
-        before = self.plan
-        self._apply(new)
+            self._stale_peak = max(self._stale_peak, mem.peak)  # its prologue's peak
+            raise ForwardRefused(str(e), rank=self.rank, block=name) from None
+        self.seen = seen
+        if room.movable_room is not None and fixed:
+            room = replan.Room(room.movable_room - fixed, room.refuse_need, room.limit)
+        if self.resizable:
+            new = replan.next_plan(
+                self.plan, self.blocks, room, num_slots=self.num_slots, floor_slot_nbytes=floor
+            )
+            if room.refuse_need is None and not new.pinned and new.num_slots < self.num_slots:
+                new = replan.Plan(frozenset(), self.num_slots, self.enable_slot_nbytes)
+        else:  # the slots stay as they are: only pins change
+            fixed_plan = replan.Plan(self.plan.pinned, 0, 0)
+            new = replan.next_plan(fixed_plan, self.blocks, room, num_slots=0, floor_slot_nbytes=0)
+            new = replan.Plan(new.pinned, len(pool.slots), pool.slot_nbytes)
+        if not replan.unchanged(self.plan, new):
+            self._record(elements, room, self.plan, new)
+            self._apply(new)
+
+    def _record(
+        self, elements: int, room: replan.Room, before: replan.Plan, new: replan.Plan
+    ) -> None:
+        more, fewer = len(new.pinned) > len(before.pinned), len(new.pinned) < len(before.pinned)
         record = {
+            "component": self.ring.name,
             "forward": self.forwards + 1,
             "elements": elements,
             "pinned": len(new.pinned),
@@ -163,15 +205,16 @@ class Replanner:
             "slot_nbytes": new.slot_nbytes,
             "movable_room_nbytes": room.movable_room,
             "limit_nbytes": room.limit,
-            "action": "pin" if len(new.pinned) > len(before.pinned) else "unpin",
+            "action": "pin" if more else "unpin" if fewer else "slots",
         }
         self.records.append(record)
         (logger.info if self.rank == 0 else logger.debug)(
-            "dlo re-plan of %s before forward %d (%d input elements): %d of %d blocks pinned, "
-            "%d slot(s) x %.1f MiB, room for them %.2f GiB of a %.2f GiB limit",
-            self.ring.name,
+            "dlo re-plan of %s before forward %d (%d input elements): %s, %d of %d blocks "
+            "pinned, %d slot(s) x %.1f MiB, room for them %.2f GiB of a %.2f GiB limit",
+            self.ring.name or "the model",
             record["forward"],
             elements,
+            record["action"],
             record["pinned"],
             len(self.blocks),
             new.num_slots,
@@ -182,59 +225,93 @@ class Replanner:
 
     # ------------------------------------------------------------------ applying
     def _apply(self, new: replan.Plan) -> None:
-        """Unpin, resize the slots, pin: frees before allocations, the device synchronized
-        first (every queued reader of a freed buffer done) and last (every pin loaded). A
-        failure (an allocation the model misjudged) falls back to enable's plan, else
-        poisons the ring; either way re-planning stops."""
+        """Steps 1-3 of the module docstring. Buffers are made outside inference_mode (the
+        forward may run under it; an inference tensor's in-place writes bump no version
+        counter, and [Note: writes into streamed tensors] could not see them)."""
+        ok, error = True, None
         try:
-            # the forward may run under inference_mode: buffers made there would be inference
-            # tensors, whose in-place writes bump no version counter ([Note: writes into
-            # streamed tensors] could not see them)
             with torch.inference_mode(False):
-                self._change(new)
+                self._allocate(new)
+        except Exception as e:  # an allocation the model misjudged, on this rank
+            ok, error = False, e
+        except BaseException:  # ^C: a gathering group is out of step
+            if self.group is not None:
+                self.scheduler.poisoned = "interrupted while re-planning a gathering ring"
+            raise
+        if self.group is not None:
+            with self.platform.device_context():
+                ok = all(all_gather_objects(ok, self.group))
+        if not ok:
+            self._fall_back(error)
+            return
+        try:
+            with torch.inference_mode(False):
+                self._load_pins(new)
         except BaseException as e:
-            self._off = True
-            try:
-                with torch.inference_mode(False):
-                    self._change(replan.Plan(frozenset(), self.num_slots, self.enable_slot_nbytes))
-            except BaseException:
-                self.scheduler.poisoned = f"a re-plan failed and could not be undone ({e!r})"
-            raise OffloadError(
-                f"re-planning the streamed blocks failed ({e!r}); back to enable's plan, no "
-                "further re-plans",
-                rank=self.rank,
-            ) from e
+            if self.group is not None:
+                self.scheduler.poisoned = f"loading re-planned blocks failed ({e!r})"
+            raise
+        self.plan = new
 
-    def _change(self, new: replan.Plan) -> None:
-        pf, pool, scheduler = self.platform, self.scheduler.pool, self.scheduler
-        pf.synchronize()
+    def _load_pins(self, new: replan.Plan) -> None:
+        for b in self.ring.blocks:  # in ring order: the same loads on every rank
+            if b.own is not None and b.name in new.pinned and not b.own_views:
+                b.transport.load(
+                    b.layout,
+                    b.shard,
+                    b.own.buffer,
+                    free_event=b.own.free,
+                    ready_event=b.own.ready,
+                    index=b.index,
+                )
+                b.own_views = [shard_view(b.own.buffer, spec) for spec in b.layout.tensors]
+        self.drain()
+        self.platform.synchronize()
+
+    def _allocate(self, new: replan.Plan) -> None:
+        """Free what ``new`` unpins, re-create the slots, allocate (not load) new pins."""
+        pf, pool, sched = self.platform, self.scheduler.pool, self.scheduler
+        pf.synchronize()  # every queued reader of a buffer freed here is done
+        # every rank's ring in the same state whatever it allocated (prefetched blocks
+        # load again): the fallback after another rank failed must match
+        sched.drop_loaded()
         for b in self.ring.blocks:
             if b.name not in new.pinned and b.own is not None:
                 b.own, b.own_views = None, []
         self.ring.num_pinned = sum(b.own is not None for b in self.ring.blocks)
         if (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes):
-            scheduler.drop_loaded()
             pool.release()
-            scheduler.refresh_views()  # no slots: the old buffers' views go too
+            sched.refresh_views()  # no slots: the old buffers' views go too
             resize(pool, new.num_slots, new.slot_nbytes)
-            scheduler.refresh_views()
-        for b in self.ring.blocks:  # in ring order: the same loads on every rank
-            if b.name in new.pinned and b.own is None:
-                self._pin(b)
+            sched.refresh_views()
+        for b in self.ring.blocks:
+            if b.name in new.pinned and b.own is None and b.state != RUNNING:
+                if b.state == LOADED and b.slot is not None:  # its slot is free for others
+                    b.slot.owner, b.slot, b.state = None, None, IDLE
+                buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
+                b.own = Slot(-1, buffer, pf.new_event(), pf.new_event())
                 self.ring.num_pinned += 1
-        self.plan = new
-        self.drain()
-        pf.synchronize()
 
-    def _pin(self, b: StreamedBlock) -> None:
-        if b.state == LOADED and b.slot is not None:  # its slot is free for others
-            b.slot.owner, b.slot, b.state = None, None, IDLE
-        buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=self.platform.device)
-        own = Slot(-1, buffer, self.platform.new_event(), self.platform.new_event())
-        b.transport.load(
-            b.layout, b.shard, buffer, free_event=own.free, ready_event=own.ready, index=b.index
+    def _fall_back(self, error: BaseException | None) -> None:
+        """Some rank could not allocate the plan: every rank returns to enable's plan (no
+        pins, the enable's slots) and stops re-planning."""
+        self._off = True
+        logger.warning(
+            "dlo: a re-plan of %s could not allocate on %s (%r): back to enable's plan, no "
+            "further re-plans",
+            self.ring.name or "the model",
+            "this rank" if error is not None else "another rank",
+            error,
         )
-        b.own, b.own_views = own, [shard_view(buffer, spec) for spec in b.layout.tensors]
+        try:
+            with torch.inference_mode(False):
+                self._allocate(replan.Plan(frozenset(), self.num_slots, self.enable_slot_nbytes))
+        except BaseException as e:
+            self.scheduler.poisoned = f"a re-plan failed and could not be undone ({e!r})"
+            raise OffloadError(self.scheduler.poisoned, rank=self.rank) from e
+        self.plan = replan.Plan(
+            frozenset(), len(self.scheduler.pool.slots), self.enable_slot_nbytes
+        )
 
     def close(self) -> None:
         """Unpin every block (disable; the device synchronized)."""
@@ -245,23 +322,8 @@ class Replanner:
         self.ring.replanner = None
 
 
-class ComponentHook(ModelHook):
-    """On the DiT: arms its re-planner when a forward begins, samples when it returns."""
-
-    def __init__(self, replanner: Replanner) -> None:
-        self.replanner = replanner
-
-    def pre_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
-        self.replanner.started()
-        return None
-
-    def post_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
-        self.replanner.ended()
-        return output
-
-
 class ResidentBlockHook(ModelHook):
-    """On each resident block of the DiT: the forward's first block may be one of them."""
+    """On each resident block of the DiT: the forward's first (or last) block may be one."""
 
     def __init__(self, replanner: Replanner, name: str) -> None:
         self.replanner, self.name = replanner, name
@@ -269,3 +331,7 @@ class ResidentBlockHook(ModelHook):
     def pre_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
         self.replanner.entering(args, kwargs, self.name)
         return None
+
+    def post_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
+        self.replanner.exited(self.name)
+        return output

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from dlo import faults
-from dlo.errors import BackendPoisonedError, InjectedFault, OffloadError
+from dlo.errors import BackendPoisonedError, ForwardRefused, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.host.shards import copy_back, placeholder, shard_view, written_tensors
 from dlo.platform.device import Platform
@@ -211,7 +211,7 @@ class RingScheduler:
         assert ring is not None
         learn(ring.order, block, block.transport.agree, ring.name)
         if ring.replanner is not None:
-            ring.replanner.entering(args, kwargs, block.name)
+            ring.replanner.entering(args, kwargs, block.name, key=block)
         if block.own is not None:
             self._rebind(block, block.own_views)
         else:
@@ -249,7 +249,7 @@ class RingScheduler:
                     f"interrupted ({type(e).__name__}) while loading weights with a "
                     "collective; the group is out of step: recreate the worker"
                 )
-        elif not isinstance(e, InjectedFault) and block.transport.group_size > 1:
+        elif not isinstance(e, (InjectedFault, ForwardRefused)) and block.transport.group_size > 1:
             # the group may be misaligned now: no further weight collective is safe
             self.poisoned = f"a transfer failed after startup ({e}); recreate the worker"
 
@@ -292,6 +292,8 @@ class RingScheduler:
             return []  # this call's enter refused or never ran
         lost = self._unload(block)
         self.guard.release(block)
+        if block.ring is not None and block.ring.replanner is not None:
+            block.ring.replanner.exited(block.name)
         return lost
 
     def _unload(self, block: StreamedBlock) -> list[str]:

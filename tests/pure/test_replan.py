@@ -136,9 +136,19 @@ def test_worst_takes_the_least_room_and_the_neediest_refusal() -> None:
     assert replan.worst([a, Room(None, None, 1000)]).movable_room is None
 
 
-def test_a_forward_that_cannot_fit_one_slot_is_refused_naming_both_sizes() -> None:
-    blocks = [Block("a", 2 * GIB)]
-    replan.check_fits(Room(0, 7 * GIB, 9 * GIB), blocks, 0)  # 9 GiB: just fits
+def test_a_forward_that_cannot_fit_the_least_slots_is_refused_naming_both_sizes() -> None:
+    replan.check_fits(Room(0, 7 * GIB, 9 * GIB), 2 * GIB)  # 9 GiB: just fits
     with pytest.raises(replan.Refusal, match=r"9\.00 GiB on the device .*2\.00 GiB\).*8\.00 GiB"):
-        replan.check_fits(Room(0, 7 * GIB, 8 * GIB), blocks, 0)
-    replan.check_fits(Room(0, None, 1), blocks, 0)  # nothing exact: never refused
+        replan.check_fits(Room(0, 7 * GIB, 8 * GIB), 2 * GIB)
+    replan.check_fits(Room(0, None, 1), 2 * GIB)  # nothing exact: never refused
+
+
+def test_the_latest_exact_growth_of_a_size_is_kept() -> None:
+    first = ForwardSample(10, 100, 100, 300)  # exact, with a one-off allocation
+    later = ForwardSample(10, 150, 300, 310)  # exact, less growth
+    seen = replan.observe(Observed(), first, peak=300, movable=0)
+    seen = replan.observe(seen, later, peak=310, movable=0)
+    assert seen.samples == (later,)
+    bound = ForwardSample(10, 150, 310, 310)  # a bound does not replace exact evidence
+    assert replan.observe(seen, bound, peak=310, movable=0).samples == (later,)
+    assert replan.observe(seen, None, peak=None, movable=0).between_nbytes == 310
