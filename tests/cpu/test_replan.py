@@ -6,6 +6,8 @@ planner's margins set to zero so its arithmetic is exact."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,25 @@ def _limit(batch: int, room: int, dim: int = 16) -> int:
     return FIXED + PER_ELEMENT * batch * dim + room
 
 
+def _fake(monkeypatch: pytest.MonkeyPatch, limit: int) -> FakeMemory:
+    fake = FakeMemory(limit=limit, fixed=FIXED, per_element=PER_ELEMENT)
+    fake.install(monkeypatch)
+    return fake
+
+
+@contextlib.contextmanager
+def _enabled(model: Any, cfg: dlo.OffloadConfig, fake: FakeMemory) -> Iterator[Any]:
+    """``model`` enabled with ``cfg`` on the CPU under ``fake``'s allocator; disabled after,
+    nothing left in host memory."""
+    backend = dlo.enable_offload(model, cfg, device="cpu")
+    fake.backend = backend
+    try:
+        yield backend
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
 def _run(model: Any, ref: Any, inp: torch.Tensor) -> None:
     with torch.inference_mode():
         assert torch.equal(model(inp), ref(inp))
@@ -59,14 +80,11 @@ def _stats(backend: Any) -> tuple[int, int, int, int]:
 def test_blocks_are_pinned_into_room_and_unpinned_before_a_larger_input(
     monkeypatch: pytest.MonkeyPatch, exact: None
 ) -> None:
-    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
     model = ToyDiT(8)
     ref = clone(model)
     fake.watch(list(model.blocks))
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
         assert backend._state.pool.slot_nbytes == BLOCK
         _run(model, ref, x(2, seed=0))  # measured; nothing changes inside the first forward
         assert _stats(backend)[:2] == (0, 2)
@@ -101,26 +119,20 @@ def test_blocks_are_pinned_into_room_and_unpinned_before_a_larger_input(
             "action": "pin",
         }
         assert records[1]["elements"] == 12 * 16 and records[1]["pinned"] == pinned
-    finally:
-        backend.disable()
-    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     _run(model, ref, x(3, seed=6))  # the model is whole again
 
 
 def test_a_forward_that_cannot_fit_is_refused_before_any_block_runs(
     monkeypatch: pytest.MonkeyPatch, exact: None
 ) -> None:
-    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
     model = ToyDiT(8)
     ref = clone(model)
     ran: list[int] = []
     fake.watch(list(model.blocks))
     for b in model.blocks:
         b.register_forward_pre_hook(lambda m, a: ran.append(1))
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
         _run(model, ref, x(2, seed=0))
         _run(model, ref, x(2, seed=1))
         assert _stats(backend)[0] == 8
@@ -138,27 +150,19 @@ def test_a_forward_that_cannot_fit_is_refused_before_any_block_runs(
         _run(model, ref, x(2, seed=3))
         # the refused forward's peak is no evidence: the pins stay
         assert _stats(backend)[0] == 8
-    finally:
-        backend.disable()
-    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
 def test_an_explicit_resident_count_is_never_replanned(
     monkeypatch: pytest.MonkeyPatch, exact: None
 ) -> None:
-    fake = FakeMemory(limit=1 << 40, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, 1 << 40)
     model = ToyDiT(4)
     ref = clone(model)
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(resident_layers=1), device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, dlo.OffloadConfig(resident_layers=1), fake) as backend:
         for s in range(3):
             _run(model, ref, x(2, seed=s))
         assert _stats(backend)[:2] == (0, 2) and fake.calls == 0
         assert backend.stats()["policy"] is None
-    finally:
-        backend.disable()
 
 
 def test_other_rings_keep_the_shared_slots_they_need(
@@ -166,14 +170,11 @@ def test_other_rings_keep_the_shared_slots_they_need(
 ) -> None:
     """Two DiTs and a streamed text encoder share one pool: each DiT pins its blocks, and
     the slots stay, sized for the encoder's blocks."""
-    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, 1 << 30)
     pipe = ToyPipeline()
     ref = clone(pipe)
     cfg = dlo.OffloadConfig(components=("dit", "encoder"))
-    backend = dlo.enable_offload(pipe, cfg, device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(pipe, cfg, fake) as backend:
         encoder = max(
             b.layout.padded_nbytes for b in backend._state.blocks if b.stack.component == "encoder"
         )
@@ -185,9 +186,6 @@ def test_other_rings_keep_the_shared_slots_they_need(
         assert pinned == 4 + 3 and slots == 2 and slot_nbytes == 2 * encoder
         rings = {r["component"] for r in backend.stats()["policy"]["replans"]}
         assert rings == {"transformer", "transformer_2"}
-    finally:
-        backend.disable()
-    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
 def test_writes_of_a_pinned_block_are_kept_as_when_it_streams(
@@ -195,13 +193,10 @@ def test_writes_of_a_pinned_block_are_kept_as_when_it_streams(
 ) -> None:
     """A block that writes its own buffer in place: pinned, the write goes back to its host
     copy at exit as when it streams, so unpinning it later loses nothing."""
-    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, 1 << 30)
     model = CachingDiT(4)
     ref = clone(model)
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
         for step in range(6):
             if step == 4:  # unpin everything: the next loads come from the host copies
                 fake.limit = FIXED
@@ -210,8 +205,6 @@ def test_writes_of_a_pinned_block_are_kept_as_when_it_streams(
             if step == 2:
                 assert _stats(backend)[0] == 4
         assert _stats(backend)[0] == 0
-    finally:
-        backend.disable()
     for name, t in ref.state_dict().items():
         assert torch.equal(model.state_dict()[name], t), name
 
@@ -260,18 +253,25 @@ def test_default_pipeline_folders_are_bitwise_across_replans(
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
-def _gathering_rank(rank: int, world: int, spare: list[int]) -> dict[str, Any]:
+def _gathering_setup(room: Any) -> tuple[Any, Any, Any]:
+    """A rank's ToyDiT(6) under AllGather with exact margins and a fake allocator whose
+    limit leaves ``room(padded)`` movable bytes at 2 rows; returns (model, ref, backend)."""
     for k, v in _exact().items():
         setattr(replan, k, v)
-    fake = FakeMemory(limit=0, fixed=FIXED, per_element=PER_ELEMENT)
+    fake = FakeMemory(limit=1, fixed=FIXED, per_element=PER_ELEMENT)
     fake.install()
     model = ToyDiT(6)
     ref = clone(model)
     fake.watch(list(model.blocks))
     backend = dlo.enable_offload(model, dlo.OffloadConfig(transfer="allgather"), device="cpu")
     fake.backend = backend
-    padded = backend._state.pool.slot_nbytes  # every block's, at this group size
-    fake.limit = _limit(2, 6 * padded + spare[rank])  # every block pinned at 2 rows
+    fake.limit = _limit(2, room(backend._state.pool.slot_nbytes))  # every block's, padded
+    return model, ref, backend
+
+
+def _gathering_rank(rank: int, world: int, spare: list[int]) -> dict[str, Any]:
+    model, ref, backend = _gathering_setup(lambda p: 6 * p + spare[rank])  # all pinned
+    padded = backend._state.pool.slot_nbytes
     same = []
     try:
         for s, batch in enumerate([2, 2, 2, 6, 6]):
@@ -325,12 +325,9 @@ def test_compiled_blocks_stay_bitwise_and_compile_nothing_new_across_replans(
     ref_graphs = counter.graphs
     torch._dynamo.reset()
     counter = Counter()
-    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)  # no activation hooks: they would be compiled too
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer"), device="cpu")
-    fake.backend = backend
-    fn = _compile(model, form, counter)
-    try:
+    fake = _fake(monkeypatch, 1 << 30)  # no activation hooks: they would be compiled too
+    with _enabled(model, dlo.OffloadConfig(mode="layer"), fake) as backend:
+        fn = _compile(model, form, counter)
         for s, t in enumerate(inputs):
             if s == 4:  # unpin everything
                 fake.limit = FIXED
@@ -342,8 +339,6 @@ def test_compiled_blocks_stay_bitwise_and_compile_nothing_new_across_replans(
         assert [r["action"] for r in backend.stats()["policy"]["replans"]] == ["pin", "unpin"]
         if form == "repeated":
             assert counter.graphs == ref_graphs
-    finally:
-        backend.disable()
 
 
 def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
@@ -351,8 +346,7 @@ def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
 ) -> None:
     """Enable keeps the leading blocks resident under a budget; the re-plan point is the
     forward's first block all the same, so a refused forward runs none of them."""
-    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
     model = ToyDiT(8)
     ref = clone(model)
     fake.watch(list(model.blocks))
@@ -361,9 +355,7 @@ def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
         b.register_forward_pre_hook(lambda m, a, i=i: ran.append(f"blocks.{i}"))
     budget = 6 * BLOCK / 0.8 / 2**30  # about 3 blocks beside 2 slots and the non-block
     cfg = dlo.OffloadConfig(resident_layers="auto", device_budget_gb=budget)
-    backend = dlo.enable_offload(model, cfg, device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, cfg, fake) as backend:
         resident = backend.stats()["num_resident_blocks"]
         assert 0 < resident < 8
         _run(model, ref, x(2, seed=0))
@@ -374,9 +366,6 @@ def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
             model(x(102))
         assert ran == [] and "this forward needs about" in str(e.value)
         _run(model, ref, x(2, seed=2))
-    finally:
-        backend.disable()
-    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
 def test_a_peak_from_before_enable_is_no_evidence(
@@ -384,21 +373,16 @@ def test_a_peak_from_before_enable_is_no_evidence(
 ) -> None:
     """A peak no forward reaches (the whole model once on the device): growth is only a
     bound, so nothing is pinned, and the ring keeps enable's slots (no fall to one slot)."""
-    fake = FakeMemory(limit=_limit(2, 8 * BLOCK), fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
     fake.peak = fake.limit - 100  # before enable
     model = ToyDiT(8)
     ref = clone(model)
     fake.watch(list(model.blocks))
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
         for s in range(4):
             _run(model, ref, x(2, seed=s))
         assert _stats(backend)[:3] == (0, 2, 2 * BLOCK)
         assert backend.stats()["policy"] is None  # no re-plan changed anything
-    finally:
-        backend.disable()
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -407,37 +391,22 @@ def test_compiling_the_dit_itself_keeps_the_blocks_hooks(
 ) -> None:
     """``dit.compile()`` (a module above the hooked blocks): the re-planner puts no hook on
     the DiT, so its blocks' hooks still run inside the compiled call, pinned or not."""
-    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, 1 << 30)
     torch._dynamo.reset()
     model = ToyDiT(4)
     ref = clone(model)
     if when == "before":
         model.compile(backend="aot_eager")
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(), device="cpu")
-    fake.backend = backend
-    if when == "after":
-        model.compile(backend="aot_eager")
-    try:
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
+        if when == "after":
+            model.compile(backend="aot_eager")
         for s in range(4):
             _run(model, ref, x(2, seed=s))
         assert _stats(backend)[0] == 4
-    finally:
-        backend.disable()
 
 
 def _refusing_rank(rank: int, world: int, fail_rank: int) -> dict[str, Any]:
-    for k, v in _exact().items():
-        setattr(replan, k, v)
-    fake = FakeMemory(limit=1, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install()
-    model = ToyDiT(6)
-    ref = clone(model)
-    fake.watch(list(model.blocks))
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(transfer="allgather"), device="cpu")
-    fake.backend = backend
-    padded = backend._state.pool.slot_nbytes
-    fake.limit = _limit(2, 6 * padded)
+    model, ref, backend = _gathering_setup(lambda p: 6 * p)
     if rank == fail_rank:  # this rank cannot allocate its pins, once
         from dlo.runtime.replan import Replanner
 
@@ -481,13 +450,10 @@ def test_a_gathering_group_refuses_together_and_falls_back_together(fail_rank: i
 
 def test_encoded_blocks_are_pinned_decoded(monkeypatch: pytest.MonkeyPatch, exact: None) -> None:
     """With the codec, a pinned block is decoded once into its own buffer."""
-    fake = FakeMemory(limit=1 << 30, fixed=FIXED, per_element=PER_ELEMENT)
-    fake.install(monkeypatch)
+    fake = _fake(monkeypatch, 1 << 30)
     model = ToyDiT(4)
     ref = clone(model)
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(codec="ans"), device="cpu")
-    fake.backend = backend
-    try:
+    with _enabled(model, dlo.OffloadConfig(codec="ans"), fake) as backend:
         for s in range(3):
             _run(model, ref, x(2, seed=s))
         st = backend.stats()
@@ -495,6 +461,3 @@ def test_encoded_blocks_are_pinned_decoded(monkeypatch: pytest.MonkeyPatch, exac
         decoded = st["decoded_nbytes"]
         _run(model, ref, x(2, seed=3))
         assert backend.stats()["decoded_nbytes"] == decoded  # nothing decoded per forward
-    finally:
-        backend.disable()
-    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
