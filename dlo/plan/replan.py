@@ -43,6 +43,10 @@ the rest: a larger input and its prologue (both allocated before the first block
 that is before the re-plan point can see them), and work between forwards that has not run
 yet (the first VAE decode runs after the first forwards).
 
+A peak is evidence only where it changed since the last re-plan point (rose in the
+interval, or fell: the user reset it); one that stayed may predate enable or belong to an
+interval with other movable bytes.
+
 Known limits: a peak from before enable (the model once whole on the device) that no forward
 reaches hides the activations until the peak is reset; a DiT that FSDP2's ``fully_shard``
 owns (HSDP) is not re-planned (its hooks are FSDP's); the re-plan point is inside the DiT's

@@ -32,6 +32,7 @@ from dlo.host.shards import shard_view
 from dlo.plan import replan
 from dlo.platform.device import MemoryNow, Platform
 from dlo.runtime.collectives import all_gather_objects
+from dlo.runtime.guard import every_claim
 from dlo.runtime.ring import RingScheduler
 from dlo.runtime.slots import Slot, resize
 from dlo.runtime.streamed import IDLE, LOADED, RUNNING, BlockRing
@@ -94,9 +95,10 @@ class Replanner:
         self._sample: replan.ForwardSample | None = None
         mem = platform.memory_now()
         self._off = mem is None  # no allocator statistics: enable's plan stays
-        self._stale_peak = mem.peak if mem is not None else 0
-        """A peak no later than this is no evidence: it may predate enable, or be a refused
-        forward's."""
+        self._peak_base = mem.peak if mem is not None else 0
+        """The peak at the last re-plan point (at enable first): a peak that did not rise
+        above it in the interval since is no evidence (it may predate enable, or another
+        interval's movable bytes); a lower one means the user reset it."""
         ring.replanner = self
 
     # ------------------------------------------------------------------ events
@@ -111,25 +113,46 @@ class Replanner:
             return
         elif self.last is None:
             self.last = self._last_exit
-        sched = self.scheduler
-        if sched.poisoned is not None or any(c.key is not key for c in sched.guard.claims):
+        sched, me = self.scheduler, self if key is None else None
+        # a resident first block holds no ring claim: the re-plan takes one of its own
+        if sched.poisoned is not None or (
+            me is not None and sched.guard.claim(me, name, every_claim)
+        ):
             self._start = None  # poisoned, or another thread's block runs: no re-plan
             return
+        try:
+            if any(c.key is not key and c.key is not me for c in sched.guard.claims):
+                self._start = None
+                return
+            self._at_first_block(args, kwargs, name)
+        finally:
+            if me is not None:
+                sched.guard.release(me)
+
+    def _at_first_block(self, args: tuple, kwargs: dict, name: str) -> None:
         mem = self.platform.memory_now()
         assert mem is not None
         elements = input_elements(args, kwargs)
         if self.forwards:
-            peak = mem.peak if mem.peak > self._stale_peak else None
+            peak = mem.peak if mem.peak != self._peak_base else None
             seen = replan.observe(self.seen, self._sample, peak, self._movable())
             self._replan(name, elements, mem, seen)
             mem = self.platform.memory_now() or mem
         self._sample = None
         self.forwards += 1
         self._start = (elements, mem.allocated, mem.peak)
+        self._peak_base = mem.peak
 
-    def exited(self, name: str) -> None:
-        """Block ``name`` exited: the forward's last block samples its peak (every block of
-        the first forward, whose last block is not known yet)."""
+    def exited(self, name: str, *, failed: bool = False) -> None:
+        """Block ``name`` exited (``failed``: its forward raised): the forward's last block
+        samples its peak (every block of the first forward, whose last block is not known
+        yet). A forward that raised gives no sample, and a first one that raised teaches
+        nothing: the next forward is the first again."""
+        if failed:
+            self._start, self._sample = None, None
+            if self.last is None:
+                self.first, self.forwards, self._last_exit = None, 0, None
+            return
         self._last_exit = name
         if self._start is None or (self.last is not None and name != self.last):
             return
@@ -172,7 +195,7 @@ class Replanner:
         try:
             replan.check_fits(room, least)
         except replan.Refusal as e:
-            self._stale_peak = max(self._stale_peak, mem.peak)  # its prologue's peak
+            self._peak_base = mem.peak  # its prologue's peak is no evidence either
             raise ForwardRefused(str(e), rank=self.rank, block=name) from None
         self.seen = seen
         if room.movable_room is not None and fixed:
@@ -248,12 +271,22 @@ class Replanner:
             with torch.inference_mode(False):
                 self._load_pins(new)
         except BaseException as e:
+            for b in self.ring.blocks:  # pins without their bytes: stream them again
+                if b.own is not None and not b.own_views:
+                    b.own = None
+            self.ring.num_pinned = sum(b.own is not None for b in self.ring.blocks)
+            pinned = frozenset(b.name for b in self.ring.blocks if b.own is not None)
+            pool = self.scheduler.pool
+            self.plan = replan.Plan(pinned, len(pool.slots), pool.slot_nbytes)
             if self.group is not None:
                 self.scheduler.poisoned = f"loading re-planned blocks failed ({e!r})"
             raise
         self.plan = new
 
     def _load_pins(self, new: replan.Plan) -> None:
+        """Load the new pins; their views (what makes the ring use them) only once every
+        load is issued and done."""
+        loaded = []
         for b in self.ring.blocks:  # in ring order: the same loads on every rank
             if b.own is not None and b.name in new.pinned and not b.own_views:
                 b.transport.load(
@@ -264,14 +297,18 @@ class Replanner:
                     ready_event=b.own.ready,
                     index=b.index,
                 )
-                b.own_views = [shard_view(b.own.buffer, spec) for spec in b.layout.tensors]
+                loaded.append(b)
         self.drain()
         self.platform.synchronize()
+        for b in loaded:
+            assert b.own is not None
+            b.own_views = [shard_view(b.own.buffer, spec) for spec in b.layout.tensors]
 
     def _allocate(self, new: replan.Plan) -> None:
         """Free what ``new`` unpins, re-create the slots, allocate (not load) new pins."""
         pf, pool, sched = self.platform, self.scheduler.pool, self.scheduler
-        pf.synchronize()  # every queued reader of a buffer freed here is done
+        self.drain()  # every staged load issued, then every queued reader of a buffer
+        pf.synchronize()  # freed here is done
         # every rank's ring in the same state whatever it allocated (prefetched blocks
         # load again): the fallback after another rank failed must match
         sched.drop_loaded()
@@ -333,5 +370,5 @@ class ResidentBlockHook(ModelHook):
         return None
 
     def post_forward(self, module: Any, args: tuple, kwargs: dict, output: Any) -> Any:
-        self.replanner.exited(self.name)
+        self.replanner.exited(self.name, failed=output is None)
         return output

@@ -75,7 +75,7 @@ class _BlockHook(ModelHook):
         return None
 
     def post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        lost = self.scheduler.exit(self.block)
+        lost = self.scheduler.exit(self.block, failed=output is None)
         if lost:
             raise OffloadError(
                 f"the block wrote its streamed tensor(s) {', '.join(lost)} in place, and "
@@ -285,7 +285,7 @@ class RingScheduler:
         :meth:`~dlo.runtime.guard.Guard.begin_disable`); then every later forward is."""
         self.guard.begin_disable()
 
-    def exit(self, block: StreamedBlock) -> list[str]:
+    def exit(self, block: StreamedBlock, *, failed: bool = False) -> list[str]:
         """Release the running ``block``; returns the names of tensors it wrote in place that
         could not be kept (see [Note: writes into streamed tensors])."""
         if not self.guard.held_by_me(block):
@@ -293,7 +293,7 @@ class RingScheduler:
         lost = self._unload(block)
         self.guard.release(block)
         if block.ring is not None and block.ring.replanner is not None:
-            block.ring.replanner.exited(block.name)
+            block.ring.replanner.exited(block.name, failed=failed)
         return lost
 
     def _unload(self, block: StreamedBlock) -> list[str]:

@@ -461,3 +461,51 @@ def test_encoded_blocks_are_pinned_decoded(monkeypatch: pytest.MonkeyPatch, exac
         decoded = st["decoded_nbytes"]
         _run(model, ref, x(2, seed=3))
         assert backend.stats()["decoded_nbytes"] == decoded  # nothing decoded per forward
+
+
+def test_a_first_forward_that_raised_teaches_nothing(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """The last block is learned from a first forward that completed, not from one that
+    raised halfway (its sample would miss the rest of the forward's activations)."""
+    fake = _fake(monkeypatch, 1 << 30)
+    model = ToyDiT(8)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    armed = [True]
+
+    def fail_once(m: Any, a: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError("injected: a user error inside block 5")
+
+    model.blocks[5].register_forward_pre_hook(fail_once)
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
+        with pytest.raises(RuntimeError, match="injected"), torch.inference_mode():
+            model(x(2))
+        for s in range(3):
+            _run(model, ref, x(2, seed=s))
+        (ring,) = backend._state.scheduler.rings
+        assert (ring.replanner.first, ring.replanner.last) == ("blocks.0", "blocks.7")
+        assert _stats(backend)[0] == 8
+
+
+def test_a_lower_limit_unpins_once_without_ratcheting(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """The limit drops by three blocks (another process took memory): the plan unpins what
+    it must once and stays; the old peak (reached with more pinned) is no new evidence."""
+    fake = _fake(monkeypatch, _limit(2, 16 * BLOCK))
+    model = ToyDiT(16)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    with _enabled(model, dlo.OffloadConfig(), fake) as backend:
+        for s in range(3):
+            _run(model, ref, x(2, seed=s))
+        assert _stats(backend)[0] == 16
+        fake.limit -= 3 * BLOCK
+        pinned = []
+        for s in range(3, 8):
+            _run(model, ref, x(2, seed=s))
+            pinned.append(_stats(backend)[0])
+        assert 0 < pinned[0] < 16 and pinned == [pinned[0]] * 5, pinned
