@@ -292,7 +292,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "prefetch brought it (the first block after another ring ran, a skipped block, "
         "`num_slots=1`)",
         "num_streamed_blocks": "blocks in the rings",
-        "num_resident_blocks": "resident blocks",
+        "num_resident_blocks": "resident blocks (an explicit `resident_layers`, or a DiT that "
+        "is not re-planned; the policy's are pinned ring blocks: `num_pinned_blocks`)",
         "num_slots": "slots allocated",
         "gather_engine": '`"copy"` when AllGather runs on the copy engines out of '
         'symmetric-memory slots, `"nccl"` when NCCL gathers, `None` when nothing gathers '
@@ -305,8 +306,10 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "pin_time_s": "of the enable: the pinning left after the last block was filled",
         "enable_peak_rss_nbytes": "the process's peak resident set size (VmHWM) read at the "
         "end of enable: a process-lifetime peak, not a delta",
-        "num_pinned_blocks": "streamed blocks a re-plan pinned: each holds a device buffer of "
-        "its own and loads nothing per forward ([Note: re-plan between forwards])",
+        "num_pinned_blocks": "ring blocks held in a device buffer of their own, loading nothing "
+        "per forward: the blocks the policy keeps on the device (pinned at enable, so a re-plan "
+        "may unpin them before a larger input) and those a re-plan pinned ([Note: re-plan "
+        "between forwards])",
         "device_pinned_block_nbytes": "device bytes of the pinned blocks' buffers (padded)",
         "policy": "`None` unless a setting was automatic or a DiT ring is re-planned; else the "
         "automatic policy's record (the keys below)",
@@ -333,6 +336,9 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "the room on the device (the free memory; with `device_budget_gb`, at most the budget "
         "less what the process holds) less a headroom for activations and less the non-block "
         "weights still to place; `None` when unknown",
+        "policy.kept_whole": "the encoder stacks the policy kept whole on the device instead "
+        "of streaming them (found encoders with `components` unset: [Note: encoders kept or "
+        "streamed])",
         "policy.measured": "the numbers decided from: the minimum over all ranks",
         "policy.measured.h2d_GBps": "host-to-device GB/s of one rank while every rank copies",
         "policy.measured.allgather_GBps": "AllGather output GB/s per weight axis measured",

@@ -344,6 +344,7 @@ def _policy_input(
             num_resident=s.num_resident,
             resident_eligible=eligible is None or s.component_path in eligible,
             codec=s.codec,
+            optional=s.optional,
         )
         for s in plan.stacks
     )
@@ -390,8 +391,11 @@ def _concrete_config(cfg: OffloadConfig, d: PolicyDecision) -> OffloadConfig:
 
 
 def _concrete_plan(plan: ResolvedOffloadPlan, d: PolicyDecision) -> ResolvedOffloadPlan:
+    """``plan`` as decided: the stacks kept whole leave it (their encoder's weights are then
+    non-block state, placed on the device by the enable), the others get their values."""
     stacks = []
-    for s, c in zip(plan.stacks, d.stacks):
+    kept = [s for s in plan.stacks if s.container_path not in d.whole]
+    for s, c in zip(kept, d.stacks, strict=True):
         assert s.container_path == c.name
         # an automatic stack's group is its weight axis; an explicit one keeps its groups
         groups = (

@@ -24,24 +24,23 @@ from dlo.backends.model_hooks import (
     mark_released,
     refuse_released_forward,
 )
+from dlo.backends.replan_setup import ReplanSetup, install_replanners
 from dlo.codec.codecs import get_codec
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
-from dlo.hooks.foreign import foreign_offloader, is_dtensor
+from dlo.hooks.foreign import is_dtensor
 from dlo.hooks.registry import HookRegistry
 from dlo.host.shards import shard_view, unpack_tensor
 from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
-from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.layers import LayerPlan
 from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
 from dlo.runtime.decoding import Decoder
-from dlo.runtime.replan import Replanner, ResidentBlockHook
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
@@ -51,7 +50,6 @@ from dlo.runtime.transport import BlockTransport, TransferCounters, Transport
 logger = logging.getLogger(__name__)
 
 HOOK_NAME = "dlo.ring"
-REPLAN_HOOK = "dlo.replan"
 
 
 def allocate_slots(
@@ -282,41 +280,6 @@ def load_resident(
     platform.synchronize()
 
 
-def install_replanners(
-    platform: Platform,
-    pipeline: Any,
-    blocks: list[LayerBlock],
-    scheduler: RingScheduler,
-    transports: Transports,
-    registry: HookRegistry,
-    journal: Journal,
-    *,
-    keep_slots: bool,
-    rank: int,
-) -> None:
-    """A re-planner for the ring of each DiT that may hold resident blocks, with hooks on the
-    DiT's resident blocks ([Note: re-plan between forwards] in :mod:`dlo.plan.replan`). A
-    DiT whose resident blocks another mechanism manages is left as enable planned it."""
-    eligible = resident_dit_paths_of(pipeline)
-    for ring in scheduler.rings:
-        path = ring.name
-        mine = [b for b in blocks if b.stack.component_path == path]
-        if not mine or mine[0].stack.component != "dit":
-            continue
-        if eligible is not None and path not in eligible:
-            continue
-        resident = [b for b in mine if b.resident]
-        if any(foreign_offloader(b.module) is not None for b in resident):
-            logger.info("dlo: %s's resident blocks have other hooks: no re-plans", path)
-            continue
-        r = Replanner(
-            platform, scheduler, ring, drain=transports.drain, keep_slots=keep_slots, rank=rank
-        )
-        journal.record(f"re-plans of {path or 'the model'}", r.close)
-        for b in resident:
-            registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))
-
-
 def install_rings(
     platform: Platform,
     pipeline: Any,
@@ -327,11 +290,11 @@ def install_rings(
     owner: str,
     rank: int,
     journal: Journal,
-    requested: OffloadConfig | None = None,
+    replan: ReplanSetup | None = None,
 ) -> RingScheduler:
     """One ring per stack of streamed blocks, sharing ``pool``; hooks, state-dict views and
-    refusals on the model; block 0 of each ring preloaded; the DiTs' rings re-planned where
-    the ``requested`` config left the resident count to the policy."""
+    refusals on the model; block 0 of each ring preloaded; the DiTs' rings of ``replan``
+    re-planned, their pins loaded."""
     scheduler = RingScheduler(platform, pool, rank=rank)
 
     def unbind() -> None:
@@ -396,18 +359,9 @@ def install_rings(
                 t.data = ph
     scheduler.preload()
     platform.synchronize()
-    if requested is not None and requested.resident_layers_for("dit") in (None, "auto"):
-        keep = requested.num_slots not in (None, "auto")
+    if replan is not None and replan.dits:
         install_replanners(
-            platform,
-            pipeline,
-            blocks,
-            scheduler,
-            transports,
-            registry,
-            journal,
-            keep_slots=keep,
-            rank=rank,
+            platform, blocks, scheduler, transports.drain, registry, journal, replan, rank=rank
         )
     return scheduler
 

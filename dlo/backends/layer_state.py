@@ -9,6 +9,7 @@ from typing import Any
 
 from dlo.backends.layer_host import LayerBlock, LayerHost
 from dlo.backends.layer_runtime import Transports
+from dlo.backends.replan_setup import ReplanSetup
 from dlo.config.fields import MIB
 from dlo.plan.layers import charged_nbytes
 from dlo.platform.device import Platform
@@ -42,6 +43,8 @@ class LayerState:
     enable_peak_rss: int = 0
     policy: dict[str, Any] | None = None
     """The automatic policy's record (``stats()["policy"]``), None without one."""
+    replan: ReplanSetup = field(default_factory=ReplanSetup)
+    """The DiTs re-planned between forwards and the blocks pinned at enable."""
     uncap: Callable[[], None] = lambda: None
     """Lifts the device budget's allocator cap (idempotent; the journal runs it too)."""
 

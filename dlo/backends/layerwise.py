@@ -1,16 +1,15 @@
 """The layerwise backend: the ring at any group size (``mode="layer"``).
 
-The single-rank ring and distributed layerwise offload are one code path: a stack with
-group size 1 (rank-local transfer, or no peers) is simply the degenerate case of the
-chunked AllGather transport (see :mod:`dlo.plan.layout` and :mod:`dlo.runtime.transport`).
+The single-rank ring and distributed layerwise offload are one code path: a stack with group
+size 1 is the degenerate case of the chunked AllGather transport (:mod:`dlo.runtime.transport`).
 
 Install sequence (every step journaled; see [Note: one journal for enable and disable] in
 :mod:`dlo.journal`):
 
-1. resolve the topology (pure), compare the automatic requests across ranks and, when
-   anything is automatic, measure and decide it (:mod:`dlo.backends.auto`);
-2. the layer plan: every block laid out for its stack's group size, the manifest, the slot
-   size and the pin budgets (pure; [Note: layer plan] in :mod:`dlo.plan.layers`);
+1. resolve the topology (pure), agree on and decide what is automatic (:mod:`dlo.backends.auto`),
+   the re-planned DiTs' resident blocks made pins (:mod:`dlo.backends.replan_setup`);
+2. the layer plan: every block laid out for its group size, the manifest, the slot size and
+   the pin budgets (pure; [Note: layer plan] in :mod:`dlo.plan.layers`);
 3. local preparation (:mod:`dlo.backends.layer_host`): the selected blocks checked, one
    exact-size host region filled block by block with this rank's slices, pinned within the
    budget; device slots. With group size 1 the pageable originals are released as soon as
@@ -68,6 +67,7 @@ from dlo.backends.layer_runtime import (
 )
 from dlo.backends.layer_state import LayerState
 from dlo.backends.model_hooks import check_not_released
+from dlo.backends.replan_setup import replan_setup
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.config.unset import for_device
@@ -233,7 +233,7 @@ class LayerwiseBackend(OffloadBackend):
             cfg, plan, state.policy = resolve_automatic(
                 pipeline, plan, self.config, par, self.platform, world, *sized
             )
-        self.plan = plan
+        self.plan = plan = replan_setup(pipeline, plan, self.config, state)
         gathers, exchanges = plan.gathers, plan.exchanges
         if exchanges and not world.distributed:
             raise OffloadError(
@@ -421,7 +421,7 @@ class LayerwiseBackend(OffloadBackend):
             owner=f"dlo.layer#{id(self):x}",
             rank=rank,
             journal=journal,
-            requested=self.config,
+            replan=state.replan,
         )
 
     # ------------------------------------------------------------------ telemetry

@@ -224,7 +224,8 @@ def _budget_rows(
     rows += auto
     if "dlo-best" in methods:
         n = len(resolve_offload_plan(model, OffloadConfig(), ParallelConfig()).all_block_paths)
-        r_auto = auto[0].get("num_resident_blocks", 0)  # 0 where the dlo row failed
+        # the blocks the dlo row kept on the device (its pins too); 0 where it failed
+        r_auto = auto[0].get("num_resident_blocks", 0) + auto[0].get("num_pinned_blocks", 0)
         tried: list[dict[str, Any]] = []
         for codec in manual_codecs(codec_list(getattr(args, "codec", "none"))):
             for r in sweep_counts(n, r_auto):
@@ -272,6 +273,7 @@ def markdown_budgets(rows: list[dict[str, Any]], *, capped: bool = True) -> str:
             continue
         split = (
             f"{r['num_resident_blocks']} / {r['num_streamed_blocks']}"
+            f" ({r.get('num_pinned_blocks', 0)} pinned)"
             if "num_resident_blocks" in r
             else "-"
         )

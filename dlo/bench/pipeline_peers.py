@@ -22,7 +22,7 @@ import torch
 
 from dlo.bench.peers import apply_diffusers_group
 from dlo.commands.args import DTYPES
-from dlo.commands.run_pipeline import call_kwargs, diffusers_load, dits_of, step_times, timed_call
+from dlo.commands.pipeline_calls import call_kwargs, diffusers_load, dits_of, step_times, timed_call
 from dlo.platform.device import default_device, get_platform
 from dlo.platform.env import process_peak_rss_bytes
 

@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import gc
 import inspect
-import itertools
 import json
 import logging
 import os
@@ -36,10 +35,16 @@ from dlo.commands.args import (
     count_nonfinite,
     parity_word,
     report_ranks,
-    steady_median,
+)
+from dlo.commands.pipeline_calls import (
+    call_kwargs,
+    dits_of,
+    resident_reference,
+    result_of,
+    step_times,
+    timed_call,
 )
 from dlo.commands.run_flags import (
-    PIPELINE_CALL_FLAGS,
     PIPELINE_CALL_RANGES,
     config_of,
     save_encoded_if_asked,
@@ -146,111 +151,6 @@ def save_output(images: torch.Tensor, path: Path, kind: str) -> list[Path]:
     for img, p in zip(pil, out):
         img.save(p)
     return out
-
-
-def call_kwargs(args: argparse.Namespace, pipe: Any, rank: int, device: torch.device) -> dict:
-    """The ``__call__`` arguments of this rank: its prompt and seed, and the sizes given."""
-    prompts = args.prompt or ["a photo of a cat"]
-    kw: dict[str, Any] = {
-        "prompt": prompts[rank % len(prompts)],
-        "num_inference_steps": args.steps,
-        "generator": torch.Generator("cpu").manual_seed(args.seed + rank),
-        "output_type": "pt",
-    }
-    for flag, name in PIPELINE_CALL_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is not None:
-            kw[name] = value
-    accepted = inspect.signature(type(pipe).__call__).parameters
-    unknown = sorted(k for k in kw if k not in accepted)
-    if unknown:
-        raise ValueError(f"{type(pipe).__name__} takes no {', '.join(unknown)} (drop the flag)")
-    return kw
-
-
-def diffusers_load(folder: str, dtype: torch.dtype) -> Any:
-    """``DiffusionPipeline.from_pretrained(folder, dtype=dtype)``, on the CPU."""
-    import diffusers
-
-    from dlo.pipelines.classes import quiet_imports
-
-    version = tuple(int(x) for x in diffusers.__version__.split(".")[:2])
-    name = "dtype" if version >= (0, 42) else "torch_dtype"  # 0.42 deprecates torch_dtype
-    with quiet_imports():
-        return diffusers.DiffusionPipeline.from_pretrained(folder, **{name: dtype})
-
-
-def resident_reference(folder: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """The folder through diffusers itself, every weight in its own memory on ``device``
-    (diffusers' CPU tensors alias the file, aligned only to their dtype: copies are what a
-    resident model holds)."""
-    ref = diffusers_load(folder, dtype)
-    for module in ref.components.values():
-        if isinstance(module, torch.nn.Module):
-            for t in [*module.parameters(), *module.buffers()]:
-                t.data = t.data.to(device, copy=True)
-    ref.set_progress_bar_config(disable=True)
-    return ref
-
-
-def result_of(out: Any) -> torch.Tensor:
-    """A pipeline output's images, or a video pipeline's frames."""
-    return out.images if hasattr(out, "images") else out.frames  # type: ignore[no-any-return]
-
-
-def dits_of(pipe: Any) -> list[Any]:
-    """The pipeline's DiTs (``transformer``, Wan 2.2's ``transformer_2``)."""
-    return [getattr(pipe, n) for n in ("transformer", "transformer_2") if getattr(pipe, n, None)]
-
-
-def timed_call(
-    pipe: Any, kw: dict[str, Any], platform: Any, bar: Any = None
-) -> tuple[Any, list[float], float]:
-    """``pipe(**kw)`` in inference mode: its images (or frames), the wall-clock marks of
-    the first DiT forward and of every step's end (``time.time()``, device synchronized),
-    and the wall seconds of the whole call; ``bar`` (of :func:`progress_bar`) advances a
-    step at each step's end."""
-    marks: list[float] = []
-
-    def first_forward(*_: Any) -> None:
-        if not marks:
-            platform.synchronize()
-            marks.append(time.time())
-
-    def on_step(p: Any, i: int, t: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-        platform.synchronize()
-        marks.append(time.time())
-        if bar is not None:
-            bar.update(1)
-        return kwargs
-
-    dits = dits_of(pipe)  # a pipeline without one (a UNet): timed from the call
-    handle = dits[0].register_forward_pre_hook(first_forward) if dits else None
-    if handle is None:
-        marks.append(time.time())
-    try:
-        with torch.inference_mode():
-            wall0 = time.perf_counter()
-            out = pipe(**kw, callback_on_step_end=on_step)
-            platform.synchronize()
-            wall = time.perf_counter() - wall0
-    finally:
-        if handle is not None:
-            handle.remove()
-    return result_of(out), marks, wall
-
-
-def step_times(marks: list[float]) -> dict[str, Any]:
-    """Every step's time, the steady median (of the steps after the first, as ``dlo run``;
-    the first alone when there is one) and the first (ms), and the cold start (process start
-    to the first DiT forward, s) from :func:`timed_call`'s marks."""
-    step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
-    return {
-        "step_ms_median": steady_median(step_ms),
-        "first_step_ms": step_ms[0] if step_ms else 0.0,
-        "step_ms": step_ms,
-        "cold_start_s": (marks[0] - process_start_time()) if marks else 0.0,
-    }
 
 
 def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:

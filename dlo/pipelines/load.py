@@ -23,6 +23,7 @@ from dlo.backends.factory import get_offload_backend
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
+from dlo.config.unset import for_device
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.materialize import (
     LoadPlan,
@@ -262,8 +263,10 @@ def _fill_and_enable(
         backend = get_offload_backend(config, parallel, device)
         target = get_platform(torch.device(device) if device is not None else None).device
         blocks: set[str] = set()
-        if isinstance(backend, LayerwiseBackend):
-            layout = resolve_offload_plan(pipe, backend.config, backend.parallel)
+        if isinstance(backend, LayerwiseBackend):  # the plan enable starts from (a found
+            # encoder the policy may stream stays in its file until the policy decides)
+            requested = for_device(backend.config, target.type)
+            layout = resolve_offload_plan(pipe, requested, backend.parallel)
             blocks = {p for s in layout.stacks for p in s.block_paths}
         if copy:
             blocks, target = set(), torch.device("cpu")  # the ordinary path

@@ -57,9 +57,10 @@ from __future__ import annotations
 import dataclasses
 
 from dlo.plan.codec_policy import choose_codec
+from dlo.plan.encoder_choice import choose_encoders
+from dlo.plan.policy_explain import explain_lines, kept
 from dlo.plan.policy_model import (
     FREE_MEMORY_HEADROOM,
-    GB,
     GIB,
     SHARED_MEMORY_HEADROOM,
     PolicyDecision,
@@ -249,7 +250,8 @@ def _room(inp: PolicyInput) -> tuple[int | None, int]:
 
 
 def decide(inp: PolicyInput) -> PolicyDecision:
-    """The automatic settings for ``inp`` (see [Note: policy model]). Deterministic.
+    """The automatic settings for ``inp`` (see [Note: policy model]; optional encoder stacks:
+    [Note: encoders kept or streamed] in :mod:`dlo.plan.encoder_choice`). Deterministic.
 
     Args:
         inp: block sizes, groups, measured numbers, capacity and the requested settings.
@@ -268,6 +270,10 @@ def decide(inp: PolicyInput) -> PolicyDecision:
         'allgather'
     """
     _check_input(inp)
+    return choose_encoders(inp, _decide_one)
+
+
+def _decide_one(inp: PolicyInput) -> PolicyDecision:
     chunk, m = inp.chunk_nbytes, inp.measured
     choices = _fit_shared(inp, [_choose_transfer(s, inp) for s in inp.stacks])
     choices = [choose_codec(s, c, inp) for s, c in zip(inp.stacks, choices)]
@@ -317,7 +323,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
             if capacity is None or _weights(inp.stacks, choices, split, slots, chunk)[1] <= capacity
         ]
 
-    slot_note = _kept("num_slots", inp)
+    slot_note = kept("num_slots", inp)
     if inp.num_slots == "auto":
         num_slots = cycle_slots
         while num_slots > 1 and not fitting(num_slots):
@@ -355,7 +361,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
             else "auto: capacity unknown, none kept"
         )
     else:
-        per_dit, resident_note = r_max, _kept("resident_layers", inp)
+        per_dit, resident_note = r_max, kept("resident_layers", inp)
     resident = splits[per_dit]
     choices = [
         dataclasses.replace(c, num_resident=r)
@@ -371,7 +377,7 @@ def decide(inp: PolicyInput) -> PolicyDecision:
     staging = staging_nbytes(inp.stacks, choices, chunk)
     if allocated < num_slots:
         slot_note += f"; {allocated} allocated, one per streamed block"
-    lines = _explain(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
+    lines = explain_lines(inp, choices, num_slots, slot_note, per_dit, resident_note, slot_nbytes)
     if budget is not None and capacity is not None:
         bound = (
             f" (device_budget_gb {_size(budget)}: at most {_size(capacity + inp.non_block_nbytes)}"
@@ -399,52 +405,3 @@ def decide(inp: PolicyInput) -> PolicyDecision:
         measured=m,
         lines=tuple(lines),
     )
-
-
-def _explain(
-    inp: PolicyInput,
-    choices: list[StackChoice],
-    num_slots: int,
-    slot_note: str,
-    per_dit: int,
-    resident_note: str,
-    slot_nbytes: int,
-) -> list[str]:
-    m = inp.measured
-    ag = ", ".join(f"AllGather[{k}] {v / GB:.2f} GB/s" for k, v in sorted(m.allgather_bps.items()))
-    free = (
-        f", free device {_size(m.free_device_nbytes)}" if m.free_device_nbytes is not None else ""
-    ) + (
-        f", free shared memory {_size(m.shared_memory_nbytes)}"
-        if m.shared_memory_nbytes is not None
-        else ""
-    )
-    lines = [
-        "dlo policy (this rank alone: its stacks exchange nothing at enable):"
-        if inp.alone
-        else f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",
-        f"  measured: host-to-device {m.h2d_bps / GB:.2f} GB/s per rank (all ranks copying)"
-        + (f", {ag}" if ag else "")
-        + free,
-    ]
-    for s, c in zip(inp.stacks, choices):
-        mean = sum(s.block_nbytes) / max(1, len(s.block_nbytes))
-        ag_ms = f"{c.allgather_ms:.3f} ms" if c.allgather_ms is not None else "-"
-        lines.append(
-            f"  stack {s.name}: {len(s.block_nbytes)} blocks x {mean / 1e6:.2f} MB, "
-            f"axis {s.group_axis!r} of {s.group_size}; modeled per block: rank-local "
-            f"{c.rank_local_ms:.3f} ms, allgather {ag_ms} -> {c.transfer} ({c.reason}); "
-            f"{c.num_resident} resident; codec {c.codec} ({c.codec_reason})"
-        )
-    lines.append(f"  num_slots: {num_slots} x {_size(slot_nbytes)} ({slot_note})")
-    lines.append(f"  resident_layers: {per_dit} per DiT ({resident_note})")
-    return lines
-
-
-def _kept(knob: str, inp: PolicyInput) -> str:
-    """How the explanation calls a knob the policy kept as given."""
-    if knob in inp.defaults:
-        if knob == "resident_layers" and not any(s.component == "dit" for s in inp.stacks):
-            return "unset: no DiT selected, no resident blocks"
-        return f"unset: a CPU device's default; {knob}='auto' decides it"
-    return "explicit"

@@ -84,6 +84,9 @@ class StackSpec:
     """May keep resident blocks (a DiT allowed by ``OffloadPlan.resident_dit_paths``)."""
     codec: str = "none"
     """Requested codec: ``"none"``, ``"ans"`` (kept) or ``"auto"`` (decided)."""
+    optional: bool = False
+    """An encoder stack the policy may keep whole on the device instead of streaming
+    ([Note: encoders kept or streamed] in :mod:`dlo.plan.encoder_choice`)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,9 @@ class PolicyDecision:
     capacity_nbytes: int | None
     measured: Measurements
     lines: tuple[str, ...]
+    whole: tuple[str, ...] = ()
+    """The optional stacks kept whole on the device (their container paths): not in
+    :attr:`stacks`, their weights counted with the non-block ones."""
 
     @property
     def explanation(self) -> str:
@@ -181,6 +187,7 @@ class PolicyDecision:
             "slot_nbytes": self.slot_nbytes,
             "device_weight_nbytes": self.device_weight_nbytes,
             "capacity_nbytes": self.capacity_nbytes,
+            "kept_whole": list(self.whole),
             "measured": {
                 "h2d_GBps": m.h2d_bps / GB,
                 "allgather_GBps": {k: v / GB for k, v in sorted(m.allgather_bps.items())},

@@ -24,11 +24,15 @@ The memory model, with the device's allocator statistics at three points of ever
   seen, as a DiT's activations grow.
 * Between forwards (text encoders, the VAE, the user's tensors): ``o = peak - M`` at each
   re-plan point bounds the rest at any time since the last one (the movable bytes did not
-  change in between); the largest is kept.
+  change in between); the largest is kept. Where the peak rose after the forward's last
+  block, the work after it rose ``b = peak - allocated`` above what stays (a VAE decode): kept
+  per input size and, for a larger input, scaled linearly, at most ``FREE_MEMORY_HEADROOM``
+  of the limit (a 480p x 81-frame Wan decode after 1-frame calls ran out of memory under a
+  24 GiB cap when only the 1-frame decode was known, H100, 2026-12-06).
 
-The room for movable bytes is ``limit - margin - max(rest now + g(e), o) - reserve``, where the
-limit is what the allocator may hold (the budget's cap, or the device's free memory plus
-what the process holds) and the margin ``max(REPLAN_MARGIN x limit, REPLAN_MARGIN_MIN)``
+The room for movable bytes is ``limit - margin - max(rest now + max(g(e), b(e)), o) - reserve``,
+where the limit is what the allocator may hold (the budget's cap, or the device's free memory
+plus what the process holds) and the margin ``max(REPLAN_MARGIN x limit, REPLAN_MARGIN_MIN)``
 absorbs fragmentation. Blocks are pinned while the room holds them; the blocks that stream
 are chosen smallest first (so the slots are as small as they can be), spread evenly over
 the ring's order among blocks of one size (a streamed block's copy then overlaps the
@@ -60,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlo.config.fields import MIB
-from dlo.plan.policy_model import _size
+from dlo.plan.policy_model import FREE_MEMORY_HEADROOM, _size
 
 REPLAN_MARGIN = 0.03
 """Of the limit, kept free of every planned byte (allocator fragmentation)."""
@@ -106,26 +110,52 @@ class Observed:
     samples: tuple[ForwardSample, ...] = ()
     between_nbytes: int = 0
     """The most the rest held at any time between two re-plan points (``o``)."""
+    after: tuple[tuple[int, int], ...] = ()
+    """``(elements, bytes)``: the most the work after a forward of that size rose above
+    what stayed allocated (``b``: a VAE decode), where it rose above the forward's peak."""
 
 
 def observe(
-    seen: Observed, sample: ForwardSample | None, peak: int | None, movable: int
+    seen: Observed,
+    sample: ForwardSample | None,
+    peak: int | None,
+    movable: int,
+    allocated: int | None = None,
 ) -> Observed:
     """``seen`` plus the forward that ended (if its end was seen) and the interval that ends
     now, at a re-plan point where the peak is ``peak`` (None: no evidence, a peak no later
-    than enable's or a refused forward's) and the movable bytes since the last one were
-    ``movable``. Per input size the latest exact growth is kept, else the largest bound (a
-    first forward's one-off allocations, such as a library's workspace, stay allocated and
-    would be counted twice)."""
-    samples = seen.samples
+    than enable's or a refused forward's), ``allocated`` is held, and the movable bytes
+    since the last one were ``movable``. Per input size the latest exact growth is kept,
+    else the largest bound (a first forward's one-off allocations, such as a library's
+    workspace, stay allocated and would be counted twice)."""
+    samples, after = seen.samples, seen.after
     if sample is not None and sample.growth is not None:
         same = [s for s in samples if s.elements == sample.elements]
         exact = [s for s in [*same, sample] if s.exact]
         best = exact[-1] if exact else max([*same, sample], key=lambda s: s.growth or 0)
         samples = (*(s for s in samples if s.elements != sample.elements), best)
     if peak is None:
-        return Observed(samples, seen.between_nbytes)
-    return Observed(samples, max(seen.between_nbytes, peak - movable, 0))
+        return Observed(samples, seen.between_nbytes, after)
+    if sample is not None and allocated is not None and peak > sample.peak_at_end:
+        rise = peak - allocated  # the work after the forward rose above its own peak
+        known = dict(after)
+        known[sample.elements] = max(known.get(sample.elements, 0), rise)
+        after = tuple(sorted(known.items()))
+    return Observed(samples, max(seen.between_nbytes, peak - movable, 0), after)
+
+
+def predicted_after(seen: Observed, elements: int, limit: int) -> int:
+    """What the work after a forward of ``elements`` may add (``b``): the most measured
+    after one at least as large, else the largest measured scaled linearly, at most
+    enable's headroom of the limit (a decode's memory grows with its frames, but chunked
+    decoders grow slower); 0 where none was measured."""
+    if not seen.after:
+        return 0
+    larger = [b for e, b in seen.after if e >= elements]
+    if larger:
+        return max(larger)
+    e, b = max(seen.after)
+    return min(int(b * elements / max(1, e)), int(FREE_MEMORY_HEADROOM * limit))
 
 
 def predicted_growth(seen: Observed, elements: int, *, exact_only: bool = False) -> int | None:
@@ -165,7 +195,7 @@ def room(seen: Observed, elements: int, *, allocated: int, movable: int, limit: 
     growth = predicted_growth(seen, elements)
     if growth is None:
         return Room(None, None, limit)
-    need = rest + growth
+    need = rest + max(growth, predicted_after(seen, elements, limit))
     need = max(need, seen.between_nbytes) + int(INPUT_RESERVE * limit)
     exact = predicted_growth(seen, elements, exact_only=True)
     refuse = None if exact is None else rest + exact

@@ -14,10 +14,12 @@ without the structural guess.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from dlo.plan.adapters import model_adapter
@@ -43,6 +45,9 @@ class _Stack:
     source: str = "declared"
     """Where the container came from: ``"declared"``, ``"adapter"``, ``"_repeated_blocks"``,
     ``"_no_split_modules"`` or ``"structure"``."""
+    optional: bool = False
+    """An encoder stack the policy may keep whole on the device instead (see
+    :attr:`dlo.plan.topology.BlockStack.optional`)."""
 
 
 def _block_attrs(
@@ -203,11 +208,15 @@ def _encoder_stacks(
     problems: _Problems,
     *,
     selected: bool,
+    optional: bool = False,
 ) -> list[_Stack]:
     """Encoder stacks: declared ones, and (only when ``components`` names ``"encoder"``,
     ``selected``) those found from the encoder's own ``_no_split_modules``. A found stack is
     not streamed by default: it would change what an existing ``components=None`` setup
-    streams (slot size, checks an FSDP-wrapped or quantized encoder does not pass)."""
+    streams (slot size, checks an FSDP-wrapped or quantized encoder does not pass). With
+    ``optional`` (the policy decides residency, ``components`` unset) a found stack of plain
+    tensors is returned marked optional: the policy streams it only where the DiT needs its
+    device memory ([Note: encoders kept or streamed] in :mod:`dlo.plan.encoder_choice`)."""
     encoders = dict(found.encoders)
     for field_name in ("encoder_block_attrs", "encoder_dlo_weight_replication"):
         for key in getattr(plan, field_name):
@@ -232,6 +241,14 @@ def _encoder_stacks(
             _warn_unstreamed_encoder(path, encoder)
             continue
         if source != "declared" and not selected:
+            found_stacks = (
+                _component_stacks("encoder", path, encoder, attrs, source, problems)
+                if optional
+                else []
+            )
+            if found_stacks and all(_plain(s) for s in found_stacks):
+                stacks += [dataclasses.replace(s, optional=True) for s in found_stacks]
+                continue
             warn_once(
                 f"dlo: encoder {path!r} ({type(encoder).__name__}) has blocks dlo can stream "
                 f"({describe(attrs, encoder)}, from its {source}); it is kept whole on the "
@@ -241,6 +258,16 @@ def _encoder_stacks(
             continue
         stacks += _component_stacks("encoder", path, encoder, attrs, source, problems)
     return stacks
+
+
+def _plain(stack: _Stack) -> bool:
+    """Every tensor of the stack's blocks is a plain tensor (no DTensor, no quantized
+    subclass): an encoder the policy may stream without changing what enable checks."""
+    return all(
+        type(t) in (torch.Tensor, nn.Parameter)
+        for _, block in stack.blocks
+        for t in (*block.parameters(), *block.buffers())
+    )
 
 
 def _warn_unstreamed_encoder(path: str, encoder: nn.Module) -> None:

@@ -93,6 +93,11 @@ class BlockStack:
     """Node-shared only: size of that axis's group (the ranks on one node share)."""
     codec: str = "none"
     """Codec of the stack's host blocks (see [Note: block codecs] in :mod:`dlo.codec.codecs`)."""
+    optional: bool = False
+    """An encoder stack found from the encoder's own ``_no_split_modules`` while the policy
+    decides residency (``components`` unset, ``resident_layers="auto"``): the policy keeps
+    the encoder whole on the device unless the DiT needs its memory, and then streams it
+    ([Note: encoders kept or streamed] in :mod:`dlo.plan.encoder_choice`)."""
     found_by: str = "declared"
     """How the container was found: ``"declared"`` (an ``OffloadPlan`` or the class's
     ``_layerwise_offload_blocks_attrs``), ``"adapter"`` (dlo's registry), the model's own
@@ -281,6 +286,7 @@ def _finish(
             transfer=transfer,
             num_resident=num_resident,
             codec=config.codec_for(stack.component) if config.mode == "layer" else "none",
+            optional=stack.optional,
             found_by=stack.source,
             **transfer_groups(transfer, axis, size),
         )
@@ -295,6 +301,17 @@ def _finish(
             built.group_size,
         )
     return tuple(out)
+
+
+def policy_chooses_encoders(config: OffloadConfig) -> bool:
+    """The policy decides which found encoders stream: ``components`` is unset and the DiT's
+    residency is automatic (``config`` resolved for the device: the defaults on a GPU, or a
+    ``device_budget_gb``)."""
+    return (
+        config.mode == "layer"
+        and config.components is None
+        and config.resident_layers_for("dit") == "auto"
+    )
 
 
 def _layer_stacks(
@@ -315,7 +332,14 @@ def _layer_stacks(
     if "dit" in selected:
         stacks += _dit_stacks(found, plan, on_demand_ids, problems)
     if "encoder" in selected:
-        encoder_stacks = _encoder_stacks(found, plan, on_demand_ids, problems, selected=explicit)
+        encoder_stacks = _encoder_stacks(
+            found,
+            plan,
+            on_demand_ids,
+            problems,
+            selected=explicit,
+            optional=policy_chooses_encoders(config),
+        )
         if explicit and not encoder_stacks:
             raise ValueError(
                 f"components selects 'encoder' but no encoder of {_owner(pipeline)} has a "

@@ -101,6 +101,26 @@ class Replanner:
         interval's movable bytes); a lower one means the user reset it."""
         ring.replanner = self
 
+    def pin_initial(self, names: frozenset[str]) -> None:
+        """At enable: pin the ring's blocks among ``names`` (the blocks the policy chose to
+        keep on the device), the slots sized for the others (none where none streams)."""
+        pool = self.scheduler.pool
+        pinned = frozenset(b.name for b in self.blocks if b.name in names)
+        if not pinned:
+            return
+        if self.resizable:
+            largest = max([self._floor(), *(b.nbytes for b in self.blocks if b.name not in pinned)])
+            plan = replan.Plan(pinned, self.num_slots if largest else 0, largest)
+        else:
+            plan = replan.Plan(pinned, len(pool.slots), pool.slot_nbytes)
+        with torch.inference_mode(False):
+            self._allocate(plan)
+            self._load_pins(plan)
+        self.plan = plan
+        mem = self.platform.memory_now()
+        if mem is not None:  # the pins' loads are no forward's evidence
+            self._peak_base = mem.peak
+
     # ------------------------------------------------------------------ events
     def entering(self, args: tuple, kwargs: dict, name: str, key: Any = None) -> None:
         """Block ``name`` enters (``key``: its ring claim, if it streams); the first block of
@@ -135,7 +155,7 @@ class Replanner:
         elements = input_elements(args, kwargs)
         if self.forwards:
             peak = mem.peak if mem.peak != self._peak_base else None
-            seen = replan.observe(self.seen, self._sample, peak, self._movable())
+            seen = replan.observe(self.seen, self._sample, peak, self._movable(), mem.allocated)
             self._replan(name, elements, mem, seen)
             mem = self.platform.memory_now() or mem
         self._sample = None
@@ -312,15 +332,20 @@ class Replanner:
         # every rank's ring in the same state whatever it allocated (prefetched blocks
         # load again): the fallback after another rank failed must match
         sched.drop_loaded()
+        freed = False
         for b in self.ring.blocks:
             if b.name not in new.pinned and b.own is not None:
-                b.own, b.own_views = None, []
+                b.own, b.own_views, freed = None, [], True
         self.ring.num_pinned = sum(b.own is not None for b in self.ring.blocks)
         if (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes):
             pool.release()
             sched.refresh_views()  # no slots: the old buffers' views go too
+            freed = True
+            pf.empty_cache()  # the old slots' segments back before the new ones are made
             resize(pool, new.num_slots, new.slot_nbytes)
             sched.refresh_views()
+        if freed:  # whole segments back to the device: any size may use them under a cap
+            pf.empty_cache()
         for b in self.ring.blocks:
             if b.name in new.pinned and b.own is None and b.state != RUNNING:
                 if b.state == LOADED and b.slot is not None:  # its slot is free for others

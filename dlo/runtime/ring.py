@@ -113,7 +113,7 @@ class RingScheduler:
     # ------------------------------------------------------------------ setup
     def add_ring(self, ring: BlockRing) -> None:
         for b in ring.blocks:
-            b.views = [self._views(b, slot) for slot in self.pool.slots]
+            b.views = self._all_views(b)
             b.placeholders = [placeholder(t, self.platform.device) for t in b.tensors]
             b.wait = StreamTimer(self.platform)
         self.rings.append(ring)
@@ -122,7 +122,14 @@ class RingScheduler:
         """Every block's views of the pool's slots, after the pool was resized."""
         for ring in self.rings:
             for b in ring.blocks:
-                b.views = [self._views(b, slot) for slot in self.pool.slots]
+                b.views = self._all_views(b)
+
+    def _all_views(self, block: StreamedBlock) -> list[list[torch.Tensor]]:
+        """``block``'s views of every slot; none where it is larger than a slot (a re-plan
+        pins such a block: it never loads into one)."""
+        if block.layout.padded_nbytes > self.pool.slot_nbytes:
+            return []
+        return [self._views(block, slot) for slot in self.pool.slots]
 
     def _views(self, block: StreamedBlock, slot: Slot) -> list[torch.Tensor]:
         return [shard_view(slot.buffer, spec) for spec in block.layout.tensors]

@@ -19,7 +19,7 @@ import torch
 
 import dlo
 from dlo.cli import main
-from dlo.commands.run_pipeline import resident_reference
+from dlo.commands.pipeline_calls import resident_reference
 from dlo.host.region import LEDGER
 from dlo.io.checkpoint import CheckpointError
 from dlo.pipelines.layouts import FOLDERS

@@ -90,7 +90,7 @@ def _auto(
         "group_size": st["group_size"],
         "host_share_ranks": st["host_share_ranks"],
         "num_slots": st["num_slots"],
-        "num_resident": st["num_resident_blocks"],
+        "num_resident": st["num_resident_blocks"] + st["num_pinned_blocks"],  # the kept ones
         "allgather_nbytes": st["allgather_nbytes"],
         "stacks": stacks,
         "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
@@ -280,7 +280,7 @@ def _gpu_defaults(rank: int, world: int, free: dict[int, int], cfg_kw: dict[str,
         "same": all(torch.equal(a, b) for a, b in zip(ref, got)),
         "exchanged": exchanged,
         "explanation": st["policy"]["explanation"],
-        "num_resident": st["num_resident_blocks"],
+        "num_resident": st["num_resident_blocks"] + st["num_pinned_blocks"],  # the kept ones
     }
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dlo
-from dlo.commands.run_pipeline import resident_reference
+from dlo.commands.pipeline_calls import resident_reference
 from dlo.errors import ForwardRefused, OffloadError
 from dlo.host.region import LEDGER
 from dlo.pipelines.layouts import FOLDERS
@@ -341,11 +341,12 @@ def test_compiled_blocks_stay_bitwise_and_compile_nothing_new_across_replans(
             assert counter.graphs == ref_graphs
 
 
-def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
+def test_the_blocks_the_policy_keeps_are_pins_a_larger_input_may_unpin(
     monkeypatch: pytest.MonkeyPatch, exact: None
 ) -> None:
-    """Enable keeps the leading blocks resident under a budget; the re-plan point is the
-    forward's first block all the same, so a refused forward runs none of them."""
+    """Under a budget enable keeps the leading blocks on the device as pins, not resident
+    blocks: a refused forward runs none of them, and a larger input that fits only with
+    fewer unpins below what enable kept, bitwise."""
     fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
     model = ToyDiT(8)
     ref = clone(model)
@@ -356,16 +357,21 @@ def test_the_first_block_may_be_resident_and_the_refusal_comes_before_it(
     budget = 6 * BLOCK / 0.8 / 2**30  # about 3 blocks beside 2 slots and the non-block
     cfg = dlo.OffloadConfig(resident_layers="auto", device_budget_gb=budget)
     with _enabled(model, cfg, fake) as backend:
-        resident = backend.stats()["num_resident_blocks"]
-        assert 0 < resident < 8
+        kept = backend.stats()["num_pinned_blocks"]
+        assert 0 < kept < 8 and backend.stats()["num_resident_blocks"] == 0
         _run(model, ref, x(2, seed=0))
         _run(model, ref, x(2, seed=1))
-        assert _stats(backend)[0] == 8 - resident  # the streamed ones were pinned
+        assert _stats(backend)[0] == 8  # the streamed ones were pinned too
         ran.clear()
         with pytest.raises(OffloadError, match=r"blocks\.0") as e, torch.inference_mode():
             model(x(102))
         assert ran == [] and "this forward needs about" in str(e.value)
         _run(model, ref, x(2, seed=2))
+        # 10 more rows need 10 * 16 * 64 bytes, about 3.6 blocks: fewer pins than enable kept
+        _run(model, ref, x(12, seed=3))
+        pinned = _stats(backend)[0]
+        assert pinned < kept, (pinned, kept)
+        _run(model, ref, x(12, seed=4))
 
 
 def test_a_peak_from_before_enable_is_no_evidence(

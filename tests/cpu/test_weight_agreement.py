@@ -115,7 +115,7 @@ def _load_folder(
     """Rank ``r`` loads ``paths[r]``; ``write``: rank 1 scales one block weight in place
     between load and enable (a write through ``.data`` into the file's mapping, as a fused
     LoRA does)."""
-    from dlo.commands.run_pipeline import resident_reference
+    from dlo.commands.pipeline_calls import resident_reference
 
     cfg = _cfg(transfer=transfer)
 

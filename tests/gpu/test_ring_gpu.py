@@ -268,7 +268,7 @@ def test_the_device_budget_caps_the_allocator_until_disable() -> None:
         cap = torch.cuda.get_per_process_memory_fraction(DEV)
         assert cap == pytest.approx(min(before, budget_gb * 2**30 / total))
         st = b.stats()
-        assert st["num_resident_blocks"] == 5  # the toy fits the budget: nothing streams
+        assert st["num_pinned_blocks"] == 5  # the toy fits the budget: nothing streams
         assert "device_budget_gb 2.00 GiB: at most" in st["policy"]["explanation"]
         assert all(torch.equal(a, c) for a, c in zip(ref, _steps(model, 2, dim=256)))
         with pytest.raises(torch.OutOfMemoryError):

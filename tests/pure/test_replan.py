@@ -152,3 +152,26 @@ def test_the_latest_exact_growth_of_a_size_is_kept() -> None:
     bound = ForwardSample(10, 150, 310, 310)  # a bound does not replace exact evidence
     assert replan.observe(seen, bound, peak=310, movable=0).samples == (later,)
     assert replan.observe(seen, None, peak=None, movable=0).between_nbytes == 310
+
+
+def test_work_after_a_forward_is_kept_per_size_and_scaled_for_a_larger_input() -> None:
+    """A decode after the last forward raises the peak above the forward's: its rise over
+    what stays allocated is kept for that size, and predicted for a larger input linearly,
+    at most enable's headroom of the limit."""
+    fwd = ForwardSample(100, 10 * MIB, 10 * MIB, 20 * MIB)
+    # the peak stayed at the forward's: the work after it was smaller, nothing learned
+    seen = replan.observe(Observed(), fwd, 20 * MIB, 0, allocated=10 * MIB)
+    assert seen.after == () and replan.predicted_after(seen, 100, GIB) == 0
+    # a decode rose to 42 MiB over the 10 MiB that stays: 32 MiB after forwards of 100
+    seen = replan.observe(Observed(), fwd, 42 * MIB, 0, allocated=10 * MIB)
+    assert seen.after == ((100, 32 * MIB),)
+    assert replan.predicted_after(seen, 50, GIB) == 32 * MIB  # a smaller input: as measured
+    assert replan.predicted_after(seen, 300, GIB) == 96 * MIB  # larger: linear
+    cap = int(replan.FREE_MEMORY_HEADROOM * 200 * MIB)
+    assert replan.predicted_after(seen, 300, 200 * MIB) == cap  # at most the headroom
+    # it takes room before a larger forward as the growth does: the larger of the two
+    base = replan.room(seen, 300, allocated=10 * MIB, movable=0, limit=GIB)
+    bare = replan.room(Observed(seen.samples), 300, allocated=10 * MIB, movable=0, limit=GIB)
+    assert bare.movable_room is not None and base.movable_room is not None
+    assert bare.movable_room - base.movable_room == 96 * MIB - 30 * MIB  # growth 10 -> 30 MiB
+    assert base.refuse_need == bare.refuse_need  # never a refusal: only the growth refuses

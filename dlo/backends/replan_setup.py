@@ -1,0 +1,110 @@
+"""Which DiT rings are re-planned between forwards, and the blocks they hold as pins from
+enable on ([Note: re-plan between forwards] in :mod:`dlo.plan.replan`).
+
+A DiT whose resident count the policy chose (``resident_layers`` unset or ``"auto"``) keeps
+no resident block: the blocks the policy would keep resident are in its ring, pinned (a
+device buffer of their own, loaded at enable), so a later re-plan may unpin them before a
+larger input, and pin them back. The blocks of an explicit ``resident_layers`` stay resident
+and are never touched, as is a DiT whose blocks another mechanism manages (HSDP's
+``fully_shard``) or that ``OffloadPlan.resident_dit_paths`` leaves out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from dlo.backends.layer_host import LayerBlock
+from dlo.config.offload import OffloadConfig
+from dlo.hooks.foreign import foreign_offloader
+from dlo.hooks.registry import HookRegistry
+from dlo.journal import Journal
+from dlo.plan.declarations import get_by_path
+from dlo.plan.discovery import resident_dit_paths_of
+from dlo.plan.topology import ResolvedOffloadPlan
+from dlo.platform.device import Platform
+from dlo.runtime.replan import Replanner, ResidentBlockHook
+from dlo.runtime.ring import RingScheduler
+
+logger = logging.getLogger(__name__)
+
+REPLAN_HOOK = "dlo.replan"
+
+
+@dataclass(frozen=True)
+class ReplanSetup:
+    """What enable re-plans (see the module docstring)."""
+
+    dits: frozenset[str] = frozenset()
+    """Component paths of the DiTs whose rings are re-planned."""
+    pins: frozenset[str] = frozenset()
+    """Block paths pinned at enable: the leading blocks the policy chose to keep."""
+    keep_slots: bool = False
+    """``num_slots`` was given: the slots are never resized."""
+
+
+def replan_setup(
+    pipeline: Any, plan: ResolvedOffloadPlan, requested: OffloadConfig, state: Any
+) -> ResolvedOffloadPlan:
+    """``plan`` with the re-planned DiTs' resident blocks made pins (their stacks keep no
+    resident block); what enable re-plans goes to ``state.replan`` (a
+    :class:`~dlo.backends.layer_state.LayerState`). ``requested`` is the user's config."""
+    state.replan = ReplanSetup()
+    if requested.mode != "layer" or requested.resident_layers_for("dit") not in (None, "auto"):
+        return plan
+    eligible = resident_dit_paths_of(pipeline)
+    dits: set[str] = set()
+    for s in plan.stacks:
+        if s.component != "dit" or (eligible is not None and s.component_path not in eligible):
+            continue
+        dits.add(s.component_path)
+    for s in plan.stacks:  # a DiT any of whose blocks another mechanism manages: as planned
+        if s.component_path in dits and any(
+            foreign_offloader(get_by_path(pipeline, p)) is not None for p in s.block_paths
+        ):
+            logger.info("dlo: %s's blocks have other hooks: no re-plans", s.component_path)
+            dits.discard(s.component_path)
+    pins = frozenset(
+        p for s in plan.stacks if s.component_path in dits for p in s.resident_block_paths
+    )
+    stacks = tuple(
+        dataclasses.replace(s, num_resident=0) if s.component_path in dits else s
+        for s in plan.stacks
+    )
+    keep = requested.num_slots not in (None, "auto")
+    state.replan = ReplanSetup(frozenset(dits), pins, keep)
+    if pins and state.policy is not None:
+        state.policy["explanation"] += (
+            f"\n  the {len(pins)} kept DiT block(s) are pinned in the ring: between forwards "
+            "a re-plan may unpin them before a larger input, and pin more into measured room"
+        )
+    return dataclasses.replace(plan, stacks=stacks)
+
+
+def install_replanners(
+    platform: Platform,
+    blocks: list[LayerBlock],
+    scheduler: RingScheduler,
+    drain: Any,
+    registry: HookRegistry,
+    journal: Journal,
+    setup: ReplanSetup,
+    *,
+    rank: int,
+) -> None:
+    """A re-planner for the ring of each DiT of ``setup``, with hooks on any resident block
+    of it, and its pins loaded."""
+    for ring in scheduler.rings:
+        path = ring.name
+        if path not in setup.dits:
+            continue
+        r = Replanner(
+            platform, scheduler, ring, drain=drain, keep_slots=setup.keep_slots, rank=rank
+        )
+        journal.record(f"re-plans of {path or 'the model'}", r.close)
+        for b in blocks:
+            if b.resident and b.stack.component_path == path:
+                registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))
+        r.pin_initial(setup.pins)

@@ -1,0 +1,447 @@
+"""A pipeline folder under device budgets, every method in one process (issue 35's table):
+``python -m dlo.bench.pipeline_budgets DIR --budgets 24,32,48 --size 480x832x1 --size
+480x832x81``.
+
+Per budget, every method under the same cap on the device allocator
+(:meth:`dlo.platform.device.Platform.cap_memory`), and per method the calls of ``--size``
+in order, in one enable (so a later, larger call follows a smaller one as in a server):
+
+- ``resident``: diffusers' own pipeline with every weight on the device, where it fits
+  (else the row says why);
+- ``dlo``: ``OffloadConfig(device_budget_gb=B)`` and nothing else (the automatic defaults:
+  the policy's residency, slots and encoders, re-planned between forwards);
+- ``dlo-best``: the fastest setting of a manual sweep over ``resident_layers``
+  (``--sweep-counts``; ``auto`` is the blocks the ``dlo`` row held on the device, pinned
+  ones included), ``num_slots`` (``--sweep-slots``), ``components`` (the DiTs alone, and
+  with the encoders streamed: ``--sweep-components``) and ``--codec``, each its own enable
+  with no budget (the cap alone says what runs), fastest per call size.
+
+Every output is compared bit for bit with one resident run made before any cap. The steady
+step is the median of the steps after a call's first (:func:`dlo.commands.args.steady_median`);
+the process is warm (the resident reference ran first), so the first step shows what a
+method adds, not the process's first kernels. The CPU has no cap: there the rows run
+uncapped (``"capped": false``) and only dlo's rows plan against the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlo.backends.factory import enable_offload
+from dlo.bench.budgets import budget_list, sweep_counts
+from dlo.bench.flags import int_list
+from dlo.bench.methods import _clean, codec_list, manual_codecs
+from dlo.commands.args import DTYPES
+from dlo.commands.pipeline_calls import (
+    call_kwargs,
+    resident_reference,
+    step_times,
+    timed_call,
+)
+from dlo.config.fields import GIB
+from dlo.config.offload import OffloadConfig
+from dlo.errors import OffloadError
+from dlo.platform.device import Platform, default_device, get_platform
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("resident", "dlo", "dlo-best")
+FAILURES = (torch.OutOfMemoryError, ValueError, OffloadError)
+"""What a row may die of under a cap: it becomes a row that says so."""
+
+
+def parse_size(text: str) -> tuple[int, int, int | None]:
+    """``"480x832"`` -> ``(480, 832, None)``, ``"480x832x81"`` -> ``(480, 832, 81)``; a
+    ValueError naming ``--size`` otherwise."""
+    try:
+        parts = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (2, 3) or any(v < 1 for v in parts):
+        raise ValueError(f"--size={text!r}: expected HEIGHTxWIDTH or HEIGHTxWIDTHxFRAMES")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
+def sweep_list(text: str, num_blocks: int, auto: int) -> list[int]:
+    """``--sweep-counts``: ``"grid"`` (:func:`dlo.bench.budgets.sweep_counts`) or a comma
+    list of counts and ``auto``/``auto+K``/``auto-K`` (the dlo row's resident count),
+    within ``[0, num_blocks]``."""
+    if text == "grid":
+        return sweep_counts(num_blocks, auto)
+    out: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            if item.startswith("auto"):
+                out.add(auto + int(item[4:] or 0))
+            else:
+                out.add(int(item))
+        except ValueError:
+            raise ValueError(
+                f"--sweep-counts={text!r}: expected 'grid' or counts and auto[+-K], "
+                "separated by commas"
+            ) from None
+    return sorted(r for r in out if 0 <= r <= num_blocks)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dlo.bench.pipeline_budgets")
+    p.add_argument("pipeline", help="the diffusers pipeline folder")
+    p.add_argument("--budgets", required=True, help="comma-separated device budgets (GiB)")
+    p.add_argument(
+        "--size",
+        action="append",
+        required=True,
+        help="HEIGHTxWIDTH[xFRAMES] of a call; repeat for calls in sequence in one enable",
+    )
+    p.add_argument("--steps", default="4", help="steps per call: one, or one per --size")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--sweep-counts", default="grid", help="resident_layers of the sweep")
+    p.add_argument("--sweep-slots", default="2,3", help="num_slots of the sweep")
+    p.add_argument(
+        "--sweep-components",
+        default="dit;dit,encoder",
+        help="components of the sweep, ';'-separated (dit: the encoders whole)",
+    )
+    p.add_argument("--codec", default="none", help="codecs of the sweep, comma-separated")
+    p.add_argument(
+        "--unbudgeted", action="store_true", help="also a dlo row with nothing set, no budget"
+    )
+    p.add_argument("--output-type", default="pt", choices=("pt", "latent"))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", action="append", default=None)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--max-sequence-length", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", default=None, help="write the markdown table here")
+    return p.parse_args(argv)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same bits (NaNs included: random weights may make them)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64, 1: torch.uint8}[a.element_size()]
+    return bool(torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The latents bit for bit where both calls handed them out, else the outputs."""
+    if a["latents"] is not None and b["latents"] is not None:
+        return bitwise_equal(a["latents"], b["latents"])
+    return bitwise_equal(a["output"], b["output"])
+
+
+def failure(e: BaseException) -> str:
+    """A failed row's reason: the error and where it was raised (the innermost frames)."""
+    frames = traceback.extract_tb(e.__traceback__)[-4:]
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames))
+    return f"{type(e).__name__}: {str(e)[:300]} [at {where}]"
+
+
+class Bench:
+    """One folder, its calls and its reference outputs (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device(args.device) if args.device else default_device()
+        self.platform: Platform = get_platform(self.device)
+        self.dtype = getattr(torch, args.dtype)
+        self.sizes = [parse_size(s) for s in args.size]
+        steps = int_list("--steps", args.steps)
+        if len(steps) not in (1, len(self.sizes)):
+            raise ValueError(f"--steps={args.steps!r}: one count, or one per --size")
+        self.steps = steps * len(self.sizes) if len(steps) == 1 else steps
+        self.expect: dict[int, dict[str, Any]] = {}
+
+    def size_name(self, i: int) -> str:
+        h, w, f = self.sizes[i]
+        return f"{h}x{w}" + (f"x{f}" if f is not None else "")
+
+    def call(self, pipe: Any, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Call ``i`` on ``pipe``: its output and its last step's latents (on the CPU), and
+        its timings and peak."""
+        h, w, f = self.sizes[i]
+        ns = argparse.Namespace(
+            **{**vars(self.args), "height": h, "width": w, "frames": f, "steps": self.steps[i]}
+        )
+        kw = call_kwargs(ns, pipe, 0, self.device)
+        kw["output_type"] = self.args.output_type
+        self.platform.reset_peak_memory_stats()
+        latents: list[torch.Tensor] = []
+        out, marks, wall = timed_call(pipe, kw, self.platform, latents=latents)
+        if self.args.output_type == "latent":  # the pipeline's latents, whatever it calls them
+            out = out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
+        times = step_times(marks)
+        times.pop("cold_start_s")
+        result = {"output": out.cpu(), "latents": latents[0].cpu() if latents else None}
+        return result, {
+            **times,
+            "wall_s": wall,
+            "hbm_peak_nbytes": self.platform.max_memory_allocated(),
+        }
+
+    def rows_of(
+        self, method: str, budget: float | None, pipe: Any, stats: Callable[[], dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Every call in order on ``pipe``; a call that fails ends the sequence (its row and
+        the later ones say why)."""
+        rows: list[dict[str, Any]] = []
+        for i in range(len(self.sizes)):
+            row: dict[str, Any] = {"method": method, "budget_gb": budget, "size": self.size_name(i)}
+            try:
+                out, times = self.call(pipe, i)
+            except FAILURES as e:
+                why = failure(e)
+                rows += [{**row, "failed": why}] + [
+                    {**row, "size": self.size_name(j), "failed": f"after: {why}"}
+                    for j in range(i + 1, len(self.sizes))
+                ]
+                break
+            if budget is None:
+                self.expect[i] = out
+            row.update(times)
+            ref = self.expect.get(i)
+            # the DiTs' result (the latents where the pipeline hands them out): what dlo
+            # computes; the decoded output too (a VAE's kernels may differ under a cap)
+            row["bitwise_vs_resident"] = None if ref is None else same(out, ref)
+            row["compared"] = "latents" if out["latents"] is not None else "output"
+            row["output_bitwise_vs_resident"] = (
+                None if ref is None else bitwise_equal(out["output"], ref["output"])
+            )
+            st = stats()
+            for k in (
+                "num_resident_blocks",
+                "num_streamed_blocks",
+                "num_pinned_blocks",
+                "num_slots",
+            ):
+                if k in st:
+                    row[k] = st[k]
+            if st.get("policy"):
+                row["kept_whole"] = st["policy"].get("kept_whole", [])
+                row["replans"] = len(st["policy"].get("replans", []))
+            rows.append(row)
+        return rows
+
+    def dlo_rows(
+        self, pipe: Any, cfg: OffloadConfig, method: str, budget: float | None, **extra: Any
+    ) -> list[dict[str, Any]]:
+        """``pipe`` enabled with ``cfg``, its calls, then disabled (given back as it was)."""
+        backend = None
+        enable_s: float | None = None
+        t0 = time.perf_counter()
+        try:
+            backend = enable_offload(pipe, cfg, device=self.device)
+            assert backend is not None  # a layer config always has one
+            enable_s = time.perf_counter() - t0
+            new = self.rows_of(method, budget, pipe, backend.stats)
+        except FAILURES as e:  # a budget refused, or enable ran out under the cap
+            why = failure(e)
+            new = [
+                {"method": method, "budget_gb": budget, "size": self.size_name(i), "failed": why}
+                for i in range(len(self.sizes))
+            ]
+        finally:
+            if backend is not None:
+                backend.disable()
+            _clean(self.platform)
+        for r in new:
+            r.update(enable_s=enable_s, **extra)
+        return new
+
+
+def _capped(platform: Platform, budget: float) -> tuple[bool, Callable[[], None]]:
+    undo = platform.cap_memory(int(budget * GIB))
+    return undo is not None, (undo if undo is not None else lambda: None)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every method on the folder under every budget: the report (see the module docstring)."""
+    budgets = budget_list(args.budgets)
+    methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in methods if m not in METHODS]
+    if bad:
+        raise ValueError(f"--methods: {bad} not among {list(METHODS)}")
+    codecs = manual_codecs(codec_list(args.codec))
+    sweep_list(args.sweep_counts, 1, 0)  # bad input fails before any work
+    int_list("--sweep-slots", args.sweep_slots)
+    b = Bench(args)
+    platform = b.platform
+    rows: list[dict[str, Any]] = []
+    capped: list[bool] = []
+    ref = resident_reference(args.pipeline, b.dtype, b.device)  # before any cap
+    rows += b.rows_of("resident", None, ref, dict)
+    if "resident" in methods:
+        for budget in budgets:
+            _, undo = _capped(platform, budget)
+            _clean(platform)  # cached blocks would escape the cap
+            try:
+                rows += b.rows_of("resident", budget, ref, dict)
+            finally:
+                undo()
+    del ref
+    _clean(platform)
+    # the pipeline every dlo row enables, in host memory of its own (diffusers' tensors
+    # alias the file, aligned only to their dtype: CPU kernels may then give other bits)
+    pipe = resident_reference(args.pipeline, b.dtype, torch.device("cpu"))
+    num_blocks = _dit_blocks(pipe)
+
+    def report() -> dict[str, Any]:
+        return {
+            "pipeline": args.pipeline,
+            "class": type(pipe).__name__,
+            "device": str(b.device),
+            "dtype": args.dtype,
+            "sizes": [b.size_name(i) for i in range(len(b.sizes))],
+            "steps": b.steps,
+            "capped": all(capped),
+            "results": rows,
+        }
+
+    if args.unbudgeted:  # dlo with nothing set at all
+        rows += b.dlo_rows(pipe, OffloadConfig(), "dlo", None)
+    for budget in budgets:
+        save(args.json, report())  # so far: a run cut short still leaves its rows
+        ok, undo = _capped(platform, budget)
+        capped.append(ok)
+        try:
+            auto = b.dlo_rows(pipe, OffloadConfig(device_budget_gb=budget), "dlo", budget)
+            rows += auto
+            if "dlo-best" in methods:
+                r_auto = max(  # the blocks the dlo row held on the device (pins too)
+                    (r.get("num_resident_blocks", 0) + r.get("num_pinned_blocks", 0) for r in auto),
+                    default=0,
+                )
+                tried: list[dict[str, Any]] = []
+                for components in args.sweep_components.split(";"):
+                    comps = tuple(c for c in components.split(",") if c)
+                    for codec in codecs:
+                        for r in sweep_list(args.sweep_counts, num_blocks, r_auto):
+                            for slots in int_list("--sweep-slots", args.sweep_slots):
+                                cfg = OffloadConfig(
+                                    components=comps or None,
+                                    resident_layers=r,
+                                    num_slots=slots,
+                                    codec=codec,
+                                )  # no budget: the cap alone says what runs
+                                setting = f"r={r} s={slots} {codec} {components}"
+                                tried += b.dlo_rows(pipe, cfg, "dlo-sweep", budget, setting=setting)
+                rows += tried + _best(tried, b)
+        finally:
+            undo()
+    save(args.json, report())
+    return report()
+
+
+def save(path: str | None, report: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            f.write(json.dumps(report, indent=2))
+
+
+def _dit_blocks(pipe: Any) -> int:
+    """The blocks of the pipeline's first DiT (the sweep's resident counts are per DiT)."""
+    from dlo.config.parallel import ParallelConfig
+    from dlo.plan.topology import resolve_offload_plan
+
+    plan = resolve_offload_plan(pipe, OffloadConfig(components=("dit",)), ParallelConfig())
+    first = plan.stacks[0].component_path
+    return sum(len(s.block_paths) for s in plan.stacks if s.component_path == first)
+
+
+def _best(tried: list[dict[str, Any]], b: Bench) -> list[dict[str, Any]]:
+    """The fastest manual setting per call size (its steady step)."""
+    out = []
+    for i in range(len(b.sizes)):
+        ok = [t for t in tried if t["size"] == b.size_name(i) and "failed" not in t]
+        if ok:
+            best = dict(min(ok, key=lambda t: t["step_ms_median"]))
+            best["method"], best["swept"] = "dlo-best", len(ok)
+            out.append(best)
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The rows (sweep settings apart) as one markdown table, and dlo against the best."""
+    lines = (
+        []
+        if report["capped"]
+        else ["No allocator cap on this platform: only dlo's rows plan against the budget.", ""]
+    )
+    lines += [
+        "| budget GiB | call | method | steady step ms | first step ms | peak HBM GiB | "
+        "resident / streamed (pinned) | slots | encoders whole | setting | bitwise (DiT / "
+        "decoded) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [r for r in report["results"] if r["method"] != "dlo-sweep"]
+    for r in rows:
+        budget = "none" if r["budget_gb"] is None else f"{r['budget_gb']:g}"
+        if "failed" in r:
+            lines.append(f"| {budget} | {r['size']} | {r['method']} | {r['failed']} |" + " |" * 7)
+            continue
+        split = (
+            f"{r['num_resident_blocks']} / {r['num_streamed_blocks']} ({r.get('num_pinned_blocks', 0)})"
+            if "num_resident_blocks" in r
+            else "-"
+        )
+        lines.append(
+            f"| {budget} | {r['size']} | {r['method']} | {r['step_ms_median']:.1f} | "
+            f"{r['first_step_ms']:.1f} | {r['hbm_peak_nbytes'] / GIB:.2f} | {split} | "
+            f"{r.get('num_slots', '-')} | {', '.join(r.get('kept_whole', [])) or '-'} | "
+            f"{r.get('setting', '-')} | {r.get('bitwise_vs_resident', '-')} / "
+            f"{r.get('output_bitwise_vs_resident', '-')} |"
+        )
+    best = {
+        (r["budget_gb"], r["size"]): r["step_ms_median"]
+        for r in rows
+        if r["method"] == "dlo-best" and "failed" not in r
+    }
+    resident = {  # the uncapped reference: dlo with nothing set is compared with it
+        (None, r["size"]): r["step_ms_median"]
+        for r in rows
+        if r["method"] == "resident" and r["budget_gb"] is None and "failed" not in r
+    }
+    for r in rows:
+        key = (r["budget_gb"], r["size"])
+        if r["method"] == "dlo" and "failed" not in r and key in resident:
+            lines.append(
+                f"\ndlo with nothing set, {key[1]}: {r['step_ms_median'] / resident[key]:.3f}x "
+                f"resident; first step {r['first_step_ms'] / r['step_ms_median']:.2f}x its steady"
+            )
+        if r["method"] == "dlo" and "failed" not in r and key in best:
+            lines.append(
+                f"\ndlo (no flags) at {key[0]:g} GiB, {key[1]}: {r['step_ms_median'] / best[key]:.3f}x"
+                f" the best manual setting; first step {r['first_step_ms'] / r['step_ms_median']:.2f}x"
+                " its steady step"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    report = run(args)
+    table = markdown(report)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

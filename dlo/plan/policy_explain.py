@@ -1,0 +1,54 @@
+"""The policy's explanation lines (``--explain``, ``stats()["policy"]["explanation"]``). Pure."""
+
+from __future__ import annotations
+
+from dlo.plan.policy_model import GB, PolicyInput, StackChoice, _size
+
+
+def explain_lines(
+    inp: PolicyInput,
+    choices: list[StackChoice],
+    num_slots: int,
+    slot_note: str,
+    per_dit: int,
+    resident_note: str,
+    slot_nbytes: int,
+) -> list[str]:
+    m = inp.measured
+    ag = ", ".join(f"AllGather[{k}] {v / GB:.2f} GB/s" for k, v in sorted(m.allgather_bps.items()))
+    free = (
+        f", free device {_size(m.free_device_nbytes)}" if m.free_device_nbytes is not None else ""
+    ) + (
+        f", free shared memory {_size(m.shared_memory_nbytes)}"
+        if m.shared_memory_nbytes is not None
+        else ""
+    )
+    lines = [
+        "dlo policy (this rank alone: its stacks exchange nothing at enable):"
+        if inp.alone
+        else f"dlo policy (group-wide minimum over {m.num_ranks} rank(s)):",
+        f"  measured: host-to-device {m.h2d_bps / GB:.2f} GB/s per rank (all ranks copying)"
+        + (f", {ag}" if ag else "")
+        + free,
+    ]
+    for s, c in zip(inp.stacks, choices):
+        mean = sum(s.block_nbytes) / max(1, len(s.block_nbytes))
+        ag_ms = f"{c.allgather_ms:.3f} ms" if c.allgather_ms is not None else "-"
+        lines.append(
+            f"  stack {s.name}: {len(s.block_nbytes)} blocks x {mean / 1e6:.2f} MB, "
+            f"axis {s.group_axis!r} of {s.group_size}; modeled per block: rank-local "
+            f"{c.rank_local_ms:.3f} ms, allgather {ag_ms} -> {c.transfer} ({c.reason}); "
+            f"{c.num_resident} resident; codec {c.codec} ({c.codec_reason})"
+        )
+    lines.append(f"  num_slots: {num_slots} x {_size(slot_nbytes)} ({slot_note})")
+    lines.append(f"  resident_layers: {per_dit} per DiT ({resident_note})")
+    return lines
+
+
+def kept(knob: str, inp: PolicyInput) -> str:
+    """How the explanation calls a knob the policy kept as given."""
+    if knob in inp.defaults:
+        if knob == "resident_layers" and not any(s.component == "dit" for s in inp.stacks):
+            return "unset: no DiT selected, no resident blocks"
+        return f"unset: a CPU device's default; {knob}='auto' decides it"
+    return "explicit"
