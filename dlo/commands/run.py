@@ -32,6 +32,7 @@ from dlo.commands.args import (
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
 from dlo.config.unset import for_device, unset_fields
+from dlo.plan.policy_explain import replans_explained
 from dlo.platform.progress import progress_bar
 
 
@@ -170,6 +171,8 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     else:
         step_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(marks)]
     stats = backend.stats() if backend is not None else {}
+    if args.explain and rank0 and stats.get("policy"):  # what the forwards changed
+        print(replans_explained(stats["policy"]), file=sys.stderr if args.json else sys.stdout)
     # both before the teardown and the reference run below
     hbm_peak = device_peak_nbytes(platform, stats)
     run_rss = process_peak_rss_bytes()

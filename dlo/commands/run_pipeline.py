@@ -50,6 +50,7 @@ from dlo.commands.run_flags import (
     save_encoded_if_asked,
 )
 from dlo.config.parallel import ParallelConfig
+from dlo.plan.policy_explain import replans_explained
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
 from dlo.platform.progress import progress_bar
 
@@ -227,6 +228,10 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             images, marks, wall = timed_call(pipe, kw, platform, bar)
         pipeline_class = type(pipe).__name__
         stats = backend.stats() if backend is not None else {}
+        if args.explain and rank0:  # the decision, then what the forwards changed
+            out = sys.stderr if args.json else sys.stdout
+            print((stats.get("policy") or {}).get("explanation", "dlo policy: none"), file=out)
+            print(replans_explained(stats.get("policy")), file=out, flush=True)
         hbm_peak = device_peak_nbytes(platform, stats)
         run_rss = process_peak_rss_bytes()
         written: list[Path] = []

@@ -117,7 +117,9 @@ class OffloadConfig:
     """Component kinds dlo offloads: ``"dit"``, ``"text_encoder"`` (alias ``"encoder"``, the
     name it is stored under), ``"vae"`` (selects nothing: VAEs stay device resident). With
     ``mode="layer"`` the kinds whose blocks stream; None is the compatibility topology (every
-    DiT, plus encoders whose block stacks are declared; declaration problems warn and skip),
+    DiT, plus encoders whose block stacks are declared; declaration problems warn and skip;
+    where the policy decides residency, it also streams an encoder found from its
+    ``_no_split_modules`` when the DiT needs its memory: [Note: encoders kept or streamed]),
     an explicit tuple turns declaration problems into errors; naming ``"encoder"`` also
     streams encoders found from their ``_no_split_modules``. With ``mode="module"`` the
     kinds that swap (None: DiTs and encoders); the others stay device resident."""

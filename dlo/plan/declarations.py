@@ -116,8 +116,9 @@ class OffloadPlan:
     DiT class's ``_layerwise_offload_blocks_attrs``."""
     encoder_block_attrs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Encoder path -> ordered block container attrs (``()`` streams none). An encoder not
-    listed streams only when ``OffloadConfig.components`` names ``"encoder"`` and its own
-    ``_no_split_modules`` (or ``_repeated_blocks``) finds its blocks."""
+    listed streams only when its own ``_no_split_modules`` (or ``_repeated_blocks``) finds its
+    blocks and ``OffloadConfig.components`` names ``"encoder"``, or the policy streams it
+    ([Note: encoders kept or streamed])."""
     on_demand_component_paths: tuple[str, ...] = ()
     """Components whose residency the pipeline manages itself; dlo never moves them."""
     resident_dit_paths: tuple[str, ...] | None = None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dlo.plan.policy_model import GB, PolicyInput, StackChoice, _size
+from typing import Any
+
+from dlo.plan.policy_model import GB, GIB, PolicyInput, StackChoice, _size
 
 
 def explain_lines(
@@ -52,3 +54,22 @@ def kept(knob: str, inp: PolicyInput) -> str:
             return "unset: no DiT selected, no resident blocks"
         return f"unset: a CPU device's default; {knob}='auto' decides it"
     return "explicit"
+
+
+def replan_line(r: dict[str, Any]) -> str:
+    """One re-plan record (``stats()["policy"]["replans"]``) as a line of ``--explain``."""
+    return (
+        f"dlo re-plan of {r['component'] or 'the model'} before forward {r['forward']} "
+        f"({r['elements']} input elements): {r['action']}, {r['pinned']} of "
+        f"{r['pinned'] + r['streamed']} blocks pinned, {r['num_slots']} slot(s) x "
+        f"{r['slot_nbytes'] / (1 << 20):.1f} MiB, room for them "
+        f"{(r['movable_room_nbytes'] or 0) / GIB:.2f} GiB of a {r['limit_nbytes'] / GIB:.2f} GiB limit"
+    )
+
+
+def replans_explained(policy: dict[str, Any] | None) -> str:
+    """Every re-plan of a run, a line each (``--explain`` after the run)."""
+    records = (policy or {}).get("replans") or []
+    if not records:
+        return "dlo re-plans: none (every forward ran as enable planned it)"
+    return "\n".join(replan_line(r) for r in records)

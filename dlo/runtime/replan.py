@@ -30,6 +30,7 @@ from dlo.errors import ForwardRefused, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.host.shards import shard_view
 from dlo.plan import replan
+from dlo.plan.policy_explain import replan_line
 from dlo.platform.device import MemoryNow, Platform
 from dlo.runtime.collectives import all_gather_objects
 from dlo.runtime.guard import every_claim
@@ -251,20 +252,7 @@ class Replanner:
             "action": "pin" if more else "unpin" if fewer else "slots",
         }
         self.records.append(record)
-        (logger.info if self.rank == 0 else logger.debug)(
-            "dlo re-plan of %s before forward %d (%d input elements): %s, %d of %d blocks "
-            "pinned, %d slot(s) x %.1f MiB, room for them %.2f GiB of a %.2f GiB limit",
-            self.ring.name or "the model",
-            record["forward"],
-            elements,
-            record["action"],
-            record["pinned"],
-            len(self.blocks),
-            new.num_slots,
-            new.slot_nbytes / 2**20,
-            (room.movable_room or 0) / 2**30,
-            room.limit / 2**30,
-        )
+        (logger.info if self.rank == 0 else logger.debug)("%s", replan_line(record))
 
     # ------------------------------------------------------------------ applying
     def _apply(self, new: replan.Plan) -> None:

@@ -175,3 +175,28 @@ def test_work_after_a_forward_is_kept_per_size_and_scaled_for_a_larger_input() -
     assert bare.movable_room is not None and base.movable_room is not None
     assert bare.movable_room - base.movable_room == 96 * MIB - 30 * MIB  # growth 10 -> 30 MiB
     assert base.refuse_need == bare.refuse_need  # never a refusal: only the growth refuses
+
+
+def test_explain_prints_every_replan_with_its_numbers() -> None:
+    from dlo.plan.policy_explain import replans_explained
+
+    record = {
+        "component": "transformer",
+        "forward": 2,
+        "elements": 4096,
+        "pinned": 8,
+        "streamed": 6,
+        "num_slots": 2,
+        "slot_nbytes": 283 * MIB,
+        "movable_room_nbytes": 3 * GIB,
+        "limit_nbytes": 24 * GIB,
+        "action": "pin",
+    }
+    text = replans_explained({"replans": [record, {**record, "forward": 9, "action": "unpin"}]})
+    assert text.splitlines() == [
+        "dlo re-plan of transformer before forward 2 (4096 input elements): pin, 8 of 14 blocks "
+        "pinned, 2 slot(s) x 283.0 MiB, room for them 3.00 GiB of a 24.00 GiB limit",
+        "dlo re-plan of transformer before forward 9 (4096 input elements): unpin, 8 of 14 "
+        "blocks pinned, 2 slot(s) x 283.0 MiB, room for them 3.00 GiB of a 24.00 GiB limit",
+    ]
+    assert replans_explained(None).startswith("dlo re-plans: none")
