@@ -247,6 +247,16 @@ def _budget_rows(
     return rows
 
 
+def block_split(r: dict[str, Any]) -> str:
+    """A row's ``resident / streamed (n pinned)`` blocks, ``-`` where it has none."""
+    if "num_resident_blocks" not in r:
+        return "-"
+    return (
+        f"{r['num_resident_blocks']} / {r['num_streamed_blocks']}"
+        f" ({r.get('num_pinned_blocks', 0)} pinned)"
+    )
+
+
 def markdown_budgets(rows: list[dict[str, Any]], *, capped: bool = True) -> str:
     """The budget rows as one markdown table: steady ms per method, and dlo against the best
     manual setting."""
@@ -271,12 +281,7 @@ def markdown_budgets(rows: list[dict[str, Any]], *, capped: bool = True) -> str:
                 f"{r['failed']} | - |"
             )
             continue
-        split = (
-            f"{r['num_resident_blocks']} / {r['num_streamed_blocks']}"
-            f" ({r.get('num_pinned_blocks', 0)} pinned)"
-            if "num_resident_blocks" in r
-            else "-"
-        )
+        split = block_split(r)
         lines.append(
             f"| {r['budget_gb']:g} | {r['tokens']} | {r['method']} | {r['median_ms']:.1f} | "
             f"{r['peak_device_nbytes'] / 1e9:.2f} | {split} | {r.get('setting', '-')} | "

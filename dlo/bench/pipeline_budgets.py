@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from dlo.backends.factory import enable_offload
-from dlo.bench.budgets import budget_list, sweep_counts
+from dlo.bench.budgets import block_split, budget_list, sweep_counts
 from dlo.bench.flags import int_list
 from dlo.bench.methods import _clean, codec_list, manual_codecs
 from dlo.commands.args import DTYPES
@@ -384,7 +384,7 @@ def markdown(report: dict[str, Any]) -> str:
     )
     lines += [
         "| budget GiB | call | method | steady step ms | first step ms | peak HBM GiB | "
-        "resident / streamed (pinned) | slots | encoders whole | setting | bitwise (DiT / "
+        "resident / streamed | slots | encoders whole | setting | bitwise (DiT / "
         "decoded) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -394,11 +394,7 @@ def markdown(report: dict[str, Any]) -> str:
         if "failed" in r:
             lines.append(f"| {budget} | {r['size']} | {r['method']} | {r['failed']} |" + " |" * 7)
             continue
-        split = (
-            f"{r['num_resident_blocks']} / {r['num_streamed_blocks']} ({r.get('num_pinned_blocks', 0)})"
-            if "num_resident_blocks" in r
-            else "-"
-        )
+        split = block_split(r)
         lines.append(
             f"| {budget} | {r['size']} | {r['method']} | {r['step_ms_median']:.1f} | "
             f"{r['first_step_ms']:.1f} | {r['hbm_peak_nbytes'] / GIB:.2f} | {split} | "
