@@ -357,12 +357,12 @@ def install_rings(
         for sb in ring.blocks:
             for t, ph in zip(sb.tensors, sb.placeholders):
                 t.data = ph
-    scheduler.preload()
-    platform.synchronize()
     if replan is not None and replan.dits:
         install_replanners(
             platform, blocks, scheduler, transports.drain, registry, journal, replan, rank=rank
         )
+    scheduler.preload()  # after the pins: the first blocks that stream
+    platform.synchronize()
     return scheduler
 
 

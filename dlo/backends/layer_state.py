@@ -52,12 +52,17 @@ class LayerState:
     def blocks(self) -> list[LayerBlock]:
         return self.host.blocks if self.host else []
 
+    def _pinned(self) -> int:
+        rings = self.scheduler.rings if self.scheduler else []
+        return sum(b.own is not None for r in rings for b in r.blocks)
+
     def describe(self) -> str:
         """One line saying what the enable built (logged at INFO)."""
         host, pool, blocks = self.host, self.pool, self.blocks
         region, shared = (host.region, host.shared) if host else (None, None)
         return (
-            f"dlo layer offload enabled: {sum(not b.resident for b in blocks)} streamed + "
+            f"dlo layer offload enabled: {sum(not b.resident for b in blocks)} streamed "
+            f"({self._pinned()} pinned) + "
             f"{sum(b.resident for b in blocks)} resident blocks, "
             f"{len(pool.slots) if pool else 0} slots x "
             f"{(pool.slot_nbytes if pool else 0) / MIB:.1f} MiB, host "

@@ -4,7 +4,9 @@ enable on ([Note: re-plan between forwards] in :mod:`dlo.plan.replan`).
 A DiT whose resident count the policy chose (``resident_layers`` unset or ``"auto"``) keeps
 no resident block: the blocks the policy would keep resident are in its ring, pinned (a
 device buffer of their own, loaded at enable), so a later re-plan may unpin them before a
-larger input, and pin them back. The blocks of an explicit ``resident_layers`` stay resident
+larger input, and pin them back. Not with an explicit ``num_slots`` or a stack that gathers:
+there the slots cannot follow the pins (a fixed count, symmetric slots), so the kept blocks
+stay resident and only the blocks enable left streaming are pinned and unpinned. The blocks of an explicit ``resident_layers`` stay resident
 and are never touched, as is a DiT whose blocks another mechanism manages (HSDP's
 ``fully_shard``) or that ``OffloadPlan.resident_dit_paths`` leaves out.
 """
@@ -66,14 +68,21 @@ def replan_setup(
         ):
             logger.info("dlo: %s's blocks have other hooks: no re-plans", s.component_path)
             dits.discard(s.component_path)
+    keep = requested.num_slots not in (None, "auto")
+    # pins only where the slots follow them (the layer plan sizes the pool as if every block
+    # streamed): not with an explicit num_slots, nor where a stack gathers (symmetric slots,
+    # and a kept block's host shards are released): those keep resident blocks
+    pinning = not keep and not any(s.group_size > 1 for s in plan.stacks)
     pins = frozenset(
-        p for s in plan.stacks if s.component_path in dits for p in s.resident_block_paths
+        p
+        for s in plan.stacks
+        if pinning and s.component_path in dits
+        for p in s.resident_block_paths
     )
     stacks = tuple(
-        dataclasses.replace(s, num_resident=0) if s.component_path in dits else s
+        dataclasses.replace(s, num_resident=0) if pinning and s.component_path in dits else s
         for s in plan.stacks
     )
-    keep = requested.num_slots not in (None, "auto")
     state.replan = ReplanSetup(frozenset(dits), pins, keep)
     if pins and state.policy is not None:
         state.policy["explanation"] += (
@@ -96,6 +105,7 @@ def install_replanners(
 ) -> None:
     """A re-planner for the ring of each DiT of ``setup``, with hooks on any resident block
     of it, and its pins loaded."""
+    made = []
     for ring in scheduler.rings:
         path = ring.name
         if path not in setup.dits:
@@ -107,4 +117,6 @@ def install_replanners(
         for b in blocks:
             if b.resident and b.stack.component_path == path:
                 registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))
+        made.append(r)
+    for r in made:  # every re-planner made (with enable's slots) before any pins
         r.pin_initial(setup.pins)

@@ -171,7 +171,7 @@ class Bench:
         h, w, f = self.sizes[i]
         return f"{h}x{w}" + (f"x{f}" if f is not None else "")
 
-    def call(self, pipe: Any, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    def call(self, pipe: Any, i: int, *, reset: bool) -> tuple[dict[str, Any], dict[str, Any]]:
         """Call ``i`` on ``pipe``: its output and its last step's latents (on the CPU), and
         its timings and peak."""
         h, w, f = self.sizes[i]
@@ -180,7 +180,8 @@ class Bench:
         )
         kw = call_kwargs(ns, pipe, 0, self.device)
         kw["output_type"] = self.args.output_type
-        self.platform.reset_peak_memory_stats()
+        if reset:  # not under dlo: its re-plans read the peak a call's decode left
+            self.platform.reset_peak_memory_stats()
         latents: list[torch.Tensor] = []
         out, marks, wall = timed_call(pipe, kw, self.platform, latents=latents)
         if self.args.output_type == "latent":  # the pipeline's latents, whatever it calls them
@@ -191,6 +192,7 @@ class Bench:
         return result, {
             **times,
             "wall_s": wall,
+            # resident: this call's; dlo: since its enable (the peak is never reset under it)
             "hbm_peak_nbytes": self.platform.max_memory_allocated(),
         }
 
@@ -203,7 +205,7 @@ class Bench:
         for i in range(len(self.sizes)):
             row: dict[str, Any] = {"method": method, "budget_gb": budget, "size": self.size_name(i)}
             try:
-                out, times = self.call(pipe, i)
+                out, times = self.call(pipe, i, reset=method == "resident")
             except FAILURES as e:
                 why = failure(e)
                 rows += [{**row, "failed": why}] + [
@@ -211,7 +213,7 @@ class Bench:
                     for j in range(i + 1, len(self.sizes))
                 ]
                 break
-            if budget is None:
+            if method == "resident" and budget is None:  # the reference, before any cap
                 self.expect[i] = out
             row.update(times)
             ref = self.expect.get(i)
@@ -298,7 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # the pipeline every dlo row enables, in host memory of its own (diffusers' tensors
     # alias the file, aligned only to their dtype: CPU kernels may then give other bits)
     pipe = resident_reference(args.pipeline, b.dtype, torch.device("cpu"))
-    num_blocks = _dit_blocks(pipe)
+    num_blocks, num_dits = _dit_blocks(pipe)
 
     def report() -> dict[str, Any]:
         return {
@@ -322,10 +324,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             auto = b.dlo_rows(pipe, OffloadConfig(device_budget_gb=budget), "dlo", budget)
             rows += auto
             if "dlo-best" in methods:
-                r_auto = max(  # the blocks the dlo row held on the device (pins too)
-                    (r.get("num_resident_blocks", 0) + r.get("num_pinned_blocks", 0) for r in auto),
-                    default=0,
+                held = (
+                    r.get("num_resident_blocks", 0) + r.get("num_pinned_blocks", 0) for r in auto
                 )
+                # the blocks the dlo row held on the device (pins too), per DiT
+                r_auto = max(held, default=0) // num_dits
                 tried: list[dict[str, Any]] = []
                 for components in args.sweep_components.split(";"):
                     comps = tuple(c for c in components.split(",") if c)
@@ -353,14 +356,16 @@ def save(path: str | None, report: dict[str, Any]) -> None:
             f.write(json.dumps(report, indent=2))
 
 
-def _dit_blocks(pipe: Any) -> int:
-    """The blocks of the pipeline's first DiT (the sweep's resident counts are per DiT)."""
+def _dit_blocks(pipe: Any) -> tuple[int, int]:
+    """The blocks of the pipeline's first DiT (the sweep's resident counts are per DiT), and
+    how many DiTs it has."""
     from dlo.config.parallel import ParallelConfig
     from dlo.plan.topology import resolve_offload_plan
 
     plan = resolve_offload_plan(pipe, OffloadConfig(components=("dit",)), ParallelConfig())
     first = plan.stacks[0].component_path
-    return sum(len(s.block_paths) for s in plan.stacks if s.component_path == first)
+    dits = {s.component_path for s in plan.stacks}
+    return sum(len(s.block_paths) for s in plan.stacks if s.component_path == first), len(dits)
 
 
 def _best(tried: list[dict[str, Any]], b: Bench) -> list[dict[str, Any]]:

@@ -4,8 +4,9 @@ DiT needs its memory. Pure.
 [Note: encoders kept or streamed]
 A text encoder runs once per prompt, the DiT once or twice per step: device memory is worth
 more to the DiT. With ``components`` unset and residency automatic, enable offers the
-policy every encoder found from its own ``_no_split_modules`` (umT5-XXL, T5-XXL, CLIP) as an
-optional stack (:attr:`dlo.plan.topology.BlockStack.optional`), and :func:`choose_encoders`
+policy every encoder whose blocks it finds without the pipeline declaring them (from the
+encoder's own ``_no_split_modules``: umT5-XXL, T5-XXL, CLIP; or its ``_repeated_blocks``,
+an adapter, a structural guess) as an optional stack (:attr:`dlo.plan.topology.BlockStack.optional`), and :func:`choose_encoders`
 decides twice:
 
 * whole: the optional stacks leave the plan and their bytes join the non-block weights to
@@ -14,8 +15,9 @@ decides twice:
 * streamed: every stack as given.
 
 The encoders stay whole where that plan fits and keeps every eligible DiT block resident
-(nothing streams where the whole pipeline fits), or where streaming them would not keep more
-DiT blocks resident; else they stream, through the same slots, before the DiT's first
+(nothing streams where the whole pipeline fits, and trivially where no DiT may keep
+resident blocks), or where streaming them would keep neither more DiT blocks resident nor
+more slots (a second slot prefetches), or cannot fit; else they stream, through the same slots, before the DiT's first
 forward of each call. An encoder stack costs its bytes once per prompt; the DiT blocks its
 memory keeps resident save their bytes on every forward (the FLUX.1-dev folder under a 24 GB
 budget placed its 9.4 GiB of T5 and CLIP whole and streamed 41 of 57 DiT blocks, H100,
@@ -59,6 +61,12 @@ def resident_blocks(d: PolicyDecision) -> int:
     return sum(c.num_resident for c in d.stacks)
 
 
+def kept(d: PolicyDecision) -> tuple[int, int]:
+    """What a plan keeps on the device for the DiT: resident blocks, then slots (a second
+    slot prefetches: without it every load is exposed)."""
+    return resident_blocks(d), d.num_slots
+
+
 def choose_encoders(inp: PolicyInput, decide_one: Decide) -> PolicyDecision:
     """The decision of ``decide_one`` with the optional stacks of ``inp`` kept whole or
     streamed ([Note: encoders kept or streamed]); ``decide_one(inp)`` where none is
@@ -88,13 +96,20 @@ def choose_encoders(inp: PolicyInput, decide_one: Decide) -> PolicyDecision:
             "is resident beside them)"
         )
         return _with(whole, names, line)
-    streamed = decide_one(inp)
-    if whole is not None and resident_blocks(streamed) <= resident_blocks(whole):
+    try:
+        streamed = decide_one(inp)
+    except ValueError:
+        if whole is None:
+            raise
+        streamed = None  # the encoders' blocks need slots the budget cannot hold
+    if whole is not None and (streamed is None or kept(streamed) <= kept(whole)):
         line = (
             f"  encoders {label} ({_size(nbytes)}): kept whole on the device (streaming them "
-            f"keeps no more DiT blocks resident: {resident_blocks(whole)})"
+            f"keeps no more DiT blocks resident, nor more slots: {resident_blocks(whole)} "
+            f"resident, {whole.num_slots} slot(s))"
         )
         return _with(whole, names, line)
+    assert streamed is not None
     if whole is not None:
         why_not = (
             f"whole, {resident_blocks(whole)} DiT blocks would be resident; streamed, "

@@ -89,6 +89,8 @@ class ForwardSample:
     peak_at_end: int
     """The peak when its last block exited (the process's peak: never below the start's
     unless the user reset it in between)."""
+    end_nbytes: int | None = None
+    """Allocated when its last block exited: what stays while the work after it runs."""
 
     @property
     def growth(self) -> int | None:
@@ -137,7 +139,8 @@ def observe(
     if peak is None:
         return Observed(samples, seen.between_nbytes, after)
     if sample is not None and allocated is not None and peak > sample.peak_at_end:
-        rise = peak - allocated  # the work after the forward rose above its own peak
+        stays = sample.end_nbytes if sample.end_nbytes is not None else allocated
+        rise = max(0, peak - stays)  # the work after the forward rose above its own peak
         known = dict(after)
         known[sample.elements] = max(known.get(sample.elements, 0), rise)
         after = tuple(sorted(known.items()))
@@ -155,7 +158,8 @@ def predicted_after(seen: Observed, elements: int, limit: int) -> int:
     if larger:
         return max(larger)
     e, b = max(seen.after)
-    return min(int(b * elements / max(1, e)), int(FREE_MEMORY_HEADROOM * limit))
+    scaled = int(b * elements / max(1, e))
+    return min(scaled, max(b, int(FREE_MEMORY_HEADROOM * limit)))  # never below the measured
 
 
 def predicted_growth(seen: Observed, elements: int, *, exact_only: bool = False) -> int | None:

@@ -110,7 +110,7 @@ class Replanner:
         if not pinned:
             return
         if self.resizable:
-            largest = max([self._floor(), *(b.nbytes for b in self.blocks if b.name not in pinned)])
+            largest = self._largest(pinned)
             plan = replan.Plan(pinned, self.num_slots if largest else 0, largest)
         else:
             plan = replan.Plan(pinned, len(pool.slots), pool.slot_nbytes)
@@ -180,7 +180,7 @@ class Replanner:
         mem = self.platform.memory_now()
         if mem is not None:
             e, allocated, peak = self._start
-            self._sample = replan.ForwardSample(e, allocated, peak, mem.peak)
+            self._sample = replan.ForwardSample(e, allocated, peak, mem.peak, mem.allocated)
         if self.last is not None:
             self._start = None
 
@@ -191,6 +191,11 @@ class Replanner:
         pool = self.scheduler.pool
         own = sum(b.layout.padded_nbytes for b in self.ring.blocks if b.own is not None)
         return own + (0 if self.symmetric else pool.nbytes)
+
+    def _largest(self, pinned: frozenset[str]) -> int:
+        """The slot size the ring needs with ``pinned`` pinned: its largest other block, or
+        what other rings of the pool still stream."""
+        return max([self._floor(), *(b.nbytes for b in self.blocks if b.name not in pinned)])
 
     def _floor(self) -> int:
         """The largest block other rings of the pool still stream."""
@@ -226,7 +231,10 @@ class Replanner:
                 self.plan, self.blocks, room, num_slots=self.num_slots, floor_slot_nbytes=floor
             )
             if room.refuse_need is None and not new.pinned and new.num_slots < self.num_slots:
-                new = replan.Plan(frozenset(), self.num_slots, self.enable_slot_nbytes)
+                new = replan.Plan(frozenset(), self.num_slots, self._largest(frozenset()))
+            need = self._largest(new.pinned)  # a block that streams fits its slot
+            if need > new.slot_nbytes:
+                new = replan.Plan(new.pinned, max(new.num_slots, 1), need)
         else:  # the slots stay as they are: only pins change
             fixed_plan = replan.Plan(self.plan.pinned, 0, 0)
             new = replan.next_plan(fixed_plan, self.blocks, room, num_slots=0, floor_slot_nbytes=0)
@@ -343,8 +351,9 @@ class Replanner:
                 self.ring.num_pinned += 1
 
     def _fall_back(self, error: BaseException | None) -> None:
-        """Some rank could not allocate the plan: every rank returns to enable's plan (no
-        pins, the enable's slots) and stops re-planning."""
+        """Some rank could not allocate the plan: every rank streams every block of the ring
+        (no pins, enable's slots: the kept blocks enable pinned too, the plan that surely
+        fits) and stops re-planning."""
         self._off = True
         logger.warning(
             "dlo: a re-plan of %s could not allocate on %s (%r): back to enable's plan, no "
@@ -353,15 +362,14 @@ class Replanner:
             "this rank" if error is not None else "another rank",
             error,
         )
+        slot = max(self.enable_slot_nbytes, self._largest(frozenset()))  # every block streams
         try:
             with torch.inference_mode(False):
-                self._allocate(replan.Plan(frozenset(), self.num_slots, self.enable_slot_nbytes))
+                self._allocate(replan.Plan(frozenset(), self.num_slots, slot))
         except BaseException as e:
             self.scheduler.poisoned = f"a re-plan failed and could not be undone ({e!r})"
             raise OffloadError(self.scheduler.poisoned, rank=self.rank) from e
-        self.plan = replan.Plan(
-            frozenset(), len(self.scheduler.pool.slots), self.enable_slot_nbytes
-        )
+        self.plan = replan.Plan(frozenset(), len(self.scheduler.pool.slots), slot)
 
     def close(self) -> None:
         """Unpin every block (disable; the device synchronized)."""

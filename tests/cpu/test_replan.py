@@ -515,3 +515,23 @@ def test_a_lower_limit_unpins_once_without_ratcheting(
             _run(model, ref, x(2, seed=s))
             pinned.append(_stats(backend)[0])
         assert 0 < pinned[0] < 16 and pinned == [pinned[0]] * 5, pinned
+
+
+def test_an_explicit_slot_count_keeps_the_policys_blocks_resident(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """With num_slots given the slots cannot follow pins (the pool is sized as if every
+    block streamed): the blocks the policy keeps stay resident, and the device holds no
+    more than the policy planned."""
+    fake = _fake(monkeypatch, _limit(2, 12 * BLOCK))
+    model = ToyDiT(8)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    cfg = dlo.OffloadConfig(num_slots=4, device_budget_gb=12 * BLOCK / 0.8 / 2**30)
+    with _enabled(model, cfg, fake) as backend:
+        st = backend.stats()
+        assert st["num_resident_blocks"] > 0 and st["num_pinned_blocks"] == 0
+        held = st["device_slot_nbytes"] + st["device_resident_block_nbytes"]
+        assert held <= st["policy"]["capacity_nbytes"]
+        _run(model, ref, x(2, seed=0))
+        _run(model, ref, x(2, seed=1))

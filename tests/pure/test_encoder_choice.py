@@ -3,6 +3,8 @@ unless the DiT needs their memory. Pure."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dlo.config.fields import MIB
@@ -104,3 +106,16 @@ def test_the_choice_never_keeps_fewer_dit_blocks_resident(extra: int) -> None:
     d = decide(_input(room))
     assert _resident(d) >= _resident(decide(kept_whole(_input(room))))
     assert d.device_weight_nbytes <= room
+
+
+def test_a_tie_on_resident_blocks_goes_to_the_plan_with_more_slots() -> None:
+    """A small encoder: whole, it leaves room for one slot and no resident block (every load
+    exposed); streamed, two slots fit and still no resident block: the encoder streams."""
+    small = dataclasses.replace(_stacks()[1], block_nbytes=(BLOCK // 4,) * 2)
+    inp = dataclasses.replace(
+        _input(BLOCK // 2 + BLOCK + BLOCK // 2 + MIB), stacks=(_stacks()[0], small)
+    )
+    whole = decide(kept_whole(inp))
+    assert (_resident(whole), whole.num_slots) == (0, 1)
+    d = decide(inp)
+    assert d.whole == () and (_resident(d), d.num_slots) == (0, 2)

@@ -200,3 +200,14 @@ def test_explain_prints_every_replan_with_its_numbers() -> None:
         "blocks pinned, 2 slot(s) x 283.0 MiB, room for them 3.00 GiB of a 24.00 GiB limit",
     ]
     assert replans_explained(None).startswith("dlo re-plans: none")
+
+
+def test_the_work_after_a_forward_is_measured_against_what_stayed_and_never_shrinks() -> None:
+    # what stayed at the forward's end (12 MiB), not what the next forward allocated (30)
+    fwd = ForwardSample(100, 10 * MIB, 10 * MIB, 20 * MIB, end_nbytes=12 * MIB)
+    seen = replan.observe(Observed(), fwd, 42 * MIB, 0, allocated=30 * MIB)
+    assert seen.after == ((100, 30 * MIB),)
+    # a measured rise above the cap is kept for larger inputs too: never below the measured
+    big = Observed(after=((100, 6 * GIB),))
+    assert replan.predicted_after(big, 100, 24 * GIB) == 6 * GIB
+    assert replan.predicted_after(big, 101, 24 * GIB) == 6 * GIB
