@@ -4,9 +4,11 @@ enable on ([Note: re-plan between forwards] in :mod:`dlo.plan.replan`).
 A DiT whose resident count the policy chose (``resident_layers`` unset or ``"auto"``) keeps
 no resident block: the blocks the policy would keep resident are in its ring, pinned (a
 device buffer of their own, loaded at enable), so a later re-plan may unpin them before a
-larger input, and pin them back. Not with an explicit ``num_slots`` or a stack that gathers:
-there the slots cannot follow the pins (a fixed count, symmetric slots), so the kept blocks
-stay resident and only the blocks enable left streaming are pinned and unpinned. The blocks of an explicit ``resident_layers`` stay resident
+larger input, and pin them back. Not with an explicit ``num_slots`` or a stack that gathers
+(the slots cannot follow the pins: a fixed count, symmetric slots), nor under a
+``pin_budget_gb`` (the kept blocks would take the pinned host memory the streamed ones
+need): there the kept blocks stay resident and only the blocks enable left streaming are
+pinned and unpinned. The blocks of an explicit ``resident_layers`` stay resident
 and are never touched, as is a DiT whose blocks another mechanism manages (HSDP's
 ``fully_shard``) or that ``OffloadPlan.resident_dit_paths`` leaves out.
 """
@@ -71,8 +73,13 @@ def replan_setup(
     keep = requested.num_slots not in (None, "auto")
     # pins only where the slots follow them (the layer plan sizes the pool as if every block
     # streamed): not with an explicit num_slots, nor where a stack gathers (symmetric slots,
-    # and a kept block's host shards are released): those keep resident blocks
-    pinning = not keep and not any(s.group_size > 1 for s in plan.stacks)
+    # and a kept block's host shards are released), nor under a host pin budget (kept blocks
+    # would take it before the blocks that load every forward): those keep resident blocks
+    pinning = (
+        not keep
+        and requested.pin_budget_gb is None
+        and not any(s.group_size > 1 for s in plan.stacks)
+    )
     pins = frozenset(
         p
         for s in plan.stacks

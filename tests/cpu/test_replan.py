@@ -517,17 +517,18 @@ def test_a_lower_limit_unpins_once_without_ratcheting(
         assert 0 < pinned[0] < 16 and pinned == [pinned[0]] * 5, pinned
 
 
-def test_an_explicit_slot_count_keeps_the_policys_blocks_resident(
-    monkeypatch: pytest.MonkeyPatch, exact: None
+@pytest.mark.parametrize("given", [{"num_slots": 4}, {"pin_budget_gb": 1.0}])
+def test_where_pins_cannot_work_the_policys_blocks_stay_resident(
+    monkeypatch: pytest.MonkeyPatch, exact: None, given: dict[str, Any]
 ) -> None:
     """With num_slots given the slots cannot follow pins (the pool is sized as if every
-    block streamed): the blocks the policy keeps stay resident, and the device holds no
-    more than the policy planned."""
+    block streamed), and under a host pin budget the kept blocks would take it: the blocks
+    the policy keeps stay resident, and the device holds no more than the policy planned."""
     fake = _fake(monkeypatch, _limit(2, 12 * BLOCK))
     model = ToyDiT(8)
     ref = clone(model)
     fake.watch(list(model.blocks))
-    cfg = dlo.OffloadConfig(num_slots=4, device_budget_gb=12 * BLOCK / 0.8 / 2**30)
+    cfg = dlo.OffloadConfig(device_budget_gb=12 * BLOCK / 0.8 / 2**30, **given)
     with _enabled(model, cfg, fake) as backend:
         st = backend.stats()
         assert st["num_resident_blocks"] > 0 and st["num_pinned_blocks"] == 0
