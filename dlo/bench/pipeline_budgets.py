@@ -388,7 +388,8 @@ def markdown(report: dict[str, Any]) -> str:
         else ["No allocator cap on this platform: only dlo's rows plan against the budget.", ""]
     )
     lines += [
-        "| budget GiB | call | method | steady step ms | first step ms | peak HBM GiB | "
+        "| budget GiB | call | method | steady step ms | first step ms | peak HBM GiB "
+        "(dlo rows: since enable) | "
         "resident / streamed | slots | encoders whole | setting | bitwise (DiT / "
         "decoded) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

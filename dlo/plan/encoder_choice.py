@@ -73,8 +73,8 @@ def choose_encoders(inp: PolicyInput, decide_one: Decide) -> PolicyDecision:
     optional. Deterministic.
 
     Raises:
-        ValueError: as ``decide_one`` with the encoders streamed (a budget that cannot hold
-            even that).
+        ValueError: as ``decide_one`` where neither keeping the encoders whole nor streaming
+            them fits (a budget that cannot hold even the streamed plan).
     """
     optional = [s for s in inp.stacks if s.optional]
     if not optional:
@@ -103,10 +103,14 @@ def choose_encoders(inp: PolicyInput, decide_one: Decide) -> PolicyDecision:
             raise
         streamed = None  # the encoders' blocks need slots the budget cannot hold
     if whole is not None and (streamed is None or kept(streamed) <= kept(whole)):
+        why = (
+            "streaming them needs slots the budget cannot hold"
+            if streamed is None
+            else "streaming them keeps no more DiT blocks resident, nor more slots"
+        )
         line = (
-            f"  encoders {label} ({_size(nbytes)}): kept whole on the device (streaming them "
-            f"keeps no more DiT blocks resident, nor more slots: {resident_blocks(whole)} "
-            f"resident, {whole.num_slots} slot(s))"
+            f"  encoders {label} ({_size(nbytes)}): kept whole on the device ({why}: "
+            f"{resident_blocks(whole)} resident, {whole.num_slots} slot(s))"
         )
         return _with(whole, names, line)
     assert streamed is not None

@@ -25,7 +25,8 @@ The memory model, with the device's allocator statistics at three points of ever
 * Between forwards (text encoders, the VAE, the user's tensors): ``o = peak - M`` at each
   re-plan point bounds the rest at any time since the last one (the movable bytes did not
   change in between); the largest is kept. Where the peak rose after the forward's last
-  block, the work after it rose ``b = peak - allocated`` above what stays (a VAE decode): kept
+  block, the work after it rose ``b`` above what stayed at the forward's end (less what the
+rings sharing the slots pinned since; a VAE decode): kept
   per input size and, for a larger input, scaled linearly, at most ``FREE_MEMORY_HEADROOM``
   of the limit (a 480p x 81-frame Wan decode after 1-frame calls ran out of memory under a
   24 GiB cap when only the 1-frame decode was known, H100, 2026-12-06).
@@ -123,11 +124,14 @@ def observe(
     peak: int | None,
     movable: int,
     allocated: int | None = None,
+    *,
+    moved: int = 0,
 ) -> Observed:
     """``seen`` plus the forward that ended (if its end was seen) and the interval that ends
     now, at a re-plan point where the peak is ``peak`` (None: no evidence, a peak no later
     than enable's or a refused forward's), ``allocated`` is held, and the movable bytes
-    since the last one were ``movable``. Per input size the latest exact growth is kept,
+    since the last one were ``movable`` (``moved``: how much the movable bytes of every ring
+    sharing the slots grew since the sampled forward ended, another DiT's pins say). Per input size the latest exact growth is kept,
     else the largest bound (a first forward's one-off allocations, such as a library's
     workspace, stay allocated and would be counted twice)."""
     samples, after = seen.samples, seen.after
@@ -139,7 +143,7 @@ def observe(
     if peak is None:
         return Observed(samples, seen.between_nbytes, after)
     if sample is not None and allocated is not None and peak > sample.peak_at_end:
-        stays = sample.end_nbytes if sample.end_nbytes is not None else allocated
+        stays = (sample.end_nbytes + moved) if sample.end_nbytes is not None else allocated
         rise = max(0, peak - stays)  # the work after the forward rose above its own peak
         known = dict(after)
         known[sample.elements] = max(known.get(sample.elements, 0), rise)

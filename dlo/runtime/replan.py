@@ -94,6 +94,8 @@ class Replanner:
         self._start: tuple[int, int, int] | None = None
         """The forward running: (elements, allocated, peak) at its first block's entry."""
         self._sample: replan.ForwardSample | None = None
+        self._end_movable = 0
+        """Every ring's movable bytes when the sampled forward ended."""
         mem = platform.memory_now()
         self._off = mem is None  # no allocator statistics: enable's plan stays
         self._peak_base = mem.peak if mem is not None else 0
@@ -156,7 +158,11 @@ class Replanner:
         elements = input_elements(args, kwargs)
         if self.forwards:
             peak = mem.peak if mem.peak != self._peak_base else None
-            seen = replan.observe(self.seen, self._sample, peak, self._movable(), mem.allocated)
+            # what the pool's rings pinned or sized since this forward ended is no work after it
+            moved = self._all_movable() - self._end_movable
+            seen = replan.observe(
+                self.seen, self._sample, peak, self._movable(), mem.allocated, moved=moved
+            )
             self._replan(name, elements, mem, seen)
             mem = self.platform.memory_now() or mem
         self._sample = None
@@ -181,6 +187,7 @@ class Replanner:
         if mem is not None:
             e, allocated, peak = self._start
             self._sample = replan.ForwardSample(e, allocated, peak, mem.peak, mem.allocated)
+            self._end_movable = self._all_movable()
         if self.last is not None:
             self._start = None
 
@@ -190,6 +197,17 @@ class Replanner:
         buffers and the slots (unless symmetric: outside the allocator)."""
         pool = self.scheduler.pool
         own = sum(b.layout.padded_nbytes for b in self.ring.blocks if b.own is not None)
+        return own + (0 if self.symmetric else pool.nbytes)
+
+    def _all_movable(self) -> int:
+        """The movable bytes of every ring of the pool (another DiT's pins too)."""
+        pool = self.scheduler.pool
+        own = sum(
+            b.layout.padded_nbytes
+            for r in self.scheduler.rings
+            for b in r.blocks
+            if b.own is not None
+        )
         return own + (0 if self.symmetric else pool.nbytes)
 
     def _largest(self, pinned: frozenset[str]) -> int:
@@ -234,7 +252,7 @@ class Replanner:
                 new = replan.Plan(frozenset(), self.num_slots, self._largest(frozenset()))
             need = self._largest(new.pinned)  # a block that streams fits its slot
             if need > new.slot_nbytes:
-                new = replan.Plan(new.pinned, max(new.num_slots, 1), need)
+                new = replan.Plan(new.pinned, new.num_slots or self.num_slots, need)
         else:  # the slots stay as they are: only pins change
             fixed_plan = replan.Plan(self.plan.pinned, 0, 0)
             new = replan.next_plan(fixed_plan, self.blocks, room, num_slots=0, floor_slot_nbytes=0)

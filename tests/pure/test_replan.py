@@ -211,3 +211,11 @@ def test_the_work_after_a_forward_is_measured_against_what_stayed_and_never_shri
     big = Observed(after=((100, 6 * GIB),))
     assert replan.predicted_after(big, 100, 24 * GIB) == 6 * GIB
     assert replan.predicted_after(big, 101, 24 * GIB) == 6 * GIB
+
+
+def test_another_dits_pins_since_the_forward_ended_are_no_work_after_it() -> None:
+    """Two DiTs share the slots: the other one pinned 3 MiB after this one's forward ended;
+    the decode's rise over what stayed is measured without them."""
+    fwd = ForwardSample(100, 10 * MIB, 10 * MIB, 20 * MIB, end_nbytes=12 * MIB)
+    seen = replan.observe(Observed(), fwd, 42 * MIB, 0, allocated=30 * MIB, moved=3 * MIB)
+    assert seen.after == ((100, 27 * MIB),)
