@@ -170,7 +170,7 @@ class LayerState:
             "fill_time_s": self.fill_time_s,
             "pin_time_s": self.pin_time_s,
             "enable_peak_rss_nbytes": self.enable_peak_rss,
-            "num_pinned_blocks": sum(b.own is not None for b in streamed),
+            "num_pinned_blocks": self._pinned(),
             "device_pinned_block_nbytes": sum(
                 b.layout.padded_nbytes for b in streamed if b.own is not None
             ),

@@ -107,15 +107,12 @@ class Replanner:
     def pin_initial(self, names: frozenset[str]) -> None:
         """At enable: pin the ring's blocks among ``names`` (the blocks the policy chose to
         keep on the device), the slots sized for the others (none where none streams)."""
-        pool = self.scheduler.pool
         pinned = frozenset(b.name for b in self.blocks if b.name in names)
         if not pinned:
             return
-        if self.resizable:
-            largest = self._largest(pinned)
-            plan = replan.Plan(pinned, self.num_slots if largest else 0, largest)
-        else:
-            plan = replan.Plan(pinned, len(pool.slots), pool.slot_nbytes)
+        assert self.resizable, "pins at enable only where the slots follow them (replan_setup)"
+        largest = self._largest(pinned)
+        plan = replan.Plan(pinned, self.num_slots if largest else 0, largest)
         with torch.inference_mode(False):
             self._allocate(plan)
             self._load_pins(plan)
@@ -159,7 +156,7 @@ class Replanner:
         if self.forwards:
             peak = mem.peak if mem.peak != self._peak_base else None
             # what the pool's rings pinned or sized since this forward ended is no work after it
-            moved = self._all_movable() - self._end_movable
+            moved = self._movable(self.scheduler.rings) - self._end_movable
             seen = replan.observe(
                 self.seen, self._sample, peak, self._movable(), mem.allocated, moved=moved
             )
@@ -187,28 +184,22 @@ class Replanner:
         if mem is not None:
             e, allocated, peak = self._start
             self._sample = replan.ForwardSample(e, allocated, peak, mem.peak, mem.allocated)
-            self._end_movable = self._all_movable()
+            self._end_movable = self._movable(self.scheduler.rings)
         if self.last is not None:
             self._start = None
 
     # ------------------------------------------------------------------ deciding
-    def _movable(self) -> int:
+    def _movable(self, rings: list[BlockRing] | None = None) -> int:
         """The device bytes a re-plan changes, read from what is allocated: the pinned
-        buffers and the slots (unless symmetric: outside the allocator)."""
-        pool = self.scheduler.pool
-        own = sum(b.layout.padded_nbytes for b in self.ring.blocks if b.own is not None)
-        return own + (0 if self.symmetric else pool.nbytes)
-
-    def _all_movable(self) -> int:
-        """The movable bytes of every ring of the pool (another DiT's pins too)."""
-        pool = self.scheduler.pool
+        buffers of this ring (or of ``rings``: every ring of the pool, another DiT's pins
+        too) and the slots (unless symmetric: outside the allocator)."""
         own = sum(
             b.layout.padded_nbytes
-            for r in self.scheduler.rings
+            for r in (rings if rings is not None else [self.ring])
             for b in r.blocks
             if b.own is not None
         )
-        return own + (0 if self.symmetric else pool.nbytes)
+        return own + (0 if self.symmetric else self.scheduler.pool.nbytes)
 
     def _largest(self, pinned: frozenset[str]) -> int:
         """The slot size the ring needs with ``pinned`` pinned: its largest other block, or
@@ -351,15 +342,15 @@ class Replanner:
             if b.name not in new.pinned and b.own is not None:
                 b.own, b.own_views, freed = None, [], True
         self.ring.num_pinned = sum(b.own is not None for b in self.ring.blocks)
-        if (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes):
+        resized = (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes)
+        if resized:
             pool.release()
             sched.refresh_views()  # no slots: the old buffers' views go too
-            freed = True
-            pf.empty_cache()  # the old slots' segments back before the new ones are made
+        if freed or resized:  # whole segments back to the device before anything new is
+            pf.empty_cache()  # made: under a cap any size may use them
+        if resized:
             resize(pool, new.num_slots, new.slot_nbytes)
             sched.refresh_views()
-        if freed:  # whole segments back to the device: any size may use them under a cap
-            pf.empty_cache()
         for b in self.ring.blocks:
             if b.name in new.pinned and b.own is None and b.state != RUNNING:
                 if b.state == LOADED and b.slot is not None:  # its slot is free for others
