@@ -59,6 +59,8 @@ METHODS = ("resident", "dlo", "dlo-best")
 FAILURES = (torch.OutOfMemoryError, ValueError, OffloadError)
 """What a row may die of under a cap: it becomes a row that says so."""
 
+_COUNTS = ("num_resident_blocks", "num_streamed_blocks", "num_pinned_blocks", "num_slots")
+
 
 def parse_size(text: str) -> tuple[int, int, int | None]:
     """``"480x832"`` -> ``(480, 832, None)``, ``"480x832x81"`` -> ``(480, 832, 81)``; a
@@ -225,17 +227,14 @@ class Bench:
                 None if ref is None else bitwise_equal(out["output"], ref["output"])
             )
             st = stats()
-            for k in (
-                "num_resident_blocks",
-                "num_streamed_blocks",
-                "num_pinned_blocks",
-                "num_slots",
-            ):
-                if k in st:
-                    row[k] = st[k]
+            row.update({k: st[k] for k in _COUNTS if k in st})
             if st.get("policy"):
                 row["kept_whole"] = st["policy"].get("kept_whole", [])
-                row["replans"] = len(st["policy"].get("replans", []))
+                records = st["policy"].get("replans", [])  # this enable's, so far
+                row["replans"] = len(records)
+                row["replan_log"] = [
+                    [r["forward"], r["action"], r["pinned"], r.get("ms")] for r in records
+                ]
             rows.append(row)
         return rows
 

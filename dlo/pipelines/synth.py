@@ -28,6 +28,7 @@ from dlo.io.files import CheckpointWriteError, check_writable_dir
 from dlo.pipelines.classes import quiet_imports
 from dlo.pipelines.folder import dtype_kwarg, params_on_meta
 from dlo.pipelines.layouts import FolderLike, Part
+from dlo.platform.progress import library_bars
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +177,8 @@ def save_folder(
     t1 = time.perf_counter()
     made = not out.exists()
     try:
-        pipe.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
+        with library_bars():
+            pipe.save_pretrained(out, safe_serialization=True, max_shard_size=max_shard_size)
     except OSError as e:
         if made:
             shutil.rmtree(out, ignore_errors=True)

@@ -64,6 +64,7 @@ def replan_line(r: dict[str, Any]) -> str:
         f"{r['pinned'] + r['streamed']} blocks pinned, {r['num_slots']} slot(s) x "
         f"{r['slot_nbytes'] / (1 << 20):.1f} MiB, room for them "
         f"{(r['movable_room_nbytes'] or 0) / GIB:.2f} GiB of a {r['limit_nbytes'] / GIB:.2f} GiB limit"
+        + (f", {r['ms']:.1f} ms" if "ms" in r else "")
     )
 
 

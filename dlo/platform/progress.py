@@ -15,11 +15,13 @@ Other ranks never show progress.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sized
+from contextlib import contextmanager
 from typing import Any, Literal, TypeVar
 
 from dlo.platform.env import env_str
@@ -178,3 +180,35 @@ def progress_bar(
 
     kw.setdefault("leave", False)
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, **kw)
+
+
+@contextmanager
+def library_bars() -> Iterator[None]:
+    """The Hugging Face libraries' own tqdm bars (transformers' "Writing model shards",
+    huggingface_hub's) only where this process shows bars: a log gets no control characters
+    from a call dlo makes into them. Their previous setting comes back at the exit."""
+    if progress_style() == "bar":
+        yield
+        return
+    undo: list[Callable[[], None]] = []
+    for module, off, on in (
+        ("transformers.utils.logging", "disable_progress_bar", "enable_progress_bar"),
+        ("huggingface_hub.utils", "disable_progress_bars", "enable_progress_bars"),
+    ):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        was_on = (
+            mod.is_progress_bar_enabled()
+            if hasattr(mod, "is_progress_bar_enabled")
+            else not mod.are_progress_bars_disabled()
+        )
+        if was_on:
+            getattr(mod, off)()
+            undo.append(getattr(mod, on))
+    try:
+        yield
+    finally:
+        for f in undo:
+            f()

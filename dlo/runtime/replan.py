@@ -13,7 +13,8 @@ the ring gathers), and applies the plan the model gives before the block runs:
 1. local and fallible: unpin (free), resize the slots, allocate every new pin's buffer;
 2. where the ring gathers, the ranks agree that step 1 succeeded everywhere (one more small
    collective), else every rank falls back to enable's plan and stops re-planning;
-3. load the new pins, in ring order (the same loads on every rank).
+3. load the new pins, in ring order (the same loads on every rank), without waiting: a
+   pinned block's compute waits for its own buffer's ``ready`` event.
 
 Nothing here runs inside a forward's blocks, nor while another thread's block runs.
 """
@@ -21,6 +22,7 @@ Nothing here runs inside a forward's blocks, nor while another thread's block ru
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -249,12 +251,15 @@ class Replanner:
             new = replan.next_plan(fixed_plan, self.blocks, room, num_slots=0, floor_slot_nbytes=0)
             new = replan.Plan(new.pinned, len(pool.slots), pool.slot_nbytes)
         if not replan.unchanged(self.plan, new):
-            self._record(elements, room, self.plan, new)
+            record = self._record(elements, room, self.plan, new)
+            t0 = time.perf_counter()
             self._apply(new)
+            record["ms"] = (time.perf_counter() - t0) * 1e3  # synchronized: every load done
+            (logger.info if self.rank == 0 else logger.debug)("%s", replan_line(record))
 
     def _record(
         self, elements: int, room: replan.Room, before: replan.Plan, new: replan.Plan
-    ) -> None:
+    ) -> dict[str, Any]:
         more, fewer = len(new.pinned) > len(before.pinned), len(new.pinned) < len(before.pinned)
         record = {
             "component": self.ring.name,
@@ -269,7 +274,7 @@ class Replanner:
             "action": "pin" if more else "unpin" if fewer else "slots",
         }
         self.records.append(record)
-        (logger.info if self.rank == 0 else logger.debug)("%s", replan_line(record))
+        return record
 
     # ------------------------------------------------------------------ applying
     def _apply(self, new: replan.Plan) -> None:
@@ -309,8 +314,10 @@ class Replanner:
         self.plan = new
 
     def _load_pins(self, new: replan.Plan) -> None:
-        """Load the new pins; their views (what makes the ring use them) only once every
-        load is issued and done."""
+        """Issue the new pins' loads (every one enqueued: a staged transport's drained); their
+        views (what makes the ring use them) only once every load is issued. Nothing waits
+        here: a pinned block's compute waits for its buffer's ``ready`` (the ring's step 2),
+        so the loads overlap the forward's first blocks instead of stalling before them."""
         loaded = []
         for b in self.ring.blocks:  # in ring order: the same loads on every rank
             if b.own is not None and b.name in new.pinned and not b.own_views:
@@ -324,7 +331,6 @@ class Replanner:
                 )
                 loaded.append(b)
         self.drain()
-        self.platform.synchronize()
         for b in loaded:
             assert b.own is not None
             b.own_views = [shard_view(b.own.buffer, spec) for spec in b.layout.tensors]
@@ -332,17 +338,21 @@ class Replanner:
     def _allocate(self, new: replan.Plan) -> None:
         """Free what ``new`` unpins, re-create the slots, allocate (not load) new pins."""
         pf, pool, sched = self.platform, self.scheduler.pool, self.scheduler
-        self.drain()  # every staged load issued, then every queued reader of a buffer
-        pf.synchronize()  # freed here is done
-        # every rank's ring in the same state whatever it allocated (prefetched blocks
-        # load again): the fallback after another rank failed must match
-        sched.drop_loaded()
+        resized = (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes)
+        frees = any(b.name not in new.pinned and b.own is not None for b in self.ring.blocks)
+        if frees or resized or self.group is not None:
+            self.drain()  # every staged load issued, then every queued reader of a buffer
+            pf.synchronize()  # freed here is done
+            # every rank's ring in the same state whatever it allocated (prefetched blocks
+            # load again): the fallback after another rank failed must match. Where only
+            # pins are added on a ring of its own, the loaded blocks keep their slots and
+            # nothing waits: the device goes on with the last forward's tail meanwhile
+            sched.drop_loaded()
         freed = False
         for b in self.ring.blocks:
             if b.name not in new.pinned and b.own is not None:
                 b.own, b.own_views, freed = None, [], True
         self.ring.num_pinned = sum(b.own is not None for b in self.ring.blocks)
-        resized = (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes)
         if resized:
             pool.release()
             sched.refresh_views()  # no slots: the old buffers' views go too

@@ -220,6 +220,9 @@ class RingScheduler:
         if ring.replanner is not None:
             ring.replanner.entering(args, kwargs, block.name, key=block)
         if block.own is not None:
+            # [ready] producer: the transport, at the pin's load (a re-plan's, not waited
+            # for there); consumer: compute stream. Recorded once: later waits are free
+            self.platform.current_stream().wait_event(block.own.ready)
             self._rebind(block, block.own_views)
         else:
             if block.state == IDLE:

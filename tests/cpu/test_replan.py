@@ -106,7 +106,8 @@ def test_blocks_are_pinned_into_room_and_unpinned_before_a_larger_input(
         assert _stats(backend)[0] == pinned
         records = backend.stats()["policy"]["replans"]
         assert [r["action"] for r in records] == ["pin", "unpin"]
-        assert records[0] | {"movable_room_nbytes": 0} == {
+        assert records[0]["ms"] >= 0  # the re-plan's time, its pins loaded
+        assert records[0] | {"movable_room_nbytes": 0, "ms": 0} == {
             "component": "",
             "forward": 2,
             "elements": 32,
@@ -117,6 +118,7 @@ def test_blocks_are_pinned_into_room_and_unpinned_before_a_larger_input(
             "movable_room_nbytes": 0,
             "limit_nbytes": fake.limit,
             "action": "pin",
+            "ms": 0,
         }
         assert records[1]["elements"] == 12 * 16 and records[1]["pinned"] == pinned
     _run(model, ref, x(3, seed=6))  # the model is whole again
@@ -301,7 +303,11 @@ def test_ranks_that_gather_together_take_one_plan(world: int) -> None:
     res = assert_all_ok(run_ranks(_gathering_rank, world, spare, timeout_s=180))
     assert all(all(r["same"]) for r in res)
     assert all(r["group_size"] == world for r in res)
-    assert all(r["replans"] == res[0]["replans"] for r in res)
+
+    def agreed(records: list[dict]) -> list[dict]:  # the time each rank took is its own
+        return [{k: v for k, v in r.items() if k != "ms"} for r in records]
+
+    assert all(agreed(r["replans"]) == agreed(res[0]["replans"]) for r in res)
     assert [r["action"] for r in res[0]["replans"]] == ["pin", "unpin"]
     assert all(r["loads"] == res[0]["loads"] and r["pinned"] == res[0]["pinned"] for r in res)
     p = res[0]["padded"]

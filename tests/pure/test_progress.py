@@ -111,3 +111,25 @@ def test_dlo_progress_is_in_the_user_docs() -> None:
     paragraph = guide[guide.index("DLO_PROGRESS") - 600 : guide.index("DLO_PROGRESS") + 600]
     for word in ("lines", "bar", "terminal"):
         assert word in paragraph, word
+
+
+def test_library_bars_are_off_in_a_log_and_come_back_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers 5.25's save_pretrained draws a "Writing model shards" tqdm bar: a log
+    (lines style) must get none from a call dlo makes, and the user's setting comes back."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    monkeypatch.setenv("DLO_PROGRESS", "lines")
+    monkeypatch.delenv("RANK", raising=False)
+    hf_logging.enable_progress_bar()
+    with pr.library_bars():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the user's own choice is kept as it was
+    with pr.library_bars():
+        assert not hf_logging.is_progress_bar_enabled()
+    assert not hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    monkeypatch.setenv("DLO_PROGRESS", "bar")
+    with pr.library_bars():
+        assert hf_logging.is_progress_bar_enabled()
