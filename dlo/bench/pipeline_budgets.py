@@ -44,6 +44,7 @@ from dlo.bench.methods import _clean, codec_list, manual_codecs
 from dlo.commands.args import DTYPES
 from dlo.commands.pipeline_calls import (
     call_kwargs,
+    forward_marks,
     resident_reference,
     step_times,
     timed_call,
@@ -110,15 +111,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--sweep-counts", default="grid", help="resident_layers of the sweep")
     p.add_argument("--sweep-slots", default="2,3", help="num_slots of the sweep")
-    p.add_argument(
-        "--sweep-components",
-        default="dit;dit,encoder",
-        help="components of the sweep, ';'-separated (dit: the encoders whole)",
-    )
+    components = "components of the sweep, ';'-separated (dit: the encoders whole)"
+    p.add_argument("--sweep-components", default="dit;dit,encoder", help=components)
     p.add_argument("--codec", default="none", help="codecs of the sweep, comma-separated")
     p.add_argument(
         "--unbudgeted", action="store_true", help="also a dlo row with nothing set, no budget"
     )
+    p.add_argument("--forward-marks", action="store_true", help="diagnostic: each DiT forward's ms")
     p.add_argument("--output-type", default="pt", choices=("pt", "latent"))
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     p.add_argument("--seed", type=int, default=0)
@@ -185,7 +184,8 @@ class Bench:
         if reset:  # not under dlo: its re-plans read the peak a call's decode left
             self.platform.reset_peak_memory_stats()
         latents: list[torch.Tensor] = []
-        out, marks, wall = timed_call(pipe, kw, self.platform, latents=latents)
+        with forward_marks(pipe, self.platform, on=self.args.forward_marks) as fwd:
+            out, marks, wall = timed_call(pipe, kw, self.platform, latents=latents)
         if self.args.output_type == "latent":  # the pipeline's latents, whatever it calls them
             out = out if isinstance(out, torch.Tensor) else torch.as_tensor(out)
         times = step_times(marks)
@@ -193,6 +193,7 @@ class Bench:
         result = {"output": out.cpu(), "latents": latents[0].cpu() if latents else None}
         return result, {
             **times,
+            **({"forward_ms": [round((b - a) * 1e3, 1) for a, b in fwd]} if fwd else {}),
             "wall_s": wall,
             # resident: this call's; dlo: since its enable (the peak is never reset under it)
             "hbm_peak_nbytes": self.platform.max_memory_allocated(),

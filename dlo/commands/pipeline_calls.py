@@ -5,9 +5,11 @@ step by step."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import itertools
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -129,3 +131,31 @@ def step_times(marks: list[float]) -> dict[str, Any]:
         "step_ms": step_ms,
         "cold_start_s": (marks[0] - process_start_time()) if marks else 0.0,
     }
+
+
+@contextlib.contextmanager
+def forward_marks(pipe: Any, platform: Any, *, on: bool) -> Iterator[list[tuple[float, float]]]:
+    """A diagnostic (``on``): the (start, end) of every forward of the pipeline's first
+    DiT, in seconds, the device synchronized at both (which serializes the forwards' edges:
+    the step times of such a call are not the benchmark's)."""
+    marks: list[tuple[float, float]] = []
+    dits = dits_of(pipe) if on else []
+    if not dits:
+        yield marks
+        return
+    starts: list[float] = []
+
+    def pre(*_: Any) -> None:
+        platform.synchronize()
+        starts.append(time.perf_counter())
+
+    def post(*_: Any) -> None:
+        platform.synchronize()
+        marks.append((starts[-1], time.perf_counter()))
+
+    handles = [dits[0].register_forward_pre_hook(pre), dits[0].register_forward_hook(post)]
+    try:
+        yield marks
+    finally:
+        for h in handles:
+            h.remove()

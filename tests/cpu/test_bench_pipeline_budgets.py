@@ -30,6 +30,7 @@ def test_every_method_under_every_budget_bitwise(folder: Path, tmp_path: Path) -
         "--sweep-slots",
         "2",
         "--unbudgeted",
+        "--forward-marks",
         "--json",
         str(report_path),
         "--markdown",
@@ -52,6 +53,9 @@ def test_every_method_under_every_budget_bitwise(folder: Path, tmp_path: Path) -
     assert len(settings) == 2 * 2 * 2
     dlo_rows = [r for r in done if r["method"] == "dlo"]
     assert all(len(r["step_ms"]) == (2 if r["size"] == "32x32" else 3) for r in dlo_rows)
+    # the diagnostic: one time per DiT forward (the tiny FLUX folder: one forward a step)
+    assert all(len(r["forward_ms"]) == len(r["step_ms"]) for r in done)
+    assert all(ms >= 0 for r in done for ms in r["forward_ms"])
     assert all("kept_whole" in r for r in dlo_rows if r["budget_gb"] is not None)
     unbudgeted = [r for r in dlo_rows if r["budget_gb"] is None]
     assert [r["size"] for r in unbudgeted] == ["32x32", "64x64"]

@@ -219,3 +219,26 @@ def test_another_dits_pins_since_the_forward_ended_are_no_work_after_it() -> Non
     fwd = ForwardSample(100, 10 * MIB, 10 * MIB, 20 * MIB, end_nbytes=12 * MIB)
     seen = replan.observe(Observed(), fwd, 42 * MIB, 0, allocated=30 * MIB, moved=3 * MIB)
     assert seen.after == ((100, 27 * MIB),)
+
+
+def test_bounds_of_one_size_keep_the_tightest_so_unpinning_converges() -> None:
+    """The forwards of one size under a peak no forward reaches: each unpin lowers the next
+    forward's start, which raises its bound by the unpinned block. Keeping the largest bound
+    unpinned one block more at every forward (a ratchet); the smallest holds the plan."""
+    limit, block = 24 * GIB, 700 * MIB
+    blocks = [Block(f"b{i}", block) for i in range(40)]
+    peak = 23 * GIB  # the process's peak, set by an earlier, smaller input with more pins
+    act = 3 * GIB  # what each forward of this size really adds
+    rest = 2 * GIB
+    plan = Plan(frozenset(f"b{i}" for i in range(19)), 2, block)
+    seen, counts = Observed(), []
+    for _ in range(6):
+        movable = plan.movable(blocks)
+        start = rest + movable
+        assert start + act < peak  # no forward reaches the peak: every sample is a bound
+        sample = ForwardSample(1000, start, peak, peak, start)
+        seen = replan.observe(seen, sample, peak=None, movable=movable)
+        r = replan.room(seen, 1000, allocated=start, movable=movable, limit=limit)
+        plan = replan.next_plan(plan, blocks, r, num_slots=2, floor_slot_nbytes=0)
+        counts.append(len(plan.pinned))
+    assert len(set(counts[1:])) == 1, counts  # one re-plan at most, then it holds
