@@ -254,7 +254,7 @@ class Replanner:
             record = self._record(elements, room, self.plan, new)
             t0 = time.perf_counter()
             self._apply(new)
-            record["ms"] = (time.perf_counter() - t0) * 1e3  # synchronized: every load done
+            record["ms"] = (time.perf_counter() - t0) * 1e3  # to apply it: loads issued, not done
             (logger.info if self.rank == 0 else logger.debug)("%s", replan_line(record))
 
     def _record(
@@ -301,6 +301,7 @@ class Replanner:
             with torch.inference_mode(False):
                 self._load_pins(new)
         except BaseException as e:
+            self.platform.synchronize()  # no copy still writes a buffer dropped below
             for b in self.ring.blocks:  # pins without their bytes: stream them again
                 if b.own is not None and not b.own_views:
                     b.own = None
@@ -340,9 +341,9 @@ class Replanner:
         pf, pool, sched = self.platform, self.scheduler.pool, self.scheduler
         resized = (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes)
         frees = any(b.name not in new.pinned and b.own is not None for b in self.ring.blocks)
+        self.drain()  # every staged load issued (a failed prefetch raises here, not later)
         if frees or resized or self.group is not None:
-            self.drain()  # every staged load issued, then every queued reader of a buffer
-            pf.synchronize()  # freed here is done
+            pf.synchronize()  # every queued reader of a buffer freed here is done
             # every rank's ring in the same state whatever it allocated (prefetched blocks
             # load again): the fallback after another rank failed must match. Where only
             # pins are added on a ring of its own, the loaded blocks keep their slots and
@@ -364,9 +365,14 @@ class Replanner:
         for b in self.ring.blocks:
             if b.name in new.pinned and b.own is None and b.state != RUNNING:
                 if b.state == LOADED and b.slot is not None:  # its slot is free for others
+                    # after its load (maybe in flight: nothing synchronized), as in eviction
+                    b.slot.free.record(b.transport.writer_stream)
                     b.slot.owner, b.slot, b.state = None, None, IDLE
                 buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
                 b.own = Slot(-1, buffer, pf.new_event(), pf.new_event())
+                # [free] producer: the compute stream, now: the buffer may be memory its
+                # queued kernels just freed, and the load waits on this before writing it
+                b.own.free.record(pf.current_stream())
                 self.ring.num_pinned += 1
 
     def _fall_back(self, error: BaseException | None) -> None:
