@@ -340,24 +340,22 @@ class Replanner:
         """Free what ``new`` unpins, re-create the slots, allocate (not load) new pins."""
         pf, pool, sched = self.platform, self.scheduler.pool, self.scheduler
         resized = (new.num_slots, new.slot_nbytes) != (len(pool.slots), pool.slot_nbytes)
-        frees = any(b.name not in new.pinned and b.own is not None for b in self.ring.blocks)
+        unpinned = [b for b in self.ring.blocks if b.name not in new.pinned and b.own is not None]
         self.drain()  # every staged load issued (a failed prefetch raises here, not later)
-        if frees or resized or self.group is not None:
+        if unpinned or resized or self.group is not None:
             pf.synchronize()  # every queued reader of a buffer freed here is done
             # every rank's ring in the same state whatever it allocated (prefetched blocks
             # load again): the fallback after another rank failed must match. Where only
             # pins are added on a ring of its own, the loaded blocks keep their slots and
             # nothing waits: the device goes on with the last forward's tail meanwhile
             sched.drop_loaded()
-        freed = False
-        for b in self.ring.blocks:
-            if b.name not in new.pinned and b.own is not None:
-                b.own, b.own_views, freed = None, [], True
+        for b in unpinned:
+            b.own, b.own_views = None, []
         self.ring.num_pinned = sum(b.own is not None for b in self.ring.blocks)
         if resized:
             pool.release()
             sched.refresh_views()  # no slots: the old buffers' views go too
-        if freed or resized:  # whole segments back to the device before anything new is
+        if unpinned or resized:  # whole segments back to the device before anything new is
             pf.empty_cache()  # made: under a cap any size may use them
         if resized:
             resize(pool, new.num_slots, new.slot_nbytes)
