@@ -44,7 +44,8 @@ class ReplanSetup:
     dits: frozenset[str] = frozenset()
     """Component paths of the DiTs whose rings are re-planned."""
     pins: frozenset[str] = frozenset()
-    """Block paths pinned at enable: the leading blocks the policy chose to keep."""
+    """Block paths the policy chose to keep (its leading blocks): enable pins as many, spread
+    over the ring as a re-plan pins them (:meth:`~dlo.runtime.replan.Replanner.pin_initial`)."""
     keep_slots: bool = False
     """``num_slots`` was given: the slots are never resized."""
 
@@ -93,8 +94,9 @@ def replan_setup(
     state.replan = ReplanSetup(frozenset(dits), pins, keep)
     if pins and state.policy is not None:
         state.policy["explanation"] += (
-            f"\n  the {len(pins)} kept DiT block(s) are pinned in the ring: between forwards "
-            "a re-plan may unpin them before a larger input, and pin more into measured room"
+            f"\n  the {len(pins)} kept DiT block(s) are pinned in the ring, spread over it (a "
+            "streamed block's copy overlaps the pinned blocks' compute): between forwards a "
+            "re-plan may unpin some before a larger input, and pin more into measured room"
         )
     return dataclasses.replace(plan, stacks=stacks)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from dlo.bench.budgets import sweep_counts
 from dlo.bench.cost import DEFAULT_TOKENS, LIKE_DEFAULT_TOKENS
 from dlo.bench.like import LIKE
 from dlo.bench.methods import METHODS
@@ -103,3 +104,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
+
+
+def parse_size(text: str) -> tuple[int, int, int | None]:
+    """``"480x832"`` -> ``(480, 832, None)``, ``"480x832x81"`` -> ``(480, 832, 81)``; a
+    ValueError naming ``--size`` otherwise."""
+    try:
+        parts = [int(v) for v in text.lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (2, 3) or any(v < 1 for v in parts):
+        raise ValueError(f"--size={text!r}: expected HEIGHTxWIDTH or HEIGHTxWIDTHxFRAMES")
+    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
+
+
+def sweep_list(text: str, num_blocks: int, auto: int) -> list[int]:
+    """``--sweep-counts``: ``"grid"`` (:func:`dlo.bench.budgets.sweep_counts`) or a comma
+    list of counts and ``auto``/``auto+K``/``auto-K`` (the dlo row's resident count),
+    within ``[0, num_blocks]``."""
+    if text == "grid":
+        return sweep_counts(num_blocks, auto)
+    out: set[int] = set()
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            if item.startswith("auto"):
+                out.add(auto + int(item[4:] or 0))
+            else:
+                out.add(int(item))
+        except ValueError:
+            raise ValueError(
+                f"--sweep-counts={text!r}: expected 'grid' or counts and auto[+-K], "
+                "separated by commas"
+            ) from None
+    return sorted(r for r in out if 0 <= r <= num_blocks)

@@ -14,7 +14,10 @@ in order, in one enable (so a later, larger call follows a smaller one as in a s
   (``--sweep-counts``; ``auto`` is the blocks the ``dlo`` row held on the device, pinned
   ones included), ``num_slots`` (``--sweep-slots``), ``components`` (the DiTs alone, and
   with the encoders streamed: ``--sweep-components``) and ``--codec``, each its own enable
-  with no budget (the cap alone says what runs), fastest per call size.
+  with no budget (the cap alone says what runs), fastest per call size;
+- ``diffusers-group``: the folder as diffusers loads it, under
+  ``enable_group_offload`` (every model component at block level, one block per group, on
+  streams with ``record_stream``: its fastest documented setting; the CPU has no streams).
 
 Every output is compared bit for bit with one resident run made before any cap. The steady
 step is the median of the steps after a call's first (:func:`dlo.commands.args.steady_median`);
@@ -38,12 +41,14 @@ from typing import Any
 import torch
 
 from dlo.backends.factory import enable_offload
-from dlo.bench.budgets import block_split, budget_list, sweep_counts
-from dlo.bench.flags import int_list
+from dlo.bench.budgets import budget_list
+from dlo.bench.flags import int_list, parse_size, sweep_list
 from dlo.bench.methods import _clean, codec_list, manual_codecs
+from dlo.bench.pipeline_table import markdown
 from dlo.commands.args import DTYPES
 from dlo.commands.pipeline_calls import (
     call_kwargs,
+    diffusers_load,
     forward_marks,
     resident_reference,
     step_times,
@@ -56,45 +61,11 @@ from dlo.platform.device import Platform, default_device, get_platform
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("resident", "dlo", "dlo-best")
+METHODS = ("resident", "dlo", "dlo-best", "diffusers-group")
 FAILURES = (torch.OutOfMemoryError, ValueError, OffloadError)
 """What a row may die of under a cap: it becomes a row that says so."""
 
 _COUNTS = ("num_resident_blocks", "num_streamed_blocks", "num_pinned_blocks", "num_slots")
-
-
-def parse_size(text: str) -> tuple[int, int, int | None]:
-    """``"480x832"`` -> ``(480, 832, None)``, ``"480x832x81"`` -> ``(480, 832, 81)``; a
-    ValueError naming ``--size`` otherwise."""
-    try:
-        parts = [int(v) for v in text.lower().split("x")]
-    except ValueError:
-        parts = []
-    if len(parts) not in (2, 3) or any(v < 1 for v in parts):
-        raise ValueError(f"--size={text!r}: expected HEIGHTxWIDTH or HEIGHTxWIDTHxFRAMES")
-    return parts[0], parts[1], parts[2] if len(parts) == 3 else None
-
-
-def sweep_list(text: str, num_blocks: int, auto: int) -> list[int]:
-    """``--sweep-counts``: ``"grid"`` (:func:`dlo.bench.budgets.sweep_counts`) or a comma
-    list of counts and ``auto``/``auto+K``/``auto-K`` (the dlo row's resident count),
-    within ``[0, num_blocks]``."""
-    if text == "grid":
-        return sweep_counts(num_blocks, auto)
-    out: set[int] = set()
-    for item in text.split(","):
-        item = item.strip()
-        try:
-            if item.startswith("auto"):
-                out.add(auto + int(item[4:] or 0))
-            else:
-                out.add(int(item))
-        except ValueError:
-            raise ValueError(
-                f"--sweep-counts={text!r}: expected 'grid' or counts and auto[+-K], "
-                "separated by commas"
-            ) from None
-    return sorted(r for r in out if 0 <= r <= num_blocks)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -208,7 +179,7 @@ class Bench:
         for i in range(len(self.sizes)):
             row: dict[str, Any] = {"method": method, "budget_gb": budget, "size": self.size_name(i)}
             try:
-                out, times = self.call(pipe, i, reset=method == "resident")
+                out, times = self.call(pipe, i, reset=method in ("resident", "diffusers-group"))
             except FAILURES as e:
                 why = failure(e)
                 rows += [{**row, "failed": why}] + [
@@ -297,6 +268,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 undo()
     del ref
     _clean(platform)
+    if "diffusers-group" in methods:
+        rows += _group_rows(b, budgets)
     # the pipeline every dlo row enables, in host memory of its own (diffusers' tensors
     # alias the file, aligned only to their dtype: CPU kernels may then give other bits)
     pipe = resident_reference(args.pipeline, b.dtype, torch.device("cpu"))
@@ -350,6 +323,59 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report()
 
 
+def _group_rows(b: Bench, budgets: list[float]) -> list[dict[str, Any]]:
+    """diffusers group offloading under each budget, on a load of its own (its pinned host
+    copies go before dlo's load)."""
+    rows: list[dict[str, Any]] = []
+    for budget in budgets:
+        _, undo = _capped(b.platform, budget)
+        pipe = None
+        try:
+            if b.platform.has_streams:  # diffusers pins a copy: the folder's tensors suffice
+                pipe = diffusers_load(b.args.pipeline, b.dtype)
+                pipe.set_progress_bar_config(disable=True)
+            else:  # computed where they lie: own memory, as dlo's (aliases may give other bits)
+                pipe = resident_reference(b.args.pipeline, b.dtype, torch.device("cpu"))
+            t0 = time.perf_counter()
+            pipe.enable_group_offload(
+                b.device,
+                offload_type="block_level",
+                num_blocks_per_group=1,
+                use_stream=b.platform.has_streams,
+                record_stream=b.platform.has_streams,
+            )
+            enable_s = time.perf_counter() - t0
+            new = b.rows_of("diffusers-group", budget, pipe, dict)
+        except FAILURES as e:
+            why = failure(e)
+            new = [
+                {"method": "diffusers-group", "budget_gb": budget, "size": b.size_name(i)}
+                | {"failed": why}
+                for i in range(len(b.sizes))
+            ]
+            enable_s = None
+        finally:
+            del pipe
+            _clean(b.platform)
+            _empty_host_cache()  # its pinned copies, before the next load
+            undo()
+        rows += [{**r, "enable_s": enable_s} for r in new]
+    return rows
+
+
+def _empty_host_cache() -> None:
+    """Give the pinned blocks torch's host allocator caches back to the system (diffusers'
+    pinned copies of a whole pipeline: dlo's load after it needs that memory)."""
+    if not torch.cuda.is_available():
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    empty = getattr(accelerator, "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if empty is not None:
+        empty()
+
+
 def save(path: str | None, report: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:
@@ -378,60 +404,6 @@ def _best(tried: list[dict[str, Any]], b: Bench) -> list[dict[str, Any]]:
             best["method"], best["swept"] = "dlo-best", len(ok)
             out.append(best)
     return out
-
-
-def markdown(report: dict[str, Any]) -> str:
-    """The rows (sweep settings apart) as one markdown table, and dlo against the best."""
-    lines = (
-        []
-        if report["capped"]
-        else ["No allocator cap on this platform: only dlo's rows plan against the budget.", ""]
-    )
-    lines += [
-        "| budget GiB | call | method | steady step ms | first step ms | peak HBM GiB "
-        "(dlo rows: since enable) | "
-        "resident / streamed | slots | encoders whole | setting | bitwise (DiT / "
-        "decoded) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    rows = [r for r in report["results"] if r["method"] != "dlo-sweep"]
-    for r in rows:
-        budget = "none" if r["budget_gb"] is None else f"{r['budget_gb']:g}"
-        if "failed" in r:
-            lines.append(f"| {budget} | {r['size']} | {r['method']} | {r['failed']} |" + " |" * 7)
-            continue
-        split = block_split(r)
-        lines.append(
-            f"| {budget} | {r['size']} | {r['method']} | {r['step_ms_median']:.1f} | "
-            f"{r['first_step_ms']:.1f} | {r['hbm_peak_nbytes'] / GIB:.2f} | {split} | "
-            f"{r.get('num_slots', '-')} | {', '.join(r.get('kept_whole', [])) or '-'} | "
-            f"{r.get('setting', '-')} | {r.get('bitwise_vs_resident', '-')} / "
-            f"{r.get('output_bitwise_vs_resident', '-')} |"
-        )
-    best = {
-        (r["budget_gb"], r["size"]): r["step_ms_median"]
-        for r in rows
-        if r["method"] == "dlo-best" and "failed" not in r
-    }
-    resident = {  # the uncapped reference: dlo with nothing set is compared with it
-        (None, r["size"]): r["step_ms_median"]
-        for r in rows
-        if r["method"] == "resident" and r["budget_gb"] is None and "failed" not in r
-    }
-    for r in rows:
-        key = (r["budget_gb"], r["size"])
-        if r["method"] == "dlo" and "failed" not in r and key in resident:
-            lines.append(
-                f"\ndlo with nothing set, {key[1]}: {r['step_ms_median'] / resident[key]:.3f}x "
-                f"resident; first step {r['first_step_ms'] / r['step_ms_median']:.2f}x its steady"
-            )
-        if r["method"] == "dlo" and "failed" not in r and key in best:
-            lines.append(
-                f"\ndlo (no flags) at {key[0]:g} GiB, {key[1]}: {r['step_ms_median'] / best[key]:.3f}x"
-                f" the best manual setting; first step {r['first_step_ms'] / r['step_ms_median']:.2f}x"
-                " its steady step"
-            )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

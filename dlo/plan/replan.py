@@ -261,6 +261,21 @@ def spread_order(n: int) -> list[int]:
     return sorted(range(n), key=lambda i: (key(i), i))
 
 
+def streaming_order(blocks: Sequence[Block]) -> list[int]:
+    """The indices of ``blocks`` in the order :func:`choose` streams them: smallest first,
+    spread evenly over the ring's order among blocks of one size. The plans of one ring are
+    therefore nested: one that streams fewer blocks pins every block another pins."""
+    by_size: dict[int, list[int]] = {}
+    for i, b in enumerate(blocks):
+        by_size.setdefault(b.nbytes, []).append(i)
+    return [
+        group[j]
+        for size in sorted(by_size)
+        for group in [by_size[size]]
+        for j in spread_order(len(group))
+    ]
+
+
 def choose(
     blocks: Sequence[Block], movable_room: int, *, num_slots: int, floor_slot_nbytes: int
 ) -> Plan:
@@ -268,15 +283,7 @@ def choose(
     (``blocks`` in the ring's order; ``floor_slot_nbytes``: what other rings still stream
     through the shared slots); when even streaming every block does not fit, every block
     streams through one slot (no prefetch: the forward's last resort before a refusal)."""
-    by_size: dict[int, list[int]] = {}
-    for i, b in enumerate(blocks):
-        by_size.setdefault(b.nbytes, []).append(i)
-    order = [
-        group[j]
-        for size in sorted(by_size)
-        for group in [by_size[size]]
-        for j in spread_order(len(group))
-    ]
+    order = streaming_order(blocks)
     total = sum(b.nbytes for b in blocks)
     streamed_nbytes, largest = 0, floor_slot_nbytes
     for k in range(len(blocks) + 1):

@@ -107,14 +107,23 @@ class Replanner:
         ring.replanner = self
 
     def pin_initial(self, names: frozenset[str]) -> None:
-        """At enable: pin the ring's blocks among ``names`` (the blocks the policy chose to
-        keep on the device), the slots sized for the others (none where none streams)."""
-        pinned = frozenset(b.name for b in self.blocks if b.name in names)
-        if not pinned:
+        """At enable: pin as many of the ring's blocks as the bytes of those among ``names``
+        (the blocks the policy chose to keep on the device) and their slots allow, chosen as
+        a re-plan chooses them (:func:`dlo.plan.replan.choose`: spread over the ring, so a
+        streamed block's copy overlaps the compute of the pinned ones before it, and a later
+        re-plan that pins more keeps these and loads only the new ones); the slots sized for
+        the others (none where none streams)."""
+        kept = frozenset(b.name for b in self.blocks if b.name in names)
+        if not kept:
             return
         assert self.resizable, "pins at enable only where the slots follow them (replan_setup)"
-        largest = self._largest(pinned)
-        plan = replan.Plan(pinned, self.num_slots if largest else 0, largest)
+        largest = self._largest(kept)
+        room = replan.Plan(kept, self.num_slots if largest else 0, largest).movable(self.blocks)
+        plan = replan.choose(
+            self.blocks, room, num_slots=self.num_slots, floor_slot_nbytes=self._floor()
+        )
+        if not plan.pinned:
+            return
         with torch.inference_mode(False):
             self._allocate(plan)
             self._load_pins(plan)

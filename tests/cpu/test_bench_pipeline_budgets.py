@@ -47,7 +47,10 @@ def test_every_method_under_every_budget_bitwise(folder: Path, tmp_path: Path) -
     for budget in (0.0012, 1.0):
         for size in ("32x32", "64x64"):
             methods = {r["method"] for r in rows if r["budget_gb"] == budget and r["size"] == size}
-            assert methods == {"resident", "dlo", "dlo-sweep", "dlo-best"}, (budget, size)
+            assert methods == {"resident", "dlo", "dlo-sweep", "dlo-best", "diffusers-group"}, (
+                budget,
+                size,
+            )
     # the sweep: 2 counts x 1 slot count x 2 component sets per budget, both calls each
     settings = {(r["budget_gb"], r["setting"]) for r in rows if r["method"] == "dlo-sweep"}
     assert len(settings) == 2 * 2 * 2
@@ -62,6 +65,9 @@ def test_every_method_under_every_budget_bitwise(folder: Path, tmp_path: Path) -
     table = table_path.read_text()
     assert "dlo with nothing set, 64x64:" in table
     assert "the best manual setting" in table and "| dlo-best |" in table
+    assert "x diffusers group offloading" in table and "| diffusers-group |" in table
+    group = [r for r in rows if r["method"] == "diffusers-group"]
+    assert len(group) == 4 and all(r["enable_s"] is not None for r in group)
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
