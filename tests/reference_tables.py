@@ -291,6 +291,14 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "num_demand_loads": "loads issued by a block's own pre-forward hook because no "
         "prefetch brought it (the first block after another ring ran, a skipped block, "
         "`num_slots=1`)",
+        "num_wasted_loads": "loads evicted or dropped before their block ran (a prefetch of a "
+        "block the forward skipped: a step cache); a block that ran keeps its slot until a "
+        "load needs it, so running it again loads nothing",
+        "num_skipped_blocks": "block calls a step cache (diffusers' `enable_cache`) skipped "
+        "while dlo's loads were inside it: none of them loaded anything",
+        "num_cache_inner_blocks": "streamed blocks whose loads are inside their DiT's step "
+        "cache now (a ring of its own with a cache enabled; 0 where blocks gather: there every "
+        "block loads whatever each rank's cache skips)",
         "num_streamed_blocks": "blocks in the rings",
         "num_resident_blocks": "resident blocks (an explicit `resident_layers`, or a DiT that "
         "is not re-planned; the policy's are pinned ring blocks: `num_pinned_blocks`)",

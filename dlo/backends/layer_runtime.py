@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from dlo import faults
 from dlo.backends.layer_host import LayerBlock, LayerHost, leave_host, restore_wrappers
@@ -29,12 +30,15 @@ from dlo.codec.codecs import get_codec
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
-from dlo.hooks.foreign import is_dtensor
+from dlo.hooks.dispatch import ModelHook
+from dlo.hooks.foreign import foreign_offloader, is_dtensor
 from dlo.hooks.registry import HookRegistry
+from dlo.hooks.step_caches import StepCaches
 from dlo.host.shards import shard_view, unpack_tensor
 from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
+from dlo.plan.declarations import get_by_path
 from dlo.plan.layers import LayerPlan
 from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan
@@ -332,9 +336,11 @@ def install_rings(
     journal.record("hooks", registry.remove_all)
     faults.check("hook_install")
     shared_names = {b.name for b in blocks if b.node_shared}
+    ring_hooks = {}
     for ring in scheduler.rings:
         for sb in ring.blocks:
-            registry.register(sb.module, HOOK_NAME, scheduler.hook_for(sb))
+            ring_hooks[sb.name] = scheduler.hook_for(sb)
+            registry.register(sb.module, HOOK_NAME, ring_hooks[sb.name])
             install_state_dict_hooks(
                 registry,
                 sb.module,
@@ -357,6 +363,7 @@ def install_rings(
         for sb in ring.blocks:
             for t, ph in zip(sb.tensors, sb.placeholders):
                 t.data = ph
+    scheduler.caches = follow_step_caches(pipeline, scheduler, registry, ring_hooks, journal)
     if replan is not None and replan.dits:
         install_replanners(
             platform, blocks, scheduler, transports.drain, registry, journal, replan, rank=rank
@@ -364,6 +371,30 @@ def install_rings(
     scheduler.preload()  # after the pins: the first blocks that stream
     platform.synchronize()
     return scheduler
+
+
+def follow_step_caches(
+    pipeline: Any,
+    scheduler: RingScheduler,
+    registry: HookRegistry,
+    ring_hooks: dict[str, ModelHook],
+    journal: Journal,
+) -> StepCaches:
+    """Each DiT's ring hooks follow its step cache ([Note: loads inside step caches] in
+    :mod:`dlo.hooks.step_caches`): inside it on a ring of its own, outside where blocks
+    gather."""
+    caches = StepCaches(registry, HOOK_NAME, busy=scheduler.guard.busy, rank=scheduler.rank)
+    journal.record("step caches", caches.close)
+    # the rings share the slots: where any ring gathers, a skip on one rank would change
+    # which slots the gathering ring finds loaded there, and the ranks' collectives part
+    inner = not scheduler.gathers()
+    for ring in scheduler.rings:
+        dit = get_by_path(pipeline, ring.name) if ring.name else pipeline
+        if isinstance(dit, nn.Module) and foreign_offloader(dit) is None:
+            caches.manage(
+                dit, [(sb.module, ring_hooks[sb.name]) for sb in ring.blocks], inner=inner
+            )
+    return caches
 
 
 def restore_gathered(platform: Platform, host: LayerHost, transports: Transports) -> None:

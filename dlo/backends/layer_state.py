@@ -153,6 +153,12 @@ class LayerState:
             "block_wait_ms": {b.name: b.wait.total_ms for b in streamed if b.wait},
             "dropped_wait_samples": sum(b.wait.dropped for b in streamed if b.wait),
             "num_demand_loads": sum(b.num_demand_loads for b in streamed),
+            "num_wasted_loads": sum(b.num_wasted_loads for b in streamed),
+            **(
+                sched.caches.stats()
+                if sched is not None and sched.caches is not None
+                else {"num_skipped_blocks": 0, "num_cache_inner_blocks": 0}
+            ),
             "num_streamed_blocks": len(streamed),
             "num_resident_blocks": sum(b.resident for b in blocks),
             "num_slots": len(pool.slots) if pool else 0,

@@ -37,21 +37,13 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r.get('setting', '-')} | {r.get('bitwise_vs_resident', '-')} / "
             f"{r.get('output_bitwise_vs_resident', '-')} |"
         )
-    best = {
-        (r["budget_gb"], r["size"]): r["step_ms_median"]
-        for r in rows
-        if r["method"] == "dlo-best" and "failed" not in r
-    }
+    best = _steady(rows, "dlo-best")
     resident = {  # the uncapped reference: dlo with nothing set is compared with it
         (None, r["size"]): r["step_ms_median"]
         for r in rows
         if r["method"] == "resident" and r["budget_gb"] is None and "failed" not in r
     }
-    group = {
-        (r["budget_gb"], r["size"]): r["step_ms_median"]
-        for r in rows
-        if r["method"] == "diffusers-group" and "failed" not in r
-    }
+    group = _steady(rows, "diffusers-group")
     for r in rows:
         key = (r["budget_gb"], r["size"])
         if r["method"] == "dlo" and "failed" not in r and key in group:
@@ -71,3 +63,12 @@ def markdown(report: dict[str, Any]) -> str:
                 " its steady step"
             )
     return "\n".join(lines)
+
+
+def _steady(rows: list[dict[str, Any]], method: str) -> dict[tuple[Any, str], float]:
+    """``method``'s steady step per (budget, call size), of the rows that ran."""
+    return {
+        (r["budget_gb"], r["size"]): r["step_ms_median"]
+        for r in rows
+        if r["method"] == method and "failed" not in r
+    }

@@ -14,12 +14,39 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- foreign offloaders
+INNER_RING_HOOK = "dlo.ring.inner"
+"""dlo's ring hook inside a step cache's diffusers chain ([Note: loads inside step caches] in
+:mod:`dlo.hooks.step_caches`)."""
+
+STEP_CACHE_HOOKS = frozenset(
+    {
+        "fbc_leader_block_hook",
+        "fbc_block_hook",
+        "mag_cache_leader_block_hook",
+        "mag_cache_block_hook",
+        "sea_cache_root",
+        "sea_cache_leader_block",
+        "sea_cache_block",
+        "sea_cache_post_norm",
+        "taylorseer_cache",
+        "pyramid_attention_broadcast",
+        "faster_cache_denoiser",
+        "faster_cache_block",
+        "text_kv_cache_transformer",
+        "text_kv_cache_block",
+        INNER_RING_HOOK,
+    }
+)
+"""diffusers' step-cache hooks (its ``enable_cache``): they skip or reuse computations and
+move no weight, so dlo streams the blocks they wrap (see :mod:`dlo.hooks.step_caches`)."""
+
+
 def foreign_offloader(module: nn.Module) -> str | None:
     """Name the other mechanism that manages ``module`` itself, or ``None``.
 
     Only ``module`` is inspected, not its children (see :func:`find_foreign_offloaders`).
     Recognized: accelerate hooks (``_hf_hook``), diffusers hooks (a ``_diffusers_hook``
-    registry holding hooks), FSDP1 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``,
+    registry holding hooks other than step caches'), FSDP1 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``,
     an ``FSDPModule``) and DTensor parameters held directly by ``module``. Nothing is imported
     here: a mechanism whose module was never imported cannot be managing anything.
 
@@ -37,7 +64,8 @@ def foreign_offloader(module: nn.Module) -> str | None:
     if getattr(module, "_hf_hook", None) is not None:
         return "accelerate"
     diffusers_registry = getattr(module, "_diffusers_hook", None)
-    if diffusers_registry is not None and getattr(diffusers_registry, "hooks", None):
+    hooks = getattr(diffusers_registry, "hooks", None) if diffusers_registry is not None else None
+    if hooks and any(name not in STEP_CACHE_HOOKS for name in hooks):
         return "diffusers"
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None:

@@ -295,6 +295,19 @@ class HookRegistry:
         state.entries.append(_Entry(self, name, _APPLY, handle=handle))
         self._commit(module, state)
 
+    def register_method(
+        self, module: nn.Module, name: str, method: str, fn: Callable[..., Any]
+    ) -> None:
+        """Shadow ``module.<method>`` with ``fn`` (called with the method's arguments) until
+        removed: an instance attribute, as :meth:`register_apply_refusal` (dlo follows a
+        DiT's ``enable_cache`` this way: :mod:`dlo.hooks.step_caches`)."""
+        if not callable(fn):
+            raise TypeError(f"method shadow {name!r} must be callable, got {fn!r}")
+        state = self._admit(module, name)
+        handle = _ApplyHandle(module, _Callback(fn), method)
+        state.entries.append(_Entry(self, name, _APPLY, handle=handle))
+        self._commit(module, state)
+
     def _admit(self, module: nn.Module, name: str) -> _ModuleState:
         """Check that ``name`` may be registered on ``module``; return its (new) state."""
         if not isinstance(module, nn.Module):

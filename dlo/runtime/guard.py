@@ -127,6 +127,14 @@ class Guard:
                     return True
         return False
 
+    def busy(self) -> bool:
+        """Whether a claim is held now (stale ones, of calls that ended without their
+        post-hook, dropped first)."""
+        with self._lock:
+            if self.claims:
+                self._drop_stale(others_only=False)
+            return bool(self.claims)
+
     def in_forward(self) -> bool:
         """This thread runs a managed module's forward now (a claim whose call is live)."""
         me = threading.get_ident()

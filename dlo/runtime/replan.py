@@ -38,7 +38,7 @@ from dlo.runtime.collectives import all_gather_objects
 from dlo.runtime.guard import every_claim
 from dlo.runtime.ring import RingScheduler
 from dlo.runtime.slots import Slot, resize
-from dlo.runtime.streamed import IDLE, LOADED, RUNNING, BlockRing
+from dlo.runtime.streamed import LOADED, RUNNING, BlockRing
 
 logger = logging.getLogger(__name__)
 
@@ -372,9 +372,8 @@ class Replanner:
         for b in self.ring.blocks:
             if b.name in new.pinned and b.own is None and b.state != RUNNING:
                 if b.state == LOADED and b.slot is not None:  # its slot is free for others
-                    # after its load (maybe in flight: nothing synchronized), as in eviction
-                    b.slot.free.record(b.transport.writer_stream)
-                    b.slot.owner, b.slot, b.state = None, None, IDLE
+                    # after its load (maybe in flight: nothing synchronized) or its last run
+                    sched.evict(b.slot)
                 buffer = torch.empty(b.layout.padded_nbytes, dtype=torch.uint8, device=pf.device)
                 b.own = Slot(-1, buffer, pf.new_event(), pf.new_event())
                 # [free] producer: the compute stream, now: the buffer may be memory its

@@ -21,9 +21,24 @@ with its tensors rebound to views of the slot).
      evicting the running block or the window itself.
 
 ``exit(block)``, from the post-forward hook (also called when forward raised):
-  rebind placeholders, record the slot's ``free`` event on the compute stream, release the
-  slot. The copy stream waits on ``free`` before overwriting the slot, so a slot is never
-  reused while kernels reading it are queued.
+  rebind placeholders, record the slot's ``free`` event on the compute stream; the block stays
+  LOADED in its slot (see [Note: kept after exit]). The copy stream waits on ``free`` before
+  overwriting the slot, so a slot is never reused while kernels reading it are queued.
+
+[Note: kept after exit]
+A block that ran keeps its slot until a load needs it: eviction takes the least recently
+used slot, those whose block ran first (a prefetched block that has not run yet is the next
+forward's), so in a plain denoise loop the slots turn over exactly as if the block were
+released at exit. What it saves is the load of a block that runs again before its slot is
+taken: a step cache's first block (FirstBlockCache runs block 0 every step and skips the
+rest on most: block 0 is then loaded once, not once a step), and a ring no longer than the
+slots (loaded once). The evicted slot's ``free`` is the compute stream's event of its exit;
+a prefetched block evicted before it ran (the forward skipped it) is counted as a wasted load
+and its slot's ``free`` is recorded on its writer stream, after that load. A kept block that
+runs again waits on its slot's ``free`` first (its last run may have been on another
+stream, whose kernels the next load into the slot would otherwise not wait for), and a block
+whose in-place writes could not be kept gives its slot up at exit (it loads again from the
+host, as before the write).
 
 [Note: writes into streamed tensors]
 A block may write one of its own tensors in place (a cache kept in a buffer, refreshed
@@ -109,6 +124,8 @@ class RingScheduler:
         """One block runs at a time (see :mod:`dlo.runtime.guard`)."""
         self._clock = 0
         self.poisoned: str | None = None
+        self.caches: Any = None
+        """The step caches its ring hooks follow (:class:`dlo.hooks.step_caches.StepCaches`)."""
 
     # ------------------------------------------------------------------ setup
     def add_ring(self, ring: BlockRing) -> None:
@@ -171,6 +188,7 @@ class RingScheduler:
             for b in ring.blocks:
                 b.views, b.placeholders, b.ring, b.own, b.own_views = [], [], None, None, []
         self.guard.on_stale = None  # a bound method of this scheduler
+        self.caches = None
 
     # ------------------------------------------------------------------ hot path
     def enter(self, block: StreamedBlock, args: tuple, kwargs: dict) -> None:
@@ -232,6 +250,8 @@ class RingScheduler:
                 self._load(block, slot)
             slot = block.slot
             assert slot is not None
+            if slot.used:  # kept after its last run, maybe on another stream: after it
+                self.platform.current_stream().wait_event(slot.free)
             self._wait(block, slot, self.platform.current_stream())
             self._rebind(block, block.views[slot.index])
         block.versions = [t._version for t in block.tensors]
@@ -254,7 +274,7 @@ class RingScheduler:
             # prefetch may be half enqueued, and a rank of a gathering group has left the
             # group's collective sequence midway
             self.drop_loaded()
-            if self._gathers():
+            if self.gathers():
                 self.poisoned = (
                     f"interrupted ({type(e).__name__}) while loading weights with a "
                     "collective; the group is out of step: recreate the worker"
@@ -268,9 +288,10 @@ class RingScheduler:
         for ring in self.rings:
             for b in ring.blocks:
                 if b.state == LOADED and b.slot is not None:
+                    b.num_wasted_loads += not b.slot.used
                     b.slot.owner, b.slot, b.state = None, None, IDLE
 
-    def _gathers(self) -> bool:
+    def gathers(self) -> bool:
         """Whether any block's load takes part in a collective (group size > 1)."""
         return any(b.transport.group_size > 1 for ring in self.rings for b in ring.blocks)
 
@@ -284,7 +305,7 @@ class RingScheduler:
             logger.warning(
                 "dlo: the interrupted block %s wrote %s in place; not kept", running.name, lost
             )
-        if self._gathers():
+        if self.gathers():
             self.poisoned = (
                 f"block {running.name!r} was interrupted inside its forward while the ranks "
                 "gather weights; the group is out of step: recreate the worker"
@@ -320,8 +341,12 @@ class RingScheduler:
         # [free] producer: compute stream, after the block's kernels; consumer: copy stream
         slot.free.record(self.platform.current_stream())
         self._clock += 1
-        slot.owner, slot.stamp = None, self._clock
-        block.slot, block.state = None, IDLE
+        if lost:  # the slot holds writes no host copy has: it loads again from the host
+            slot.owner, slot.stamp = None, self._clock
+            block.slot, block.state = None, IDLE
+            return lost
+        slot.stamp, slot.used = self._clock, True
+        block.state = LOADED  # [Note: kept after exit]
         return lost
 
     def _keep_writes(self, block: StreamedBlock) -> list[str]:
@@ -375,18 +400,24 @@ class RingScheduler:
         ]
         if not victims:
             return None
-        slot = min(victims, key=lambda s: s.stamp)
+        slot = min(victims, key=lambda s: (not s.used, s.stamp))  # blocks that ran first
+        logger.debug("evict %s from slot %d for %s", slot.owner.name, slot.index, block.name)
+        self.evict(slot)
+        return slot
+
+    def evict(self, slot: Slot) -> None:
+        """Free ``slot`` of its LOADED block (see [Note: kept after exit])."""
         evicted: StreamedBlock = slot.owner
-        logger.debug("evict %s from slot %d for %s", evicted.name, slot.index, block.name)
-        # [free] producer: the evicted load's writer stream; consumer: the next load
-        slot.free.record(evicted.transport.writer_stream)
+        if not slot.used:  # a load that never ran
+            evicted.num_wasted_loads += 1
+            # [free] producer: the evicted load's writer stream; consumer: the next load
+            slot.free.record(evicted.transport.writer_stream)
         evicted.state, evicted.slot = IDLE, None
         slot.owner = None
-        return slot
 
     def _load(self, block: StreamedBlock, slot: Slot) -> None:
         self._clock += 1
-        slot.owner, slot.stamp = block, self._clock
+        slot.owner, slot.stamp, slot.used = block, self._clock, False
         block.slot, block.state = slot, LOADED
         block.transport.load(
             block.layout,

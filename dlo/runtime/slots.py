@@ -29,7 +29,10 @@ class Slot:
     owner: Any = None
     """The block occupying the slot (loading, loaded or running), or None."""
     stamp: int = 0
-    """When the owner was assigned (for least-recently-loaded eviction)."""
+    """When the owner was assigned or last ran (for least-recently-used eviction)."""
+    used: bool = False
+    """The owner ran since its load (its ``free`` event is the compute stream's, recorded at
+    its exit; see [Note: kept after exit] in :mod:`dlo.runtime.ring`)."""
 
 
 @dataclass(eq=False)

@@ -48,6 +48,10 @@ class StreamedBlock:
     """Exposed wait of this block: compute-stream time spent waiting on ``ready``."""
     num_runs: int = 0
     num_demand_loads: int = 0
+    num_wasted_loads: int = 0
+    """Loads evicted or dropped before the block ran (a prefetch for a forward that skipped
+    the block: a step cache's decision, see [Note: kept after exit] in
+    :mod:`dlo.runtime.ring`)."""
     versions: list[int] = field(default_factory=list)
     """Each tensor's version counter when the block entered (see [Note: writes into
     streamed tensors])."""

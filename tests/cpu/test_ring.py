@@ -395,3 +395,50 @@ def test_one_ring_across_stacks_has_no_demand_loads_after_the_first_forward(
         assert torch.equal(a, b)
     assert backend.stats()["num_demand_loads"] == warm
     backend.disable()
+
+
+@pytest.mark.parametrize("num_slots", [2, 3])
+def test_a_block_that_ran_keeps_its_slot_so_a_step_caches_skips_load_nothing(
+    num_slots: int,
+) -> None:
+    """[Note: kept after exit]: a step cache that runs block 0 and skips the rest (diffusers'
+    FirstBlockCache) loads block 0 once, not once a step; a prefetch the skips leave unused
+    is counted as wasted once its slot is taken; bitwise throughout."""
+    model = ToyDiT(6)
+    ref_model = clone(model)
+    backend = _enable(model, num_slots=num_slots, resident_layers=0)
+
+    def step(skip: set[int], seed: int) -> None:
+        model.skip = ref_model.skip = skip
+        with torch.no_grad():
+            assert torch.equal(model(_x(seed)), ref_model(_x(seed)))
+
+    step(set(), 0)
+    st = backend.stats()
+    loads, demand = st["num_loads"], st["num_demand_loads"]
+    for s in range(4):  # skip steps: only block 0 runs
+        step({1, 2, 3, 4, 5}, 1 + s)
+    st = backend.stats()
+    # the first skip step's window (block 0's next) is loaded once; nothing after
+    assert st["num_loads"] - loads <= num_slots - 1
+    assert st["num_demand_loads"] == demand and st["num_wasted_loads"] == 0
+    step(set(), 9)  # a full step runs what the skip steps prefetched: nothing wasted
+    assert backend.stats()["num_wasted_loads"] == 0
+    assert backend.stats()["num_demand_loads"] == demand
+    step({1, 2}, 10)  # blocks 1 and 2 prefetched, then skipped: their loads are wasted
+    step(set(), 11)
+    assert backend.stats()["num_wasted_loads"] >= 1
+    backend.disable()
+
+
+def test_a_ring_no_longer_than_its_slots_loads_once() -> None:
+    model = ToyDiT(3)
+    ref = _run(clone(model), 4)
+    backend = _enable(model, num_slots=3, resident_layers=0)
+    out = _run(model, 1)
+    loads = backend.stats()["num_loads"]
+    out += _run(model, 4)[1:]
+    assert backend.stats()["num_loads"] == loads
+    for a, b in zip(ref, out, strict=True):
+        assert torch.equal(a, b)
+    backend.disable()
