@@ -250,3 +250,43 @@ def test_compiled_blocks_keep_working_with_a_cache(cache: str) -> None:
         assert st["num_loads"] <= 1 + runs + STEPS
     finally:
         backend.disable()
+
+
+def test_a_dit_with_other_diffusers_hooks_enables_as_before() -> None:
+    """A DiT whose root carries a diffusers hook that is no step cache (context parallelism's,
+    say) is not followed (its ``enable_cache`` is left alone) and enables as before."""
+    model = _model()
+    registry = hooks.HookRegistry.check_if_exists_or_initialize(model)
+    registry.register_hook(hooks.ModelHook(), "user_hook")
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(num_slots=2), device="cpu")
+    try:
+        assert "enable_cache" not in vars(model)
+        assert backend.stats()["num_cache_inner_blocks"] == 0
+    finally:
+        backend.disable()
+    registry.remove_hook("user_hook", recurse=False)
+
+
+def test_a_cache_call_after_an_interrupted_forward_is_not_refused() -> None:
+    """A forward interrupted inside a block leaves a stale claim: ``enable_cache`` drops it
+    and goes ahead (nothing runs), as the next forward would."""
+    model = _model()
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(num_slots=2), device="cpu")
+    try:
+        sched = backend._state.scheduler
+        block = sched.rings[0].blocks[0]
+        g = torch.Generator().manual_seed(0)
+        inputs = _tiny_flux_inputs(16, torch.device("cpu"), torch.float32, g)
+
+        def interrupt(*_: Any) -> None:
+            raise KeyboardInterrupt
+
+        handle = next(iter(block.module.children())).register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(**inputs)
+        handle.remove()
+        model.enable_cache(_fbc())
+        assert backend.stats()["num_cache_inner_blocks"] == 8
+        model.disable_cache()
+    finally:
+        backend.disable()
