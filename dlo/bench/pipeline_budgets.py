@@ -210,6 +210,16 @@ class Bench:
             rows.append(row)
         return rows
 
+    def failed_rows(
+        self, method: str, budget: float | None, e: BaseException
+    ) -> list[dict[str, Any]]:
+        """One row per call size saying why ``method`` could not run them (its setup failed)."""
+        why = failure(e)
+        return [
+            {"method": method, "budget_gb": budget, "size": self.size_name(i), "failed": why}
+            for i in range(len(self.sizes))
+        ]
+
     def dlo_rows(
         self, pipe: Any, cfg: OffloadConfig, method: str, budget: float | None, **extra: Any
     ) -> list[dict[str, Any]]:
@@ -223,11 +233,7 @@ class Bench:
             enable_s = time.perf_counter() - t0
             new = self.rows_of(method, budget, pipe, backend.stats)
         except FAILURES as e:  # a budget refused, or enable ran out under the cap
-            why = failure(e)
-            new = [
-                {"method": method, "budget_gb": budget, "size": self.size_name(i), "failed": why}
-                for i in range(len(self.sizes))
-            ]
+            new = self.failed_rows(method, budget, e)
         finally:
             if backend is not None:
                 backend.disable()
@@ -347,13 +353,7 @@ def _group_rows(b: Bench, budgets: list[float]) -> list[dict[str, Any]]:
             enable_s = time.perf_counter() - t0
             new = b.rows_of("diffusers-group", budget, pipe, dict)
         except FAILURES as e:
-            why = failure(e)
-            new = [
-                {"method": "diffusers-group", "budget_gb": budget, "size": b.size_name(i)}
-                | {"failed": why}
-                for i in range(len(b.sizes))
-            ]
-            enable_s = None
+            new, enable_s = b.failed_rows("diffusers-group", budget, e), None
         finally:
             del pipe
             _clean(b.platform)

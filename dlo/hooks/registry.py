@@ -289,11 +289,7 @@ class HookRegistry:
         """
         if not callable(fn):
             raise TypeError(f"apply refusal {name!r} must be callable, got {fn!r}")
-        state = self._admit(module, name)
-        guard = _Callback(lambda *args, **kwargs: fn())
-        handle = _ApplyHandle(module, guard, method)
-        state.entries.append(_Entry(self, name, _APPLY, handle=handle))
-        self._commit(module, state)
+        self.register_method(module, name, method, lambda *args, **kwargs: fn())
 
     def register_method(
         self, module: nn.Module, name: str, method: str, fn: Callable[..., Any]
