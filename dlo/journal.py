@@ -94,6 +94,11 @@ class Journal:
         """Record that ``what`` was done; ``undo`` reverses it."""
         self._undos.append((what, undo))
 
+    def defer(self, what: str, undo: Callable[[], object]) -> None:
+        """Record ``undo`` to run after every undo recorded so far (a fix-up that needs the
+        earlier steps undone first, e.g. tensors put back where the restored ones went)."""
+        self._undos.insert(0, (what, undo))
+
     def step(self, what: str, do: Callable[[], T], undo: Callable[[T], object]) -> T:
         """Run ``do`` and record ``undo(result)``; nothing is recorded if ``do`` raises."""
         result = do()

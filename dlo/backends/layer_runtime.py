@@ -17,8 +17,8 @@ from torch import nn
 from dlo import faults
 from dlo.backends.layer_host import LayerBlock, LayerHost, leave_host, restore_wrappers
 from dlo.backends.model_hooks import (
+    enclosing_paths,
     gathered_loss,
-    install_adapter_refusal,
     install_apply_refusal,
     install_load_refusal_on_ancestors,
     install_state_dict_hooks,
@@ -30,6 +30,7 @@ from dlo.codec.codecs import get_codec
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
+from dlo.hooks.adapters import AdapterCalls
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.foreign import foreign_offloader, is_dtensor
 from dlo.hooks.registry import HookRegistry
@@ -335,6 +336,12 @@ def install_rings(
     registry = HookRegistry(owner=owner)
     journal.record("hooks", registry.remove_all)
     faults.check("hook_install")
+    adapters = AdapterCalls(
+        lambda: [sb for ring in scheduler.rings for sb in ring.blocks],
+        platform.device,
+        busy=scheduler.guard.busy,
+        rank=rank,
+    )
     shared_names = {b.name for b in blocks if b.node_shared}
     ring_hooks = {}
     for ring in scheduler.rings:
@@ -350,12 +357,16 @@ def install_rings(
                 sb.tensors,
                 rank=rank,
                 copy=sb.name in shared_names,
+                allow=adapters.allows_load,
+                shapes_only=adapters.active,
             )
+    streamed = [sb.name for ring in scheduler.rings for sb in ring.blocks]
     install_load_refusal_on_ancestors(
-        registry, pipeline, [sb.name for ring in scheduler.rings for sb in ring.blocks], rank=rank
+        registry, pipeline, streamed, rank=rank, allow=adapters.allows_load
     )
     install_apply_refusal(registry, pipeline, [b.name for b in blocks], rank=rank)
-    install_adapter_refusal(registry, pipeline, [b.name for b in blocks], journal, rank=rank)
+    # [Note: adapters while streaming]
+    adapters.install(registry, pipeline, sorted(enclosing_paths([b.name for b in blocks])), journal)
     for b in blocks:
         if not b.resident and b.layout.group_size > 1:  # what restore=True gives back
             leave_host(b, platform.device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -20,7 +20,6 @@ from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.host.mapped import MappedBlock
 from dlo.host.shards import shard_view
-from dlo.journal import Journal
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import BlockLayout, module_wrappers
 
@@ -91,6 +90,11 @@ def check_not_released(named: list[tuple[str, torch.Tensor]], *, rank: int) -> N
         )
 
 
+LoadAllowed = Callable[[nn.Module, dict[str, Any], str], bool]
+"""``allow(module, state_dict, prefix)``: whether a load may go on after all (an adapter's
+own tensors during an adapter call: [Note: adapters while streaming])."""
+
+
 def install_state_dict_hooks(
     registry: HookRegistry,
     module: nn.Module,
@@ -101,6 +105,8 @@ def install_state_dict_hooks(
     *,
     rank: int,
     copy: bool = False,
+    allow: LoadAllowed | None = None,
+    shapes_only: Callable[[], bool] | None = None,
 ) -> None:
     """Make ``module.state_dict()`` return real tensors (views of the host shard, or with
     ``host_backing="mapped"`` views of the checkpoint's private mapping, with a codec the
@@ -121,6 +127,8 @@ def install_state_dict_hooks(
     wrapped = {id(w.tensor): (w, weakref.ref(w.tensor)) for w in module_wrappers(module)}
 
     def state_dict_hook(mod: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        if shapes_only is not None and shapes_only():  # stubs: an adapter call reads shapes
+            return
         if layout.group_size > 1:
             raise OffloadError(
                 "state_dict() of a module streamed with AllGather is not available: this rank "
@@ -157,14 +165,18 @@ def install_state_dict_hooks(
                 state_dict[key] = w.rebuild(lambda x: host_tensor(index[id(x)][0]))
 
     registry.register_state_dict_hook(module, "dlo.state_dict", state_dict_hook)
-    registry.register_load_state_dict_pre_hook(module, LOAD_REFUSAL, _refuse_load(name, rank))
+    registry.register_load_state_dict_pre_hook(
+        module, LOAD_REFUSAL, _refuse_load(name, rank, allow)
+    )
 
 
 LOAD_REFUSAL = "dlo.load_state_dict"
 
 
-def _refuse_load(name: str, rank: int) -> Any:
-    def refuse_load(*args: Any, **kwargs: Any) -> None:
+def _refuse_load(name: str, rank: int, allow: LoadAllowed | None = None) -> Any:
+    def refuse_load(module: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+        if allow is not None and allow(module, state_dict, prefix):
+            return
         raise OffloadError(
             "load_state_dict() into a module dlo is offloading: disable offload first, load, "
             "then enable again",
@@ -176,7 +188,12 @@ def _refuse_load(name: str, rank: int) -> Any:
 
 
 def install_load_refusal_on_ancestors(
-    registry: HookRegistry, root: nn.Module, managed: Sequence[str], *, rank: int
+    registry: HookRegistry,
+    root: nn.Module,
+    managed: Sequence[str],
+    *,
+    rank: int,
+    allow: LoadAllowed | None = None,
 ) -> None:
     """Refuse ``load_state_dict`` on ``root`` and on every module containing one of the
     ``managed`` paths too, so that a refused load changes nothing: torch runs a module's
@@ -184,15 +201,15 @@ def install_load_refusal_on_ancestors(
     without this a load from the root would overwrite the tensors it reaches before the first
     managed module. A module another mechanism manages (FSDP2's root under HSDP) is skipped:
     its hooks are its own."""
-    for path in sorted(_enclosing_paths(managed) - set(managed)):
+    for path in sorted(enclosing_paths(managed) - set(managed)):
         module = get_by_path(root, path)
         if isinstance(module, nn.Module) and foreign_offloader(module) is None:
             registry.register_load_state_dict_pre_hook(
-                module, LOAD_REFUSAL, _refuse_load(path or type(root).__name__, rank)
+                module, LOAD_REFUSAL, _refuse_load(path or type(root).__name__, rank, allow)
             )
 
 
-def _enclosing_paths(managed: Sequence[str]) -> set[str]:
+def enclosing_paths(managed: Sequence[str]) -> set[str]:
     """The root (``""``) and every module path strictly above one of ``managed``."""
     out = {""}
     for path in managed:
@@ -226,7 +243,7 @@ def install_apply_refusal(
     ``_apply``. A module another mechanism manages is skipped (its hooks are its own)."""
     managed_set = set(managed)
     seen: set[int] = set()
-    for path in sorted(_enclosing_paths(managed) | managed_set):
+    for path in sorted(enclosing_paths(managed) | managed_set):
         module = get_by_path(root, path)
         if not isinstance(module, nn.Module):
             continue
@@ -237,103 +254,3 @@ def install_apply_refusal(
             seen.add(id(m))
             name = ".".join(p for p in (path, sub) if p) or type(root).__name__
             registry.register_apply_refusal(m, APPLY_REFUSAL, _refuse_apply(name, rank))
-
-
-ADAPTER_METHODS = (
-    "load_lora_adapter",
-    "add_adapter",
-    "load_adapter",
-    "fuse_lora",
-    "unfuse_lora",
-    "unload_lora",
-    "delete_adapters",
-    "delete_adapter",
-)
-"""PEFT adapter methods (diffusers' ``PeftAdapterMixin``, transformers' PEFT integration)
-that add, remove or write block tensors; ``set_adapters`` / ``enable_lora`` /
-``disable_lora`` only change scales and flags, and work while offload is enabled."""
-
-
-def _refuse_adapter(path: str, method: str, rank: int) -> Any:
-    def refuse_adapter(*args: Any, **kwargs: Any) -> None:
-        raise OffloadError(
-            f"{method}() on {path!r} while dlo streams its blocks: the blocks' weights are "
-            "dlo's host shards, and a LoRA loaded, fused or unloaded now would change "
-            "placeholders, not them. Load (and fuse) adapters before enabling: "
-            "pipe.load_lora_weights(...) then dlo.enable_offload(pipe, cfg), or "
-            "dlo.load_pipeline(DIR, cfg, prepare=lambda p: p.load_lora_weights(...)); or "
-            "backend.disable(), change the adapters, enable again. set_adapters(), "
-            "enable_lora() and disable_lora() work while enabled",
-            rank=rank,
-        )
-
-    return refuse_adapter
-
-
-PIPELINE_ADAPTER_METHODS = (
-    "load_lora_weights",
-    "fuse_lora",
-    "unfuse_lora",
-    "unload_lora_weights",
-    "delete_adapters",
-)
-"""A diffusers pipeline's LoRA methods dlo refuses while it streams (they reach the
-components' :data:`ADAPTER_METHODS`, some after reading placeholder shapes)."""
-
-
-def install_adapter_refusal(
-    registry: HookRegistry, root: Any, managed: Sequence[str], journal: Journal, *, rank: int
-) -> None:
-    """Refuse :data:`ADAPTER_METHODS` on every module enclosing a streamed block (the DiT
-    or encoder a user calls ``load_lora_adapter`` on) and, on a pipeline that is not a
-    module, :data:`PIPELINE_ADAPTER_METHODS` (instance attributes, journaled)."""
-    if not isinstance(root, nn.Module):
-        for method in PIPELINE_ADAPTER_METHODS:
-            if callable(getattr(type(root), method, None)):
-                _PipelineRefusal(root, method, rank).install(journal)
-    seen: set[int] = set()
-    for path in sorted(_enclosing_paths(managed)):
-        module = get_by_path(root, path)
-        if not isinstance(module, nn.Module) or foreign_offloader(module) is not None:
-            continue
-        if id(module) in seen:  # one module under two paths
-            continue
-        seen.add(id(module))
-        for method in ADAPTER_METHODS:
-            if callable(getattr(type(module), method, None)):
-                name = path or type(root).__name__
-                registry.register_apply_refusal(
-                    module, f"refuse_{method}", _refuse_adapter(name, method, rank), method=method
-                )
-
-
-class _PipelineRefusal:
-    """A pipeline's LoRA method shadowed by a refusal (an instance attribute) while this
-    backend streams. Two backends on one pipeline stack theirs; a refusal taken off out of
-    order goes inactive (it then calls what it shadowed), so none outlives its backend's
-    effect and none is removed by the other's disable."""
-
-    def __init__(self, root: Any, method: str, rank: int) -> None:
-        self.root, self.method, self.active = root, method, True
-        self.previous = vars(root).get(method)
-        self.refuse = _refuse_adapter(type(root).__name__, method, rank)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.active:
-            self.refuse()
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return getattr(type(self.root), self.method)(self.root, *args, **kwargs)
-
-    def install(self, journal: Journal) -> None:
-        vars(self.root)[self.method] = self
-        journal.record(f"refuse {self.method}", self.remove)
-
-    def remove(self) -> None:
-        self.active = False
-        state = vars(self.root)
-        if state.get(self.method) is self:
-            if self.previous is None:
-                del state[self.method]
-            else:
-                state[self.method] = self.previous

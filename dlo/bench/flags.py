@@ -106,6 +106,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")
 
 
+def add_call_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of a pipeline folder's calls (the pipeline benches' shared part)."""
+    p.add_argument(
+        "--size",
+        action="append",
+        required=True,
+        help="HEIGHTxWIDTH[xFRAMES] of a call; repeat for calls in sequence in one enable",
+    )
+    p.add_argument("--steps", default="4", help="steps per call: one, or one per --size")
+    p.add_argument("--output-type", default="pt", choices=("pt", "latent"))
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt", action="append", default=None)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--max-sequence-length", type=int, default=None)
+    p.add_argument("--guidance", type=float, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--markdown", default=None, help="write the markdown table here")
+
+
 def parse_size(text: str) -> tuple[int, int, int | None]:
     """``"480x832"`` -> ``(480, 832, None)``, ``"480x832x81"`` -> ``(480, 832, 81)``; a
     ValueError naming ``--size`` otherwise."""

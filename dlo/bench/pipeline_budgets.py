@@ -42,10 +42,9 @@ import torch
 
 from dlo.backends.factory import enable_offload
 from dlo.bench.budgets import budget_list
-from dlo.bench.flags import int_list, parse_size, sweep_list
+from dlo.bench.flags import add_call_arguments, int_list, parse_size, sweep_list
 from dlo.bench.methods import _clean, codec_list, manual_codecs
 from dlo.bench.pipeline_table import markdown
-from dlo.commands.args import DTYPES
 from dlo.commands.pipeline_calls import (
     call_kwargs,
     diffusers_load,
@@ -72,13 +71,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dlo.bench.pipeline_budgets")
     p.add_argument("pipeline", help="the diffusers pipeline folder")
     p.add_argument("--budgets", required=True, help="comma-separated device budgets (GiB)")
-    p.add_argument(
-        "--size",
-        action="append",
-        required=True,
-        help="HEIGHTxWIDTH[xFRAMES] of a call; repeat for calls in sequence in one enable",
-    )
-    p.add_argument("--steps", default="4", help="steps per call: one, or one per --size")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--sweep-counts", default="grid", help="resident_layers of the sweep")
     p.add_argument("--sweep-slots", default="2,3", help="num_slots of the sweep")
@@ -89,16 +81,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--unbudgeted", action="store_true", help="also a dlo row with nothing set, no budget"
     )
     p.add_argument("--forward-marks", action="store_true", help="diagnostic: each DiT forward's ms")
-    p.add_argument("--output-type", default="pt", choices=("pt", "latent"))
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--prompt", action="append", default=None)
-    p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--max-sequence-length", type=int, default=None)
-    p.add_argument("--guidance", type=float, default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--markdown", default=None, help="write the markdown table here")
+    add_call_arguments(p)
     return p.parse_args(argv)
 
 
@@ -171,10 +154,16 @@ class Bench:
         }
 
     def rows_of(
-        self, method: str, budget: float | None, pipe: Any, stats: Callable[[], dict[str, Any]]
+        self,
+        method: str,
+        budget: float | None,
+        pipe: Any,
+        stats: Callable[[], dict[str, Any]],
+        counts: tuple[str, ...] = _COUNTS,
     ) -> list[dict[str, Any]]:
         """Every call in order on ``pipe``; a call that fails ends the sequence (its row and
-        the later ones say why)."""
+        the later ones say why). ``counts``: the keys of ``stats()`` each row records, read
+        after its call."""
         rows: list[dict[str, Any]] = []
         for i in range(len(self.sizes)):
             row: dict[str, Any] = {"method": method, "budget_gb": budget, "size": self.size_name(i)}
@@ -199,7 +188,7 @@ class Bench:
                 None if ref is None else bitwise_equal(out["output"], ref["output"])
             )
             st = stats()
-            row.update({k: st[k] for k in _COUNTS if k in st})
+            row.update({k: st[k] for k in counts if k in st})
             if st.get("policy"):
                 row["kept_whole"] = st["policy"].get("kept_whole", [])
                 records = st["policy"].get("replans", [])  # this enable's, so far
@@ -221,9 +210,18 @@ class Bench:
         ]
 
     def dlo_rows(
-        self, pipe: Any, cfg: OffloadConfig, method: str, budget: float | None, **extra: Any
+        self,
+        pipe: Any,
+        cfg: OffloadConfig,
+        method: str,
+        budget: float | None,
+        counts: tuple[str, ...] = _COUNTS,
+        setup: Callable[[Any, Any], Callable[[], dict[str, Any]]] | None = None,
+        **extra: Any,
     ) -> list[dict[str, Any]]:
-        """``pipe`` enabled with ``cfg``, its calls, then disabled (given back as it was)."""
+        """``pipe`` enabled with ``cfg``, its calls, then disabled (given back as it was).
+        ``setup(pipe, backend)``, called after enable, returns the rows' ``stats`` (default:
+        the backend's)."""
         backend = None
         enable_s: float | None = None
         t0 = time.perf_counter()
@@ -231,7 +229,8 @@ class Bench:
             backend = enable_offload(pipe, cfg, device=self.device)
             assert backend is not None  # a layer config always has one
             enable_s = time.perf_counter() - t0
-            new = self.rows_of(method, budget, pipe, backend.stats)
+            stats = backend.stats if setup is None else setup(pipe, backend)
+            new = self.rows_of(method, budget, pipe, stats, counts)
         except FAILURES as e:  # a budget refused, or enable ran out under the cap
             new = self.failed_rows(method, budget, e)
         finally:
@@ -329,9 +328,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report()
 
 
-def _group_rows(b: Bench, budgets: list[float]) -> list[dict[str, Any]]:
+def _group_rows(
+    b: Bench,
+    budgets: list[float],
+    setup: Callable[[Any], Callable[[], dict[str, Any]]] = lambda pipe: dict,
+    counts: tuple[str, ...] = _COUNTS,
+) -> list[dict[str, Any]]:
     """diffusers group offloading under each budget, on a load of its own (its pinned host
-    copies go before dlo's load)."""
+    copies go before dlo's load). ``setup(pipe)``, called once group offloading is on, may
+    add to the pipeline (a step cache) and returns the rows' ``stats``."""
     rows: list[dict[str, Any]] = []
     for budget in budgets:
         _, undo = _capped(b.platform, budget)
@@ -351,7 +356,7 @@ def _group_rows(b: Bench, budgets: list[float]) -> list[dict[str, Any]]:
                 record_stream=b.platform.has_streams,
             )
             enable_s = time.perf_counter() - t0
-            new = b.rows_of("diffusers-group", budget, pipe, dict)
+            new = b.rows_of("diffusers-group", budget, pipe, setup(pipe), counts)
         except FAILURES as e:
             new, enable_s = b.failed_rows("diffusers-group", budget, e), None
         finally:
@@ -406,15 +411,24 @@ def _best(tried: list[dict[str, Any]], b: Bench) -> list[dict[str, Any]]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def bench_main(
+    argv: list[str] | None,
+    parse: Callable[[list[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    markdown: Callable[[dict[str, Any]], str],
+) -> int:
+    """A pipeline bench's ``main``: parse, run, write the markdown where asked, print it."""
     args = parse(argv)
-    report = run(args)
-    table = markdown(report)
+    table = markdown(run(args))
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     print(table)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return bench_main(argv, parse, run, markdown)
 
 
 if __name__ == "__main__":

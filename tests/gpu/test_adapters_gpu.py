@@ -1,0 +1,27 @@
+"""LoRA adapters loaded, switched and unloaded while dlo streams a pipeline on a GPU: the
+adapters of streamed blocks are created on the device (PEFT follows the stubs' device, see
+[Note: adapters while streaming]), and 10 requests over 3 adapters give the resident
+pipeline's bits, with and without the codec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dlo
+from tests.cpu.test_adapters_streaming import folder, loras, switch_and_compare
+
+__all__ = ["folder", "loras"]  # fixtures
+
+
+@pytest.mark.parametrize("codec", ["none", "ans"])
+def test_ten_requests_over_three_adapters_bitwise_on_the_gpu(
+    folder: Path, loras: list[Path], codec: str
+) -> None:
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, num_slots=2, codec=codec)
+    stats = switch_and_compare(folder, loras, "cuda", cfg)
+    assert stats["num_streamed_blocks"] > 0 and stats["h2d_nbytes"] > 0
+    assert stats["codec"] == codec
+    torch.cuda.synchronize()
