@@ -18,7 +18,10 @@ hook of a chain by relinking the hook after it, which a cache hook calling its
 Where the blocks gather (AllGather, group size > 1), every rank must load the same blocks in
 the same order whatever its cache decides (the caches decide per rank, from its own
 activations): there the ring hook stays outside and loads every block, so a skip saves compute
-but no transfer, never a collective out of step.
+but no transfer, never a collective out of step. cache-dit skips a block by not calling it
+at all (its wrappers call the blocks they run): on a ring of its own that needs nothing from
+dlo (a block not called is not loaded), and where blocks gather it is refused, at enable or at
+the DiT's first forward after it was applied.
 
 A torch forward pre-hook on each block moved inside counts the block's calls, so the blocks a
 cache skipped are ``calls - runs`` (``stats()["num_skipped_blocks"]``).
@@ -77,6 +80,9 @@ class StepCaches:
     ) -> None:
         """Follow ``dit``'s step cache (a diffusers ``CacheMixin``); ``inner``: its blocks'
         loads may go inside the cache's chain (a ring of its own)."""
+        if not inner:  # cache-dit skips blocks by not calling them: per rank, so refused
+            self._refuse_cache_dit(dit)
+            self.registry.register(dit, "dlo.cache_dit", _CacheDitGuard(self._refuse_cache_dit))
         if not callable(getattr(type(dit), "enable_cache", None)):
             return
         cached = [CachedBlock(m, h) for m, h in blocks]
@@ -146,6 +152,20 @@ class StepCaches:
             ),
         }
 
+    def _refuse_cache_dit(self, dit: nn.Module) -> None:
+        """cache-dit on a DiT whose blocks gather: each rank would skip by its own residuals
+        and the ranks' gathers would part (the lock-step check would end the run): refused
+        at enable, and at the DiT's forward when it was applied after."""
+        if getattr(dit, "_is_cached", False):
+            raise OffloadError(
+                f"cache-dit is enabled on {type(dit).__name__}, whose blocks dlo gathers across "
+                "ranks (AllGather or node-shared): cache-dit decides per rank which blocks to "
+                "call, and every rank must gather the same blocks. Use a diffusers cache "
+                "(transformer.enable_cache(...): every block is loaded, the skipped ones not "
+                "computed), or rank-local transfer, where cache-dit's skipped blocks load nothing",
+                rank=self.rank,
+            )
+
     # ------------------------------------------------------------------ moving
     def _refuse_busy(self, what: str) -> None:
         if self.busy():
@@ -192,6 +212,16 @@ def _never() -> bool:
 def _real(dit: nn.Module, method: str, *args: Any) -> Any:
     """The DiT class's own ``method`` (the instance's is dlo's shadow while enabled)."""
     return getattr(type(dit), method)(dit, *args)
+
+
+class _CacheDitGuard(ModelHook):
+    """Before a DiT forward where blocks gather: refuse cache-dit applied since enable."""
+
+    def __init__(self, check: Callable[[nn.Module], None]) -> None:
+        self.check = check
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.check(module)
 
 
 class _Calls(ModelHook):
