@@ -16,6 +16,8 @@ from torch import nn
 
 from dlo import faults
 from dlo.backends.layer_host import LayerBlock, LayerHost, leave_host, restore_wrappers
+from dlo.backends.lora import AdapterCalls
+from dlo.backends.lora_fuse import BlockFuse
 from dlo.backends.model_hooks import (
     enclosing_paths,
     gathered_loss,
@@ -30,7 +32,6 @@ from dlo.codec.codecs import get_codec
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import InjectedFault
-from dlo.hooks.adapters import AdapterCalls
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.foreign import foreign_offloader, is_dtensor
 from dlo.hooks.registry import HookRegistry
@@ -341,6 +342,7 @@ def install_rings(
         platform.device,
         busy=scheduler.guard.busy,
         rank=rank,
+        fuse=lambda roots, call: BlockFuse(platform, scheduler, blocks, rank=rank).run(roots, call),
     )
     shared_names = {b.name for b in blocks if b.node_shared}
     ring_hooks = {}

@@ -1,5 +1,5 @@
 """LoRA adapters loaded, switched, deleted and unloaded while dlo streams a pipeline's blocks
-([Note: adapters while streaming] in :mod:`dlo.hooks.adapters`): 10 requests over 3 adapters
+([Note: adapters while streaming] in :mod:`dlo.backends.lora`): 10 requests over 3 adapters
 bit for bit against the resident pipeline with the same adapters, with and without the
 codec; the refusals that stand (fuse, inside a forward, where blocks gather) change nothing;
 a failed adapter call leaves the placeholders and the model as they were."""
@@ -15,8 +15,8 @@ from peft import LoraConfig
 from safetensors.torch import load_file
 
 import dlo
+from dlo.backends.lora import AdapterCalls
 from dlo.commands.pipeline_calls import resident_reference
-from dlo.hooks.adapters import AdapterCalls
 from dlo.host.region import LEDGER
 from dlo.pipelines.layouts import FOLDERS
 from dlo.pipelines.synth import save_folder
@@ -173,17 +173,17 @@ def test_an_adapter_loaded_before_enable_streams_with_its_block_and_deletes_whil
 
 
 def test_refusals_that_stand_change_nothing(folder: Path, loras: list[Path]) -> None:
-    """fuse_lora / unfuse_lora (they write the base weights), an adapter call inside a
-    forward, and a load that names a base weight are refused; a failed load (no such file)
+    """hotswap (it copies into tensors that may be a block's), adapters made from base
+    weight values, an adapter call inside a forward, and a load that names a base weight
+    are refused; a failed load (no such file)
     leaves the placeholders and the outputs as they were."""
     pipe, backend = dlo.load_pipeline(folder, dlo.OffloadConfig(resident_layers=0), device="cpu")
     assert backend is not None
     try:
         pipe.load_lora_weights(loras[0], adapter_name="a0")
         want = flux_call(pipe)
-        for call in (pipe.fuse_lora, pipe.unfuse_lora, pipe.transformer.fuse_lora):
-            with pytest.raises(dlo.OffloadError, match=r"fuse_lora\(\).*Fuse before enabling"):
-                call()
+        with pytest.raises(dlo.OffloadError, match="enable_lora_hotswap"):
+            pipe.enable_lora_hotswap(target_rank=8)
         with pytest.raises(dlo.OffloadError, match="with hotswap"):
             pipe.load_lora_weights(loras[1], adapter_name="a0", hotswap=True)
         for bad in ({"use_dora": True}, {"init_lora_weights": "pissa"}):
@@ -280,7 +280,7 @@ def test_allgather_ranks_load_their_own_adapters_while_enabled(
 def test_pipeline_shadows_taken_off_in_either_order_leave_nothing() -> None:
     """Two backends' shadows of one pipeline method: removed in either order, the method is
     the class's again and an inactive shadow holds nothing of its backend."""
-    from dlo.hooks.adapters import _PipelineShadow
+    from dlo.backends.lora import _PipelineShadow
     from dlo.journal import Journal
 
     class Pipe:
@@ -307,3 +307,78 @@ def test_pipeline_shadows_taken_off_in_either_order_leave_nothing() -> None:
         assert shadows[order[0]].shadow is None
         shadows[order[1]].remove()
         assert "load_lora_weights" not in vars(pipe), order
+
+
+def fuse_and_compare(
+    folder: Path, loras: list[Path], device: str, cfg: dlo.OffloadConfig, when: str
+) -> dict[str, Any]:
+    """fuse, unfuse, fuse on a streaming pipeline and on a resident one in step: bitwise
+    after each, twice (the second call reloads every block from its host copy), and after
+    disable. Returns the backend's stats."""
+    dev = torch.device(device)
+    ref = resident_reference(str(folder), torch.float32, dev)
+    ref.load_lora_weights(loras[0], adapter_name="a0")
+
+    def prepare(p: Any) -> None:
+        if when == "before":
+            p.load_lora_weights(loras[0], adapter_name="a0")
+
+    pipe, backend = dlo.load_pipeline(folder, cfg, device=device, prepare=prepare)
+    assert backend is not None
+    seen = []
+    try:
+        if when == "after":
+            pipe.load_lora_weights(loras[0], adapter_name="a0")
+        assert torch.equal(flux_call(pipe), flux_call(ref))  # blocks kept in slots now
+        for step in ("fuse", "unfuse", "fuse"):
+            for p in (ref, pipe):
+                p.fuse_lora(lora_scale=0.7) if step == "fuse" else p.unfuse_lora()
+            want = flux_call(ref)
+            assert torch.equal(flux_call(pipe), want), step
+            assert torch.equal(flux_call(pipe), want), step
+            seen.append(want)
+        stats = backend.stats()
+    finally:
+        backend.disable()
+    assert not torch.equal(seen[0], seen[1])  # the fuse changed the weights
+    assert torch.equal(flux_call(pipe.to(dev)), flux_call(ref))  # fused weights given back
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    return stats
+
+
+@pytest.mark.parametrize("resident", [0, 2, "pins"])
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_fuse_and_unfuse_while_enabled_give_the_resident_bits(
+    folder: Path, loras: list[Path], when: str, resident: Any
+) -> None:
+    """fuse_lora while enabled rewrites the host copies block by block ([Note: fusing while
+    streaming]): the resident bits after each fuse and unfuse and after disable; an adapter
+    loaded before enable (streamed with its block) fuses too; streamed, resident and pinned
+    blocks alike."""
+    cfg = (
+        dlo.OffloadConfig(device_budget_gb=0.0012)  # blocks pinned: their own device copies
+        if resident == "pins"
+        else dlo.OffloadConfig(mode="layer", resident_layers=resident, num_slots=2)
+    )
+    st = fuse_and_compare(folder, loras, "cpu", cfg, when)
+    if resident == "pins":
+        assert st["num_pinned_blocks"] > 0
+    else:
+        assert st["num_resident_blocks"] == resident and st["num_streamed_blocks"] > 0
+
+
+def test_fusing_an_encoded_block_is_refused_and_changes_nothing(
+    folder: Path, loras: list[Path]
+) -> None:
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
+    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
+    assert backend is not None
+    try:
+        pipe.load_lora_weights(loras[0], adapter_name="a0")
+        want = flux_call(pipe)
+        with pytest.raises(dlo.OffloadError, match=r"encoded.*fuse before enabling"):
+            pipe.fuse_lora()
+        assert torch.equal(flux_call(pipe), want)
+        assert not any(getattr(m, "merged", False) for m in pipe.transformer.modules())
+    finally:
+        backend.disable()

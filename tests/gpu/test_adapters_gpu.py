@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dlo
-from tests.cpu.test_adapters_streaming import folder, loras, switch_and_compare
+from tests.cpu.test_adapters_streaming import folder, fuse_and_compare, loras, switch_and_compare
 
 __all__ = ["folder", "loras"]  # fixtures
 
@@ -24,4 +24,14 @@ def test_ten_requests_over_three_adapters_bitwise_on_the_gpu(
     stats = switch_and_compare(folder, loras, "cuda", cfg)
     assert stats["num_streamed_blocks"] > 0 and stats["h2d_nbytes"] > 0
     assert stats["codec"] == codec
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("when", ["after", "before"])
+def test_fuse_and_unfuse_while_enabled_bitwise_on_the_gpu(
+    folder: Path, loras: list[Path], when: str
+) -> None:
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=1, num_slots=2)
+    stats = fuse_and_compare(folder, loras, "cuda", cfg, when)
+    assert stats["num_streamed_blocks"] > 0 and stats["num_resident_blocks"] == 1
     torch.cuda.synchronize()

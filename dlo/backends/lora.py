@@ -37,13 +37,16 @@ blocks and their order do not change; re-planning, which could, is off where blo
 An adapter loaded before enable is in its block's layout: the startup agreement refuses ranks
 whose layouts differ.
 
-Refused while enabled, naming what to do instead: ``fuse_lora`` / ``unfuse_lora`` (they write
-the base weights, which live in dlo's host shards: fuse before enabling); hotswap
-(``hotswap=True``, ``enable_lora_hotswap``: it copies into the old adapter's tensors, which may
-be a block's); adapters made from the base weights' values (DoRA, PiSSA, OLoRA, CorDA, LoftQ,
-EVA inits). ``set_adapters``, ``enable_lora`` and ``disable_lora`` only change scales and flags
-and are never wrapped. Adapter calls run between pipeline calls, from the thread that runs
-them (one inside a block forward is refused; dlo takes no lock against other threads).
+``fuse_lora`` / ``unfuse_lora`` write the base weights, which live in dlo's host copies: the
+backend runs PEFT's merge block by block on real tensors and writes the host copies back
+([Note: fusing while streaming] in :mod:`dlo.backends.lora_fuse`); blocks whose host copy
+cannot be rewritten (encoded, mapped, node-shared, gathered) refuse it by name. Refused while
+enabled, naming what to do instead: hotswap (``hotswap=True``, ``enable_lora_hotswap``: it
+copies into the old adapter's tensors, which may be a block's); adapters made from the base
+weights' values (DoRA, PiSSA, OLoRA, CorDA, LoftQ, EVA inits). ``set_adapters``,
+``enable_lora`` and ``disable_lora`` only change scales and flags and are never wrapped.
+Adapter calls run between pipeline calls, from the thread that runs them (one inside a block
+forward is refused; dlo takes no lock against other threads).
 """
 
 from __future__ import annotations
@@ -76,9 +79,14 @@ ADAPTER_CALLS = (
 """A model's PEFT methods that add or remove adapter layers (diffusers' ``PeftAdapterMixin``,
 transformers' PEFT integration): run while streaming, inside :meth:`AdapterCalls.call`."""
 
-REFUSED_CALLS = ("fuse_lora", "unfuse_lora", "enable_lora_hotswap")
-"""Methods refused while enabled: a fuse writes the base weights; hotswap copies into
-tensors that may be a block's (an adapter loaded before enable streams with its block)."""
+FUSE_CALLS = ("fuse_lora", "unfuse_lora")
+"""Methods that write the base weights: run block by block where the backend can rewrite the
+host copies ([Note: fusing while streaming] in :mod:`dlo.backends.lora_fuse`), else
+refused."""
+
+REFUSED_CALLS = ("enable_lora_hotswap",)
+"""Refused while enabled: hotswap copies into tensors that may be a block's (an adapter
+loaded before enable streams with its block)."""
 
 PIPELINE_CALLS = ("load_lora_weights", "unload_lora_weights", "delete_adapters")
 """A diffusers pipeline's LoRA methods that reach the components' :data:`ADAPTER_CALLS`
@@ -105,8 +113,12 @@ class AdapterCalls:
         *,
         busy: Callable[[], bool],
         rank: int,
+        fuse: Callable[[list[nn.Module], Callable[[], Any]], Any] | None = None,
     ) -> None:
         self.streamed, self.device, self.busy, self.rank = streamed, device, busy, rank
+        self.fuse = fuse
+        """``fuse(modules, call)``: ``call()`` (a fuse) with the merges on real tensors."""
+        self.fusing = False
         self.depth = 0
         self.known: set[int] = set()
         """ids of the tensors in the model at enable (a load naming one stays refused)."""
@@ -122,7 +134,7 @@ class AdapterCalls:
         :data:`REFUSED_CALLS` refused. At disable, after everything else is given back,
         adapters created while enabled follow their base layers (:meth:`send_home`)."""
         if not isinstance(root, nn.Module):
-            for method in PIPELINE_CALLS + REFUSED_CALLS:
+            for method in PIPELINE_CALLS + FUSE_CALLS + REFUSED_CALLS:
                 if callable(getattr(type(root), method, None)):
                     _PipelineShadow(
                         root, method, self._shadow(type(root).__name__, method)
@@ -138,7 +150,7 @@ class AdapterCalls:
             self.modules.append(module)
             self.known.update(id(t) for t in _tensors(module))
             name = path or type(root).__name__
-            for method in ADAPTER_CALLS + REFUSED_CALLS:
+            for method in ADAPTER_CALLS + FUSE_CALLS + REFUSED_CALLS:
                 if callable(getattr(type(module), method, None)):
                     real = functools.partial(getattr(type(module), method), module)
                     registry.register_method(
@@ -159,7 +171,16 @@ class AdapterCalls:
             if method in ("add_adapter", "load_adapter"):
                 config = kwargs.get("adapter_config", kwargs.get("peft_config"))
                 self._check_config(name, method, config if config is not None else args[:1])
+            if method in FUSE_CALLS and self.fuse is None:
+                raise OffloadError(_refusal(name, method, method), rank=self.rank)
             with self.call(method):
+                if method in FUSE_CALLS and not self.fusing:  # block by block
+                    assert self.fuse is not None
+                    self.fusing = True
+                    try:
+                        return self.fuse(self.modules, lambda: real(*args, **kwargs))
+                    finally:
+                        self.fusing = False
                 return real(*args, **kwargs)
 
         return shadow
