@@ -342,7 +342,7 @@ def install_rings(
         platform.device,
         busy=scheduler.guard.busy,
         rank=rank,
-        fuse=lambda roots, call: BlockFuse(platform, scheduler, blocks, rank=rank).run(roots, call),
+        fuser=BlockFuse(platform, scheduler, blocks, rank=rank),
     )
     shared_names = {b.name for b in blocks if b.node_shared}
     ring_hooks = {}

@@ -60,6 +60,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlo.backends.lora_fuse import BlockFuse, is_tuner, unguard
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
@@ -80,9 +81,9 @@ ADAPTER_CALLS = (
 transformers' PEFT integration): run while streaming, inside :meth:`AdapterCalls.call`."""
 
 FUSE_CALLS = ("fuse_lora", "unfuse_lora")
-"""Methods that write the base weights: run block by block where the backend can rewrite the
-host copies ([Note: fusing while streaming] in :mod:`dlo.backends.lora_fuse`), else
-refused."""
+"""Methods that write the base weights: run block by block, the host copies rewritten
+([Note: fusing while streaming] in :mod:`dlo.backends.lora_fuse`; refused by name on a
+block whose host copy cannot be)."""
 
 REFUSED_CALLS = ("enable_lora_hotswap",)
 """Refused while enabled: hotswap copies into tensors that may be a block's (an adapter
@@ -113,12 +114,13 @@ class AdapterCalls:
         *,
         busy: Callable[[], bool],
         rank: int,
-        fuse: Callable[[list[nn.Module], Callable[[], Any]], Any] | None = None,
+        fuser: BlockFuse | None = None,
     ) -> None:
         self.streamed, self.device, self.busy, self.rank = streamed, device, busy, rank
-        self.fuse = fuse
-        """``fuse(modules, call)``: ``call()`` (a fuse) with the merges on real tensors."""
+        self.fuser = fuser
         self.fusing = False
+        """A fuse or unfuse runs: the adapter layers' merges go to :attr:`fuser` (None: no
+        block of the model can be fused, and a fuse is refused)."""
         self.depth = 0
         self.known: set[int] = set()
         """ids of the tensors in the model at enable (a load naming one stays refused)."""
@@ -159,6 +161,8 @@ class AdapterCalls:
                         method,
                         functools.partial(self._shadow(name, method), real),
                     )
+        self._guard_merges()
+        journal.record("merge guards", lambda: unguard(self._tuners()))
         journal.defer("adapters home", self.send_home)
 
     def _shadow(self, name: str, method: str) -> Callable[..., Any]:
@@ -171,14 +175,16 @@ class AdapterCalls:
             if method in ("add_adapter", "load_adapter"):
                 config = kwargs.get("adapter_config", kwargs.get("peft_config"))
                 self._check_config(name, method, config if config is not None else args[:1])
-            if method in FUSE_CALLS and self.fuse is None:
-                raise OffloadError(_refusal(name, method, method), rank=self.rank)
             with self.call(method):
                 if method in FUSE_CALLS and not self.fusing:  # block by block
-                    assert self.fuse is not None
+                    if self.fuser is None:
+                        raise OffloadError(
+                            f"{method}() on {name!r}: no fusing here (fuse before enabling)",
+                            rank=self.rank,
+                        )
                     self.fusing = True
                     try:
-                        return self.fuse(self.modules, lambda: real(*args, **kwargs))
+                        return self.fuser.run(self.modules, method, lambda: real(*args, **kwargs))
                     finally:
                         self.fusing = False
                 return real(*args, **kwargs)
@@ -261,9 +267,7 @@ class AdapterCalls:
     def _tuners(self) -> Iterator[nn.Module]:
         """PEFT's adapter layers under the shadowed modules."""
         for root in self.modules:
-            for m in root.modules():
-                if hasattr(m, "base_layer") and hasattr(m, "adapter_layer_names"):
-                    yield m
+            yield from (m for m in root.modules() if is_tuner(m))
 
     def _adapter_names(self) -> dict[int, set[str]]:
         """Adapter names per shadowed module (its ``peft_config``) and per adapter layer."""
@@ -295,9 +299,15 @@ class AdapterCalls:
             if getattr(t, "use_dora", {}).get(name)
         ]
 
+    def _guard_merges(self) -> None:
+        if self.fuser is not None:
+            self.fuser.guard(self.modules, lambda: self.fusing)
+
     def _settle(self) -> None:
         """Every adapter tensor of a streamed block that is not a block tensor onto the
-        device (where PEFT put it already, unless it was created elsewhere)."""
+        device (where PEFT put it already, unless it was created elsewhere); the adapter
+        layers' merges guarded."""
+        self._guard_merges()
         for b in self.streamed():
             held = {id(t) for t in b.tensors}
             for t in _tensors(b.module):
@@ -365,15 +375,6 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def _refusal(path: str, method: str, why: str) -> str:
-    if why in ("fuse_lora", "unfuse_lora"):
-        return (
-            f"{method}() on {path!r} while dlo streams its blocks: fusing writes the base "
-            "weights, which live in dlo's host shards. Fuse before enabling: "
-            "pipe.load_lora_weights(...); pipe.fuse_lora() then dlo.enable_offload(pipe, "
-            "cfg) (or dlo.load_pipeline(DIR, cfg, prepare=...)); or backend.disable(), fuse, "
-            "enable again. Unfused adapters load, switch (set_adapters) and unload while "
-            "enabled"
-        )
     if why in ("hotswap", "enable_lora_hotswap"):
         return (
             f"{method}() on {path!r} with hotswap while dlo streams its blocks: a hotswap "

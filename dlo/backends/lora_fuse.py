@@ -21,7 +21,7 @@ disable gives them back with their values.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ from torch import nn
 
 from dlo.backends.layer_host import LayerBlock
 from dlo.errors import OffloadError
-from dlo.host.shards import copy_back, unpack_tensor
+from dlo.host.shards import copy_back, shard_view
+from dlo.journal import atomic
 from dlo.platform.device import Platform
 from dlo.runtime.ring import RingScheduler
 from dlo.runtime.streamed import LOADED, StreamedBlock
@@ -39,8 +40,8 @@ MERGES = ("merge", "unmerge")
 
 
 class BlockFuse:
-    """One fuse (or unfuse) call's merges, block by block (see [Note: fusing while
-    streaming])."""
+    """Merges of adapter layers inside blocks, block by block, during a fuse or unfuse
+    (see [Note: fusing while streaming])."""
 
     def __init__(
         self,
@@ -52,104 +53,149 @@ class BlockFuse:
     ) -> None:
         self.platform, self.scheduler, self.rank = platform, scheduler, rank
         streamed = [sb for ring in scheduler.rings for sb in ring.blocks]
-        self.streamed = {id(sb.module): sb for sb in streamed}
-        self.resident = {id(b.module): b for b in blocks if b.resident}
+        self.blocks: dict[int, StreamedBlock | LayerBlock] = {
+            **{id(b.module): b for b in blocks if b.resident},
+            **{id(sb.module): sb for sb in streamed},
+        }
+        """id(block module) -> what dlo holds of it: a ring's block, or a resident block."""
         self.layer = {id(b.module): b for b in blocks}
+        self.owners: dict[int, StreamedBlock | LayerBlock] = {}
+        """id(adapter layer) -> its block, for the fuse running."""
         self.open: StreamedBlock | LayerBlock | None = None
         self.before: list[torch.Tensor] = []
-        """The open block's tensors as the merge found them (what a resident keeps)."""
+        """The open block's device tensors as bound for the merge (a pinned or resident
+        block keeps them: a merge that rebinds ``.data`` is copied back into them)."""
 
-    def run(self, roots: list[nn.Module], fuse: Callable[[], Any]) -> Any:
-        """``fuse()`` with every adapter layer's merge under ``roots`` done on real tensors."""
-        owners = self._owners(roots)
-        self._refuse(owners)
-        self.platform.synchronize()  # no load reads a host copy this rewrites
-        shadowed = []
-        try:
-            for tuner, owner in owners.items():
-                for method in MERGES:
-                    vars(tuner)[method] = functools.partial(self._merge, tuner, owner, method)
-                    shadowed.append((tuner, method))
-            return fuse()
-        finally:
-            try:
-                self._close()
-            finally:
-                for tuner, method in shadowed:
-                    vars(tuner).pop(method, None)
+    def owner(self, tuner: nn.Module) -> StreamedBlock | LayerBlock | None:
+        """The block holding adapter layer ``tuner`` (None: outside every block)."""
+        for owner in self.blocks.values():
+            if any(m is tuner for m in owner.module.modules()):
+                return owner
+        return None
 
-    def _owners(self, roots: list[nn.Module]) -> dict[nn.Module, Any]:
-        """Each adapter layer under ``roots`` and the block holding it (None: no block)."""
-        out: dict[nn.Module, Any] = {}
+    def in_blocks(self, roots: list[nn.Module]) -> Iterator[tuple[nn.Module, Any]]:
+        """Each adapter layer under ``roots`` inside a block, and the block."""
+        seen: set[int] = set()
         for root in roots:
-            for block in _blocks_under(root, self.layer):
-                for m in block.modules():
-                    if _is_tuner(m):
-                        out[m] = self.streamed.get(id(block)) or self.resident.get(id(block))
             for m in root.modules():
-                if _is_tuner(m) and m not in out:
-                    out[m] = None
-        return out
+                owner = self.blocks.get(id(m))
+                if owner is None or id(m) in seen:
+                    continue
+                seen.add(id(m))
+                for t in m.modules():
+                    if is_tuner(t):
+                        yield t, owner
 
-    def _refuse(self, owners: dict[nn.Module, Any]) -> None:
-        for owner in {id(o): o for o in owners.values() if o is not None}.values():
-            if not owner.host_writable or self.layer[id(owner.module)].region is None:
+    def run(self, roots: list[nn.Module], method: str, fuse: Callable[[], Any]) -> Any:
+        """``fuse()``: the merges it makes of layers inside blocks (:meth:`merge`, through
+        the adapter layers' guards) done on real tensors, block by block."""
+        tuners = list(self.in_blocks(roots))
+        self.owners = {id(t): o for t, o in tuners}
+        touched = [o for t, o in tuners if method == "fuse_lora" or getattr(t, "merged", False)]
+        for owner in {id(o): o for o in touched}.values():
+            layer = self.layer[id(owner.module)]
+            if not owner.host_writable or layer.region is None:
                 raise OffloadError(
-                    f"fuse_lora() / unfuse_lora() would rewrite block {owner.name!r}, whose host "
-                    f"copy is {_why(self.layer[id(owner.module)])}: fuse before enabling "
-                    "(backend.disable(), fuse, enable again)",
+                    f"{method}() would rewrite block {owner.name!r}, whose host copy is "
+                    f"{_why(layer)}: fuse before enabling (backend.disable(), fuse, enable "
+                    "again)",
                     rank=self.rank,
                     block=owner.name,
                 )
+        self.platform.synchronize()  # no load in flight reads a host copy this rewrites
+        try:
+            return fuse()
+        finally:
+            self._close()
 
-    def _merge(self, tuner: nn.Module, owner: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+    def merge(self, tuner: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
+        """PEFT's ``method`` of ``tuner`` on real tensors: its block opened first."""
+        owner = self.owners.get(id(tuner)) or self.owner(tuner)
         if owner is not None and owner is not self.open:
             self._close()
             self._open(owner)
         return getattr(type(tuner), method)(tuner, *args, **kwargs)
 
+    def guard(self, roots: list[nn.Module], fusing: Callable[[], bool]) -> None:
+        """Each adapter layer inside a block under ``roots`` gets guarded ``merge`` /
+        ``unmerge``: while ``fusing()`` they go block by block (:meth:`merge`); at any other
+        time they are refused (PEFT unmerges a fused layer in place when its adapters are
+        disabled or switched, inside a forward: on a device copy dlo would overwrite, or
+        never keep)."""
+        for tuner, _ in self.in_blocks(roots):
+            for method in MERGES:
+                if not getattr(vars(tuner).get(method), "_dlo_guard", False):
+                    vars(tuner)[method] = self._guarded(tuner, method, fusing)
+
+    def _guarded(
+        self, tuner: nn.Module, method: str, fusing: Callable[[], bool]
+    ) -> Callable[..., Any]:
+        real = getattr(type(tuner), method).__get__(tuner)
+
+        @functools.wraps(real)  # diffusers reads merge's signature
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if fusing():
+                return self.merge(tuner, method, *args, **kwargs)
+            raise OffloadError(
+                f"{method}() of a LoRA layer in a block dlo streams, outside fuse_lora() / "
+                "unfuse_lora(): PEFT unmerges a fused layer in place when its adapters are "
+                "disabled or switched, which would change a device copy only. Call "
+                "unfuse_lora() first, then disable or switch the adapters",
+                rank=self.rank,
+            )
+
+        guarded._dlo_guard = True  # type: ignore[attr-defined]
+        return guarded
+
     def _open(self, owner: StreamedBlock | LayerBlock) -> None:
-        """Bind ``owner``'s tensors to real device tensors for the merge."""
-        self.open = owner
+        """Bind ``owner``'s tensors to real device tensors for the merge (a streamed block:
+        views of one device copy of its host bytes; a pinned one: its own copy)."""
         if isinstance(owner, StreamedBlock):
-            if owner.own is not None:  # pinned: its own device copy
+            if owner.own is not None:
                 real = list(owner.own_views)
             else:
                 raw = owner.shard.to(self.platform.device)
-                real = [unpack_tensor(raw, s, self.platform.device) for s in owner.layout.tensors]
+                real = [shard_view(raw, s) for s in owner.layout.tensors]
             for t, r in zip(owner.tensors, real):
                 t.data = r
         self.before = [t.data for t in owner.tensors]
+        self.open = owner  # only once bound: a close writes back what is bound
 
     def _close(self) -> None:
-        """The open block's tensors back into its host copy (and pinned or resident device
-        copy); a streamed block's slot copy evicted and its placeholders bound."""
-        owner, self.open = self.open, None
+        """The open block's tensors back into its host copy (and its pinned or resident
+        device copy); a streamed block's copy in a slot evicted, its placeholders bound.
+        Interrupts wait until it is done (the copies would disagree otherwise)."""
+        owner = self.open
         if owner is None:
             return
-        self.platform.synchronize()
-        layer = self.layer[id(owner.module)]
-        copy_back(layer.host_view(), list(zip(owner.layout.tensors, owner.tensors)))
-        if isinstance(owner, LayerBlock) or (owner.own is not None):
-            for t, kept in zip(owner.tensors, self.before):  # PEFT may rebind .data
-                if t.data.data_ptr() != kept.data_ptr():
-                    kept.copy_(t.data)
-                    t.data = kept
-        if isinstance(owner, StreamedBlock):
-            if owner.state == LOADED and owner.slot is not None:  # a stale copy in a slot
-                self.scheduler.evict(owner.slot)
-            for t, ph in zip(owner.tensors, owner.placeholders):
-                t.data = ph
-        self.platform.synchronize()
+        with atomic():
+            self.open = None
+            self.platform.synchronize()
+            if isinstance(owner, StreamedBlock) and owner.state == LOADED and owner.slot:
+                self.scheduler.evict(owner.slot)  # a stale copy: the next load reads anew
+            layer = self.layer[id(owner.module)]
+            copy_back(layer.host_view(), list(zip(owner.layout.tensors, owner.tensors)))
+            if isinstance(owner, LayerBlock) or owner.own is not None:
+                for t, kept in zip(owner.tensors, self.before):  # PEFT may rebind .data
+                    if t.data.data_ptr() != kept.data_ptr():
+                        kept.copy_(t.data)
+                        t.data = kept
+            if isinstance(owner, StreamedBlock):
+                for t, ph in zip(owner.tensors, owner.placeholders):
+                    t.data = ph
+            self.platform.synchronize()
 
 
-def _blocks_under(root: nn.Module, layer: dict[int, LayerBlock]) -> Iterator[nn.Module]:
-    for m in root.modules():
-        if id(m) in layer:
-            yield m
+def unguard(tuners: Iterable[nn.Module]) -> None:
+    """Take :meth:`BlockFuse.guard`'s guards off (at disable)."""
+    for tuner in tuners:
+        for method in MERGES:
+            if getattr(vars(tuner).get(method), "_dlo_guard", False):
+                del vars(tuner)[method]
 
 
-def _is_tuner(m: nn.Module) -> bool:
+def is_tuner(m: nn.Module) -> bool:
+    """A PEFT adapter layer (its ``base_layer`` the wrapped module)."""
     return hasattr(m, "base_layer") and hasattr(m, "adapter_layer_names")
 
 

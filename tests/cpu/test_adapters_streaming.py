@@ -331,12 +331,20 @@ def fuse_and_compare(
             pipe.load_lora_weights(loras[0], adapter_name="a0")
         assert torch.equal(flux_call(pipe), flux_call(ref))  # blocks kept in slots now
         for step in ("fuse", "unfuse", "fuse"):
-            for p in (ref, pipe):
-                p.fuse_lora(lora_scale=0.7) if step == "fuse" else p.unfuse_lora()
+            for p in (ref, pipe):  # adapter_names: diffusers reads merge's signature
+                p.fuse_lora(lora_scale=0.7, adapter_names=["a0"]) if step == "fuse" else (
+                    p.unfuse_lora()
+                )
             want = flux_call(ref)
             assert torch.equal(flux_call(pipe), want), step
             assert torch.equal(flux_call(pipe), want), step
             seen.append(want)
+        # fused: PEFT would unmerge in place inside the forward of a disabled adapter
+        pipe.disable_lora()
+        with pytest.raises(dlo.OffloadError, match=r"unmerge\(\) of a LoRA layer.*unfuse_lora"):
+            flux_call(pipe)
+        pipe.enable_lora()
+        assert torch.equal(flux_call(pipe), want)
         stats = backend.stats()
     finally:
         backend.disable()
