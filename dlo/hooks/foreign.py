@@ -40,13 +40,23 @@ STEP_CACHE_HOOKS = frozenset(
 """diffusers' step-cache hooks (its ``enable_cache``): they skip or reuse computations and
 move no weight, so dlo streams the blocks they wrap (see :mod:`dlo.hooks.step_caches`)."""
 
+CONTEXT_PARALLEL_HOOKS = ("cp_input---", "cp_output---")
+"""Name prefixes of diffusers' context-parallel hooks (``enable_parallelism`` with a
+``ContextParallelConfig``): they split and gather activations along the sequence and move no
+weight, so dlo streams (and gathers) the blocks they wrap."""
+
+
+def _moves_weights(hook_name: str) -> bool:
+    """Whether a diffusers hook of this name may manage weights (an offloader's would)."""
+    return hook_name not in STEP_CACHE_HOOKS and not hook_name.startswith(CONTEXT_PARALLEL_HOOKS)
+
 
 def foreign_offloader(module: nn.Module) -> str | None:
     """Name the other mechanism that manages ``module`` itself, or ``None``.
 
     Only ``module`` is inspected, not its children (see :func:`find_foreign_offloaders`).
     Recognized: accelerate hooks (``_hf_hook``), diffusers hooks (a ``_diffusers_hook``
-    registry holding hooks other than step caches'), FSDP1 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``,
+    registry holding hooks other than step caches' and context parallelism's), FSDP1 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``,
     an ``FSDPModule``) and DTensor parameters held directly by ``module``. Nothing is imported
     here: a mechanism whose module was never imported cannot be managing anything.
 
@@ -65,7 +75,7 @@ def foreign_offloader(module: nn.Module) -> str | None:
         return "accelerate"
     diffusers_registry = getattr(module, "_diffusers_hook", None)
     hooks = getattr(diffusers_registry, "hooks", None) if diffusers_registry is not None else None
-    if hooks and any(name not in STEP_CACHE_HOOKS for name in hooks):
+    if hooks and any(_moves_weights(name) for name in hooks):
         return "diffusers"
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None:

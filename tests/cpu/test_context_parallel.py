@@ -1,0 +1,128 @@
+"""Context (sequence) parallelism with dlo's AllGather on the same ranks (issue 38): a
+diffusers transformer under ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))``,
+its blocks streamed and rebuilt by AllGather over the same N ranks (one prompt: every rank
+runs the same block at the same time on its slice of the sequence, DLO's lock step), bit for
+bit against the resident context-parallel run on the same ranks; ``disable(restore=True)``
+gives the model back. gloo, worlds 2 and 4, tiny Wan and FLUX with 4 heads (Ulysses splits
+heads). diffusers 0.42.1 divides by ``torch.accelerator.device_count()`` (0 on a CPU) when it
+builds its mesh: the ranks patch it to 1 around ``enable_parallelism``. Ring attention needs
+an attention backend that returns the log-sum-exp, which the CPU's native one does not: it
+is not run here."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from tests.harness import assert_all_ok, run_ranks
+
+diffusers = pytest.importorskip("diffusers")
+
+
+def _wan() -> torch.nn.Module:
+    return diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=3,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+
+
+def _wan_inputs(g: torch.Generator) -> dict[str, Any]:  # 2 x 4 x 4 = 32 tokens, 8 of text
+    return {
+        "hidden_states": torch.randn(1, 4, 2, 8, 8, generator=g),
+        "timestep": torch.randint(0, 1000, (1,), generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, 16, generator=g),
+    }
+
+
+def _flux() -> torch.nn.Module:
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def _flux_inputs(g: torch.Generator) -> dict[str, Any]:  # 16 image tokens, 8 of text
+    return {
+        "hidden_states": torch.randn(1, 16, 4, generator=g),
+        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
+        "pooled_projections": torch.randn(1, 32, generator=g),
+        "timestep": torch.rand(1, generator=g),
+        "img_ids": torch.randn(16, 3, generator=g),
+        "txt_ids": torch.zeros(8, 3),
+    }
+
+
+MODELS = {"wan": (_wan, _wan_inputs), "flux": (_flux, _flux_inputs)}
+
+
+def _ulysses(model: torch.nn.Module, world: int) -> None:
+    """diffusers' Ulysses over every rank (its mesh built on the CPU: see the module doc)."""
+    count = torch.accelerator.device_count
+    torch.accelerator.device_count = lambda: max(count(), 1)  # type: ignore[assignment]
+    try:
+        model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=world))
+    finally:
+        torch.accelerator.device_count = count  # type: ignore[assignment]
+
+
+def _rank(rank: int, world: int, name: str) -> dict[str, Any]:
+    build, inputs = MODELS[name]
+    torch.manual_seed(0)
+    ref = build().eval()
+    model = copy.deepcopy(ref)
+    _ulysses(ref, world)
+    _ulysses(model, world)
+    steps = [inputs(torch.Generator().manual_seed(s)) for s in range(3)]
+    with torch.no_grad():
+        want = [ref(**x, return_dict=False)[0] for x in steps]
+    cfg = dlo.OffloadConfig(
+        mode="layer", transfer="allgather", num_slots=2, collective_timeout_s=30
+    )
+    backend = dlo.enable_offload(model, cfg, device="cpu")
+    try:
+        with torch.no_grad():
+            got = [model(**x, return_dict=False)[0] for x in steps]
+        st = backend.stats()
+    finally:
+        backend.disable(restore=True)
+    with torch.no_grad():
+        after = model(**steps[0], return_dict=False)[0]
+    return {
+        "same": all(torch.equal(a, b) for a, b in zip(want, got, strict=True)),
+        "restored": torch.equal(after, want[0]),
+        "group_size": st["group_size"],
+        "streamed": st["num_streamed_blocks"],
+        "gathered": st["allgather_nbytes"],
+        "host": st["host_nbytes"],
+        "context_parallel": ref._parallel_config is not None,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_ulysses_with_allgather_on_the_same_ranks_is_bitwise(name: str, world: int) -> None:
+    res = assert_all_ok(run_ranks(_rank, world, name, timeout_s=240))
+    assert all(r["same"] and r["restored"] and r["context_parallel"] for r in res), res
+    assert all(r["group_size"] == world and r["streamed"] > 0 for r in res)
+    # each rank holds 1/N of every streamed block and gathered them whole
+    assert len({r["host"] for r in res}) == 1 and all(r["gathered"] > 0 for r in res)
