@@ -4,13 +4,16 @@
 Data-parallel ranks (``torchrun``) run the same shapes in lock step with their own request:
 rank r takes prompt ``r mod len(--prompt)`` and seed ``--seed + r``, and writes
 ``--output`` with ``.rankR`` before the suffix, or after a directory's name (rank 0 the path
-itself). ``--output`` is a directory (a PNG per frame) when it is one already, whatever its
+itself). With ``--context-parallel ulysses|ring`` (:mod:`dlo.parallel.context`) the ranks
+instead run one request together (the first prompt, ``--seed``), every DiT split along the
+sequence over all of them, and rank 0 alone writes it. ``--output`` is a directory (a PNG per frame) when it is one already, whatever its
 name, ends in ``/`` or has no suffix; a ``.png`` for more than one frame is refused before
 any work. Rank 0 prints what will run before the load, shows the progress
 (:mod:`dlo.platform.progress`, not diffusers' bar) and prints the results: step time, peak
 HBM, host memory, cold start (process start to the first DiT forward), where the output
 went and its frame count. ``--check`` runs the same call on a resident
-pipeline (``DiffusionPipeline.from_pretrained`` on the device) and compares bit for bit.
+pipeline (``DiffusionPipeline.from_pretrained`` on the device; context-parallel the same
+way) and compares bit for bit.
 """
 
 from __future__ import annotations
@@ -157,6 +160,7 @@ def save_output(images: torch.Tensor, path: Path, kind: str) -> list[Path]:
 def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     """``dlo run --pipeline``: see the module docstring."""
     entered = time.time()
+    from dlo.parallel.context import check_context_parallel, enable_context_parallel
     from dlo.parallel.groups import init, shutdown
     from dlo.pipelines.folder import read_index
     from dlo.pipelines.load import load_pipeline
@@ -187,6 +191,10 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     device = torch.device(args.device) if args.device else default_device()
     par = ParallelConfig(data_parallel_size=torchrun_env().world_size)
     world = init(par, device=device)
+    cp = args.context_parallel
+    if cp is not None:  # every rank runs rank 0's request, split along the sequence
+        check_context_parallel(cp, world.size)
+    request = 0 if cp is not None else world.rank
     platform = get_platform(device)
     init_s = time.time() - entered
     rank0 = world.rank == 0
@@ -208,6 +216,9 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         device=device,
         dtype=dtype,
         verify_checksum=args.verify_checksum,
+        prepare=None
+        if cp is None
+        else lambda p: enable_context_parallel(dits_of(p), cp, world.size),
     )
     load_s = time.perf_counter() - t0
     try:
@@ -216,7 +227,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             compile_blocks(dit, args.compile)
         load_rss = process_peak_rss_bytes()
         pipe.set_progress_bar_config(disable=True)  # dlo's progress instead (bars or lines)
-        kw = call_kwargs(args, pipe, world.rank, device)
+        kw = call_kwargs(args, pipe, request, device)
         platform.reset_peak_memory_stats()
 
         called = time.time()
@@ -236,7 +247,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         run_rss = process_peak_rss_bytes()
         written: list[Path] = []
         location = None
-        if args.output:
+        if args.output and (cp is None or rank0):  # context parallel: one output, rank 0's
             location = _output_path(args.output, world.rank, world.size)
             written = save_output(images, location, output_kind(args.output))
         parity: bool | None = None
@@ -246,10 +257,12 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             pipe = None
             gc.collect()
             ref = resident_reference(args.pipeline, dtype, device)
+            if cp is not None:  # the same split on the same ranks, every weight resident
+                enable_context_parallel(dits_of(ref), cp, world.size)
             for dit in dits_of(ref):
                 compile_blocks(dit, args.compile)
             with torch.inference_mode():
-                expect = result_of(ref(**call_kwargs(args, ref, world.rank, device)))
+                expect = result_of(ref(**call_kwargs(args, ref, request, device)))
             parity = bool(torch.equal(expect, images))
             del ref
         nonfinite = count_nonfinite(images)  # NaN and inf values of the output
@@ -262,7 +275,8 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "transfer": stats.get("transfer", "-"),
             "steps": args.steps,
             "prompt": kw["prompt"],
-            "seed": args.seed + world.rank,
+            "seed": args.seed + request,
+            "context_parallel": cp,
             **step_times(marks),
             # the cold start's phases: process start to dlo's entry (interpreter, imports), the
             # process group and the device, the load, the call to its first DiT forward (the

@@ -12,12 +12,17 @@ is not run here."""
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import dlo
+from dlo.pipelines.layouts import FOLDERS
+from dlo.pipelines.synth import save_folder
+from tests.cpu.test_cli import _torchrun
+from tests.cpu.test_pipeline_folders import _call_flags, _reports
 from tests.harness import assert_all_ok, run_ranks
 
 diffusers = pytest.importorskip("diffusers")
@@ -126,3 +131,43 @@ def test_ulysses_with_allgather_on_the_same_ranks_is_bitwise(name: str, world: i
     assert all(r["group_size"] == world and r["streamed"] > 0 for r in res)
     # each rank holds 1/N of every streamed block and gathered them whole
     assert len({r["host"] for r in res}) == 1 and all(r["gathered"] > 0 for r in res)
+
+
+# ----------------------------------------------------------------------------- dlo run
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan2.1"])
+def test_dlo_run_context_parallel_under_torchrun_is_bitwise(tmp_path: Path, name: str) -> None:
+    """``torchrun --nproc-per-node=2 dlo run --pipeline DIR --context-parallel ulysses
+    --transfer allgather --check``: both ranks run rank 0's request split along the
+    sequence, each holding half of every block; the output is the resident context-parallel
+    run's bit for bit, and rank 0 alone writes it."""
+    folder = tmp_path / name
+    save_folder(FOLDERS[name], folder, max_shard_size=40_000)
+    out = tmp_path / "out" / "result.png"
+    proc = _torchrun(
+        "run", "--pipeline", str(folder), "--steps", "2", "--check", "--json",
+        "--context-parallel", "ulysses", "--transfer", "allgather", "--dtype", "float32",
+        "--prompt", "a red fox", "--prompt", "a blue bird", *_call_flags(name),
+        *(["--output", str(out)] if name == "tiny-flux" else []),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = _reports(proc.stdout)
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert all(r["parity"] is True and r["transfer"] == "allgather" for r in reports), reports
+    assert [r["prompt"] for r in reports] == ["a red fox"] * 2  # one request, split
+    assert [r["seed"] for r in reports] == [0, 0]
+    assert all(r["context_parallel"] == "ulysses" for r in reports)
+    if name == "tiny-flux":
+        assert [len(r["output"]) for r in reports] == [1, 0]
+        assert sorted(p.name for p in out.parent.iterdir()) == ["result.png"]
+
+
+def test_context_parallel_bad_input_is_named() -> None:
+    from dlo.parallel.context import check_context_parallel
+
+    with pytest.raises(ValueError, match="--context-parallel='tensor'"):
+        check_context_parallel("tensor", 2)
+    with pytest.raises(ValueError, match="needs 2 or more ranks"):
+        check_context_parallel("ulysses", 1)
+    if not torch.accelerator.is_available():
+        with pytest.raises(ValueError, match="ring needs an attention backend"):
+            check_context_parallel("ring", 2)
