@@ -3,7 +3,7 @@
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
 # The `dlo run` rows that exercise a transfer pass --resident-layers 0 (on a GPU the defaults
 # keep a model that fits resident, and nothing would stream); run_1gpu_defaults runs those.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -79,6 +79,17 @@ for s in $steps; do
       for t in auto allgather; do
         [ "$ngpu" -ge 2 ] && step "wan_ngpu_$t" 400 torchrun --nproc-per-node="$ngpu" -m dlo run \
           $wan_args --transfer "$t"
+      done ;;
+    cp)  # issue 38: context parallelism with DLO on N GPUs (Wan 14B-like folder, 480p x 81
+      # frames: 32760 tokens and 40 heads split N = 2, 4 or 8 ways), the same split resident
+      [ -d /dev/shm/dlo_wan ] || step wan_save 300 python3 -m dlo save-pipeline \
+        --like wan2.1-t2v-14b /dev/shm/dlo_wan
+      cp_args="--pipeline /dev/shm/dlo_wan --height 480 --width 832 --frames 81 --steps 3 --json"
+      for kind in ulysses ring; do
+        [ "$ngpu" -ge 2 ] && step "cp_${kind}_resident" 400 torchrun --nproc-per-node="$ngpu" \
+          -m dlo run $cp_args --context-parallel "$kind" --mode none
+        [ "$ngpu" -ge 2 ] && step "cp_${kind}_dlo" 500 torchrun --nproc-per-node="$ngpu" \
+          -m dlo run $cp_args --context-parallel "$kind" --transfer allgather --check
       done ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/multigpu/test_dlo_nccl.py -k "copy and not one_rank_failing" ;;
