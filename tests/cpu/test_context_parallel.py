@@ -12,6 +12,7 @@ is not run here."""
 from __future__ import annotations
 
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -22,34 +23,11 @@ import dlo
 from dlo.pipelines.layouts import FOLDERS
 from dlo.pipelines.synth import save_folder
 from tests.cpu.test_cli import _torchrun
+from tests.cpu.test_diffusers_adapters import _flux_inputs, _wan, _wan_inputs
 from tests.cpu.test_pipeline_folders import _call_flags, _reports
 from tests.harness import assert_all_ok, run_ranks
 
 diffusers = pytest.importorskip("diffusers")
-
-
-def _wan() -> torch.nn.Module:
-    return diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=4,
-        attention_head_dim=12,
-        in_channels=4,
-        out_channels=4,
-        text_dim=16,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=3,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
-
-
-def _wan_inputs(g: torch.Generator) -> dict[str, Any]:  # 2 x 4 x 4 = 32 tokens, 8 of text
-    return {
-        "hidden_states": torch.randn(1, 4, 2, 8, 8, generator=g),
-        "timestep": torch.randint(0, 1000, (1,), generator=g),
-        "encoder_hidden_states": torch.randn(1, 8, 16, generator=g),
-    }
 
 
 def _flux() -> torch.nn.Module:
@@ -66,18 +44,7 @@ def _flux() -> torch.nn.Module:
     )
 
 
-def _flux_inputs(g: torch.Generator) -> dict[str, Any]:  # 16 image tokens, 8 of text
-    return {
-        "hidden_states": torch.randn(1, 16, 4, generator=g),
-        "encoder_hidden_states": torch.randn(1, 8, 32, generator=g),
-        "pooled_projections": torch.randn(1, 32, generator=g),
-        "timestep": torch.rand(1, generator=g),
-        "img_ids": torch.randn(16, 3, generator=g),
-        "txt_ids": torch.zeros(8, 3),
-    }
-
-
-MODELS = {"wan": (_wan, _wan_inputs), "flux": (_flux, _flux_inputs)}
+MODELS = {"wan": (functools.partial(_wan, 4), _wan_inputs), "flux": (_flux, _flux_inputs)}
 
 
 def _ulysses(model: torch.nn.Module, world: int) -> None:

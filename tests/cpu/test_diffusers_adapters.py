@@ -73,10 +73,10 @@ def _flux_inputs(g: torch.Generator) -> Inputs:
     }
 
 
-def _wan() -> nn.Module:
+def _wan(num_attention_heads: int = 2) -> nn.Module:
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
+        num_attention_heads=num_attention_heads,
         attention_head_dim=12,
         in_channels=4,
         out_channels=4,
