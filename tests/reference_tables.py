@@ -294,6 +294,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "num_wasted_loads": "loads evicted or dropped before their block ran (a prefetch of a "
         "block the forward skipped: a step cache); a block that ran keeps its slot until a "
         "load needs it, so running it again loads nothing",
+        "wasted_nbytes": "the bytes of those wasted loads (each block's raw bytes, this "
+        "rank's share)",
         "num_skipped_blocks": "block calls a step cache (diffusers' `enable_cache`) skipped "
         "while dlo's loads were inside it: none of them loaded anything",
         "num_cache_inner_blocks": "streamed blocks whose loads are inside their DiT's step "

@@ -154,6 +154,9 @@ class LayerState:
             "dropped_wait_samples": sum(b.wait.dropped for b in streamed if b.wait),
             "num_demand_loads": sum(b.num_demand_loads for b in streamed),
             "num_wasted_loads": sum(b.num_wasted_loads for b in streamed),
+            "wasted_nbytes": sum(
+                b.num_wasted_loads * b.layout.nbytes // b.layout.group_size for b in streamed
+            ),
             **(
                 sched.caches.stats()
                 if sched is not None and sched.caches is not None

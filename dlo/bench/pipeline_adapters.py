@@ -12,7 +12,12 @@ in host memory as a loaded file would be) serve ``--requests`` requests in turn,
 - ``dlo-switch``: every adapter loaded once after enable (kept on the device), each request
   a ``set_adapters``;
 - ``dlo-streamed``: every adapter loaded before enable, so each is part of its block and
-  streams with it; each request a ``set_adapters``.
+  streams with it (every forward moves every adapter's bytes: compare its step with
+  ``dlo-none``'s); each request a ``set_adapters``;
+- ``dlo-none``: the same budget with no adapter: the step an adapter costs nothing on.
+
+``preload_ms`` is the one-time load of ``dlo-switch``'s adapters (while enabled) and of
+``dlo-streamed``'s (before enable).
 
 Per request: the switch's ms (device synchronized), the steady step, and the output bit for
 bit against resident's for the same request. The target: a switch within the adapter's bytes
@@ -40,7 +45,7 @@ from dlo.config.offload import OffloadConfig
 from dlo.runtime.measure import h2d_bandwidth
 
 GB = 1e9
-METHODS = ("resident", "dlo-load", "dlo-switch", "dlo-streamed")
+METHODS = ("resident", "dlo-load", "dlo-switch", "dlo-streamed", "dlo-none")
 TARGET_SLACK_MS = 20.0
 """Issue 36: a switch within the adapter's bytes over the H2D rate plus this."""
 
@@ -139,6 +144,15 @@ def _set(pipe: Any, r: int, a: int) -> None:
     pipe.set_adapters([f"a{a}"])
 
 
+def _timed(b: Bench, fn: Any, *args: Any) -> float:
+    """Seconds of ``fn(*args)``, the device synchronized at both ends."""
+    b.platform.synchronize()
+    t0 = time.perf_counter()
+    fn(*args)
+    b.platform.synchronize()
+    return time.perf_counter() - t0
+
+
 def _load_all(pipe: Any, loras: list[dict[str, Any]]) -> None:
     for i, sd in enumerate(loras):
         pipe.load_lora_weights(dict(sd), adapter_name=f"a{i}")
@@ -183,20 +197,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             continue
         save(args.json, report())
         pipe = resident_reference(args.pipeline, b.dtype, torch.device("cpu"))
-        if method == "dlo-streamed":
-            _load_all(pipe, loras)  # before enable: each adapter is part of its block
+        preload_s = 0.0
+        if method == "dlo-streamed":  # before enable: each adapter is part of its block
+            preload_s = _timed(b, _load_all, pipe, loras)
         ok, undo = _capped(b.platform, budget)
         backend = None
         try:
             backend = enable_offload(pipe, OffloadConfig(device_budget_gb=budget), device=b.device)
             assert backend is not None  # a layer config always has one
             if method == "dlo-switch":
-                _load_all(pipe, loras)
-            switch = (lambda p, r, a: _load_one(p, r, a, loras)) if method == "dlo-load" else _set
+                preload_s = _timed(b, _load_all, pipe, loras)
+            switch = {
+                "dlo-load": lambda p, r, a: _load_one(p, r, a, loras),
+                "dlo-none": lambda p, r, a: None,
+            }.get(method, _set)
             new = serve.serve(method, pipe, switch)
             st = backend.stats()
             for row in new:
-                row.update(capped=ok, host_nbytes=st["host_nbytes"])
+                row.update(capped=ok, host_nbytes=st["host_nbytes"], preload_ms=preload_s * 1e3)
+                if method == "dlo-none":
+                    row["bitwise_vs_resident"] = None  # resident served adapters
         except (torch.OutOfMemoryError, ValueError, RuntimeError) as e:
             new = [{"method": method, "failed": failure(e)}]
         finally:
@@ -218,21 +238,22 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['h2d_pinned_GBps']:.1f} GB/s; target switch <= {target:.1f} ms; budget "
         f"{report['budget_gb']:g} GiB; {report['size']} x {report['steps']} steps.",
         "",
-        "| method | requests | switch ms median | switch ms max (first excluded) | steady step ms "
-        "median | peak HBM GiB | bitwise |",
-        "|---|---|---|---|---|---|---|",
+        "| method | requests | switch ms median | switch ms max (first excluded) | preload ms | "
+        "steady step ms median | peak HBM GiB | bitwise |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     by: dict[str, list[dict[str, Any]]] = {}
     for r in report["results"]:
         by.setdefault(r["method"], []).append(r)
     for method, rows in by.items():
         if "failed" in rows[0]:
-            lines.append(f"| {method} | {rows[0]['failed']} |" + " |" * 5)
+            lines.append(f"| {method} | {rows[0]['failed']} |" + " |" * 6)
             continue
         sw = [r["switch_ms"] for r in rows]
         later = sw[1:] or sw
         lines.append(
             f"| {method} | {len(rows)} | {statistics.median(sw):.1f} | {max(later):.1f} | "
+            f"{rows[0].get('preload_ms', 0.0):.1f} | "
             f"{statistics.median(r['step_ms_median'] for r in rows):.1f} | "
             f"{max(r['hbm_peak_nbytes'] for r in rows) / GIB:.2f} | "
             f"{all(r['bitwise_vs_resident'] is not False for r in rows)} |"

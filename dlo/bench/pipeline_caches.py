@@ -16,10 +16,12 @@ In one process, in this order:
    the same cap.
 
 Issue 36's bound, per call: ``max(compute, transfer)``, where compute is the resident call
-with the cache (its denoise: first DiT forward to the last step's end) and transfer is the
-bytes dlo copied host to device from the call's first DiT forward to its end, over the pinned
-H2D rate measured here. Those are loaded bytes: a load wasted on a block the cache then skipped
-counts (the row says how many), so the bound is loose by them, never tight by them.
+with the cache (its denoise: first DiT forward to the last step's end; the counting hooks of
+step 2 are off by then, as they are for group offloading and dlo) and transfer is the bytes
+of the blocks that ran and had to load: the bytes dlo copied host to device from the call's
+first DiT forward to its end, less those of the loads the cache made useless
+(``wasted_nbytes``: prefetches of blocks it then skipped), over the pinned H2D rate measured
+here.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ _DLO_COUNTS = (
     "num_skipped_blocks",
     "num_cache_inner_blocks",
     "denoise_h2d_nbytes",
+    "denoise_wasted_nbytes",
 )
 _CUMULATIVE = ("h2d_nbytes", "num_loads", "num_wasted_loads", "num_skipped_blocks")
 """dlo's counts that add up since enable: each row gets its own call's share."""
@@ -157,22 +160,28 @@ class BlockRuns:
 
 
 class DenoiseTransfer:
-    """dlo's stats, with ``denoise_h2d_nbytes``: the bytes copied host to device from a
-    call's first DiT forward to the call's end (read when the row reads the stats)."""
+    """dlo's stats, with ``denoise_h2d_nbytes`` (the bytes copied host to device from a
+    call's first DiT forward to the call's end) and ``denoise_wasted_nbytes`` (of those, the
+    loads evicted before their block ran), read when the row reads the stats."""
 
     def __init__(self, pipe: Any, backend: Any) -> None:
         self.backend = backend
-        self.armed, self.at_first = True, 0
+        self.armed, self.at_first = True, {"h2d_nbytes": 0, "wasted_nbytes": 0}
         self.handle = dits_of(pipe)[0].register_forward_pre_hook(self._first)
 
     def _first(self, *_: Any) -> None:
         if self.armed:
-            self.armed, self.at_first = False, self.backend.stats()["h2d_nbytes"]
+            st = self.backend.stats()
+            self.armed, self.at_first = False, {k: st[k] for k in self.at_first}
 
     def stats(self) -> dict[str, Any]:
         st = self.backend.stats()
         self.armed = True
-        return {**st, "denoise_h2d_nbytes": st["h2d_nbytes"] - self.at_first}
+        return {
+            **st,
+            "denoise_h2d_nbytes": st["h2d_nbytes"] - self.at_first["h2d_nbytes"],
+            "denoise_wasted_nbytes": st["wasted_nbytes"] - self.at_first["wasted_nbytes"],
+        }
 
 
 def resident_rows(b: Bench, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
@@ -193,22 +202,18 @@ def resident_rows(b: Bench, args: argparse.Namespace) -> tuple[list[dict[str, An
                 r.pop("bitwise_vs_resident", None), r.pop("output_bitwise_vs_resident", None)
             rows += [{**r, "threshold": t} for r in _per_call(new, _RUN_COUNTS)]
             skip[t] = 1 - runs.runs / runs.calls if runs.calls else 0.0
-        met = [t for t, s in skip.items() if s >= args.min_skip]
-        chosen = min(met) if met else max(skip)
-        runs.calls = runs.runs = 0
-        enable_cache(ref, chosen)  # a fresh cache: the reference every later row repeats
-        try:
-            new = b.rows_of("resident", None, ref, runs.stats, _RUN_COUNTS)
-        finally:
-            disable_cache(ref)
-        rows += [
-            {**r, "threshold": chosen, "min_skip_met": bool(met)}
-            for r in _per_call(new, _RUN_COUNTS)
-        ]
     finally:
         runs.remove()
+    met = [t for t, s in skip.items() if s >= args.min_skip]
+    chosen = min(met) if met else max(skip)
+    enable_cache(ref, chosen)  # a fresh cache, no counting hooks: the compute term
+    try:
+        new = b.rows_of("resident", None, ref, dict)
+    finally:
+        disable_cache(ref)
         del ref
         _clean(b.platform)
+    rows += [{**r, "threshold": chosen, "min_skip_met": bool(met)} for r in new]
     return rows, chosen
 
 
@@ -257,12 +262,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "diffusers-group" in methods:
 
         def with_cache(pipe: Any) -> Any:
-            runs = BlockRuns(pipe)
             enable_cache(pipe, chosen)
-            return runs.stats
+            return dict
 
-        new = _group_rows(b, [budget], with_cache, _RUN_COUNTS)
-        rows += [{**r, "threshold": chosen} for r in _per_call(new, _RUN_COUNTS)]
+        new = _group_rows(b, [budget], with_cache)
+        rows += [{**r, "threshold": chosen} for r in new]
     save(args.json, report())
     if "dlo" in methods:
         pipe = resident_reference(args.pipeline, b.dtype, torch.device("cpu"))
@@ -312,7 +316,8 @@ def markdown(report: dict[str, Any]) -> str:
     for r in rows:
         if r["method"] != "dlo" or "failed" in r or r["size"] not in compute:
             continue
-        transfer = r["denoise_h2d_nbytes"] / (report["h2d_pinned_GBps"] * GB) * 1e3
+        ran = r["denoise_h2d_nbytes"] - r["denoise_wasted_nbytes"]  # the blocks that ran
+        transfer = ran / (report["h2d_pinned_GBps"] * GB) * 1e3
         bound = max(compute[r["size"]], transfer)
         dlo_ms = sum(r["step_ms"])
         lines.append(

@@ -193,7 +193,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     world = init(par, device=device)
     cp = args.context_parallel
     if cp is not None:  # every rank runs rank 0's request, split along the sequence
-        check_context_parallel(cp, world.size)
+        check_context_parallel(cp, world.size, device)
     request = 0 if cp is not None else world.rank
     platform = get_platform(device)
     init_s = time.time() - entered
@@ -218,7 +218,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         verify_checksum=args.verify_checksum,
         prepare=None
         if cp is None
-        else lambda p: enable_context_parallel(dits_of(p), cp, world.size),
+        else lambda p: enable_context_parallel(dits_of(p), cp, world.size, device),
     )
     load_s = time.perf_counter() - t0
     try:
@@ -258,7 +258,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             gc.collect()
             ref = resident_reference(args.pipeline, dtype, device)
             if cp is not None:  # the same split on the same ranks, every weight resident
-                enable_context_parallel(dits_of(ref), cp, world.size)
+                enable_context_parallel(dits_of(ref), cp, world.size, device)
             for dit in dits_of(ref):
                 compile_blocks(dit, args.compile)
             with torch.inference_mode():

@@ -19,30 +19,47 @@ import torch
 KINDS = ("ulysses", "ring")
 
 
-def enable_context_parallel(dits: list[Any], kind: str, degree: int) -> None:
+RING_BACKEND = "_native_cudnn"
+"""The attention backend ring attention runs on when the DiT has the default one: ring
+attention asks the backend for the log-sum-exp, which diffusers' default (``native``) does
+not return; cuDNN's scaled-dot-product attention does."""
+
+
+def enable_context_parallel(dits: list[Any], kind: str, degree: int, device: torch.device) -> None:
     """Split every DiT of ``dits`` along the sequence over ``degree`` ranks (all of the
-    job's), Ulysses (attention heads exchanged by all-to-all) or ring attention.
+    job's), Ulysses (attention heads exchanged by all-to-all) or ring attention (on
+    :data:`RING_BACKEND` where the DiT has the default attention backend).
 
     Raises:
-        ValueError: ``kind`` is not one of :data:`KINDS`, ``degree`` is below 2, a DiT has no
-            ``enable_parallelism`` (not a diffusers model), or ring attention on the CPU
-            (its native attention returns no log-sum-exp, which ring attention needs).
+        ValueError: what :func:`check_context_parallel` refuses; a DiT has no
+            ``enable_parallelism`` (not a diffusers model); Ulysses over a head count that
+            ``degree`` does not divide.
     """
-    check_context_parallel(kind, degree)
+    check_context_parallel(kind, degree, device)
     from diffusers import ContextParallelConfig
 
     for dit in dits:
+        name = type(dit).__name__
         if not callable(getattr(dit, "enable_parallelism", None)):
             raise ValueError(
-                f"--context-parallel: {type(dit).__name__} has no enable_parallelism (a "
-                "diffusers model with a context-parallel plan is needed)"
+                f"--context-parallel: {name} has no enable_parallelism (a diffusers model with "
+                "a context-parallel plan is needed)"
             )
+        heads = getattr(getattr(dit, "config", None), "num_attention_heads", None)
+        if kind == "ulysses" and isinstance(heads, int) and heads % degree:
+            raise ValueError(
+                f"--context-parallel=ulysses over {degree} ranks: {name} has {heads} attention "
+                f"heads, which {degree} does not divide (use a rank count that divides it, or "
+                "ring attention)"
+            )
+        if kind == "ring" and _default_backend(dit):
+            dit.set_attention_backend(RING_BACKEND)
         config = ContextParallelConfig(**{f"{kind}_degree": degree})
         with _accelerator_count():
             dit.enable_parallelism(config=config)
 
 
-def check_context_parallel(kind: str, degree: int) -> None:
+def check_context_parallel(kind: str, degree: int, device: torch.device) -> None:
     """The checks of :func:`enable_context_parallel` that need no model (before any work)."""
     if kind not in KINDS:
         raise ValueError(f"--context-parallel={kind!r}: expected one of {list(KINDS)}")
@@ -51,11 +68,28 @@ def check_context_parallel(kind: str, degree: int) -> None:
             f"--context-parallel={kind} needs 2 or more ranks (torchrun --nproc-per-node=N); "
             f"this job has {degree}"
         )
-    if kind == "ring" and not torch.accelerator.is_available():
+    if kind == "ring" and device.type != "cuda":
         raise ValueError(
             "--context-parallel=ring needs an attention backend that returns the log-sum-exp "
-            "(flash or cuDNN on a GPU); the CPU's native attention does not: use ulysses"
+            f"(cuDNN or flash, on a CUDA device); this run's device is {device}: use ulysses"
         )
+    built = torch._C._get_accelerator().type
+    if device.type == "cpu" and built != "cpu":
+        raise ValueError(
+            f"--context-parallel on the CPU with a torch built for {built}: diffusers builds "
+            f"its device mesh on the build's accelerator ({built}), not on the run's device; "
+            "run on the GPU, or with a CPU build of torch"
+        )
+
+
+def _default_backend(dit: Any) -> bool:
+    """Whether every attention processor of ``dit`` uses diffusers' default backend."""
+    backends = {
+        getattr(getattr(m, "processor", None), "_attention_backend", None)
+        for m in dit.modules()
+        if hasattr(m, "processor")
+    }
+    return backends <= {None, "native"}
 
 
 @contextlib.contextmanager

@@ -28,11 +28,13 @@ def test_every_placement_serves_the_resident_bits(folder: Path, tmp_path: Path) 
         mine = [r for r in rows if r["method"] == method]
         assert [r["request"] for r in mine] == list(range(5)), method
         assert [r["adapter"] for r in mine][:4] == ["a0", "a1", "a2", "a0"]
-        if method != "resident":
+        if method not in ("resident", "dlo-none"):
             assert all(r["bitwise_vs_resident"] is True for r in mine), method
     # an adapter streamed with its block is in dlo's host copy; one loaded after is not
     host = {r["method"]: r["host_nbytes"] for r in rows if r["method"] != "resident"}
-    assert host["dlo-streamed"] > host["dlo-switch"] == host["dlo-load"]
+    assert host["dlo-streamed"] > host["dlo-switch"] == host["dlo-load"] == host["dlo-none"]
+    preload = {r["method"]: r["preload_ms"] for r in rows if r["method"] != "resident"}
+    assert preload["dlo-switch"] > 0 and preload["dlo-streamed"] > 0 and preload["dlo-load"] == 0
     assert report["adapter_nbytes"] > 0
     assert "target switch" in (tmp_path / "r.md").read_text()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)

@@ -37,13 +37,15 @@ def test_cached_rows_bitwise_and_skipped_blocks_not_loaded(folder: Path, tmp_pat
     assert skipped(chosen) >= 0.5
     assert all(skipped(t) < 0.5 for t in sweep if t < chosen)
     by = {(r["method"], r["size"]): r for r in rows if r["threshold"] == chosen}
+    counted = {
+        r["size"]: r for r in rows if r["method"] == "resident-sweep" and r["threshold"] == chosen
+    }
     for method in ("resident", "diffusers-group", "dlo"):
         for size in ("32x32", "64x64"):
             assert by[method, size]["bitwise_vs_resident"] is True, (method, size)
     for size in ("32x32", "64x64"):
-        res, dlo = by["resident", size], by["dlo", size]
-        # the same decisions: group offloading's blocks ran as resident's did
-        assert by["diffusers-group", size]["block_runs"] == res["block_runs"]
+        res, dlo = counted[size], by["dlo", size]
+        assert "block_runs" not in by["resident", size]  # the compute term ran without hooks
         # the streamed blocks moved inside the cache, and skipped as resident's (the pinned
         # ones skip too, uncounted: they load nothing either way)
         assert dlo["num_cache_inner_blocks"] == dlo["num_streamed_blocks"] > 0
@@ -53,7 +55,7 @@ def test_cached_rows_bitwise_and_skipped_blocks_not_loaded(folder: Path, tmp_pat
         steps = len(res["step_ms"]) + 1
         assert dlo["num_loads"] <= res["block_runs"] + steps
         assert dlo["num_wasted_loads"] <= steps
-        assert dlo["denoise_h2d_nbytes"] <= dlo["h2d_nbytes"]
+        assert 0 <= dlo["denoise_wasted_nbytes"] <= dlo["denoise_h2d_nbytes"] <= dlo["h2d_nbytes"]
     table = table_path.read_text()
     assert "dlo with the cache, 32x32" in table and "diffusers group offloading" in table
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)  # dlo's host memory given back

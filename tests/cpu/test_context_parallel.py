@@ -131,10 +131,17 @@ def test_dlo_run_context_parallel_under_torchrun_is_bitwise(tmp_path: Path, name
 def test_context_parallel_bad_input_is_named() -> None:
     from dlo.parallel.context import check_context_parallel
 
+    cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="--context-parallel='tensor'"):
-        check_context_parallel("tensor", 2)
+        check_context_parallel("tensor", 2, cpu)
     with pytest.raises(ValueError, match="needs 2 or more ranks"):
-        check_context_parallel("ulysses", 1)
-    if not torch.accelerator.is_available():
-        with pytest.raises(ValueError, match="ring needs an attention backend"):
-            check_context_parallel("ring", 2)
+        check_context_parallel("ulysses", 1, cpu)
+    with pytest.raises(ValueError, match="ring needs an attention backend"):
+        check_context_parallel("ring", 2, cpu)
+
+
+def test_ulysses_over_a_head_count_it_does_not_divide_is_named() -> None:
+    from dlo.parallel.context import enable_context_parallel
+
+    with pytest.raises(ValueError, match="has 4 attention heads, which 3 does not divide"):
+        enable_context_parallel([_wan(4)], "ulysses", 3, torch.device("cpu"))
