@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -65,6 +64,7 @@ from dlo.errors import OffloadError
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.journal import Journal
+from dlo.plan.checks import named_tensors
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import TensorSpec
 from dlo.runtime.streamed import StreamedBlock
@@ -253,7 +253,7 @@ class AdapterCalls:
         norms for one)."""
         if self.depth == 0:
             return False
-        named = [prefix + n for n, t in _named(module) if id(t) in self.known]
+        named = [prefix + n for n, t in named_tensors(module) if id(t) in self.known]
         touched = [k for k in named if k in state_dict]
         if touched:
             raise OffloadError(
@@ -341,10 +341,10 @@ class AdapterCalls:
         """At disable, once the base weights are back where they were: every adapter tensor
         created while enabled moves to its base layer's device."""
         for t in self._tuners():
-            base = next(itertools.chain(t.get_base_layer().parameters(), [None]))  # type: ignore[operator]
+            base = next(t.get_base_layer().parameters(), None)  # type: ignore[operator]
             if base is None:
                 continue
-            for name, x in _named(t):
+            for name, x in named_tensors(t):
                 new = not name.startswith("base_layer.") and id(x) not in self.known
                 if new and x.device != base.device:
                     x.data = x.data.to(base.device)
@@ -362,12 +362,7 @@ def _is_adapter(name: str) -> bool:
 
 
 def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    return (t for _, t in _named(module))
-
-
-def _named(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
+    return (t for _, t in named_tensors(module))
 
 
 def _plain(t: torch.Tensor) -> bool:

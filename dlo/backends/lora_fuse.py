@@ -60,18 +60,12 @@ class BlockFuse:
         """id(block module) -> what dlo holds of it: a ring's block, or a resident block."""
         self.layer = {id(b.module): b for b in blocks}
         self.owners: dict[int, StreamedBlock | LayerBlock] = {}
-        """id(adapter layer) -> its block, for the fuse running."""
+        """id(adapter layer) -> its block, for the fuse running (the layers :meth:`guard`
+        guards: those :meth:`in_blocks` finds)."""
         self.open: StreamedBlock | LayerBlock | None = None
         self.before: list[torch.Tensor] = []
         """The open block's device tensors as bound for the merge (a pinned or resident
         block keeps them: a merge that rebinds ``.data`` is copied back into them)."""
-
-    def owner(self, tuner: nn.Module) -> StreamedBlock | LayerBlock | None:
-        """The block holding adapter layer ``tuner`` (None: outside every block)."""
-        for owner in self.blocks.values():
-            if any(m is tuner for m in owner.module.modules()):
-                return owner
-        return None
 
     def in_blocks(self, roots: list[nn.Module]) -> Iterator[tuple[nn.Module, Any]]:
         """Each adapter layer under ``roots`` inside a block, and the block."""
@@ -110,7 +104,7 @@ class BlockFuse:
 
     def merge(self, tuner: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
         """PEFT's ``method`` of ``tuner`` on real tensors: its block opened first."""
-        owner = self.owners.get(id(tuner)) or self.owner(tuner)
+        owner = self.owners.get(id(tuner))  # every guarded layer is one of run()'s
         if owner is not None and owner is not self.open:
             self._close()
             self._open(owner)

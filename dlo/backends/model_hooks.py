@@ -5,7 +5,6 @@ backend released for good."""
 from __future__ import annotations
 
 import functools
-import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,6 +19,7 @@ from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.host.mapped import MappedBlock
 from dlo.host.shards import shard_view
+from dlo.plan.checks import named_tensors
 from dlo.plan.declarations import get_by_path
 from dlo.plan.layout import BlockLayout, module_wrappers
 
@@ -137,9 +137,7 @@ def install_state_dict_hooks(
                 rank=rank,
                 block=name,
             )
-        named = itertools.chain(
-            mod.named_parameters(remove_duplicate=False), mod.named_buffers(remove_duplicate=False)
-        )
+        named = named_tensors(mod)
         raw: torch.Tensor | None = None  # an encoded block, decoded once per call
 
         def host_tensor(i: int) -> torch.Tensor:

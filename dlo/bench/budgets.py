@@ -62,6 +62,14 @@ def budget_list(text: str) -> list[float]:
     return values
 
 
+def one_budget(text: str) -> float:
+    """``"24"`` -> ``24.0``: one budget in GiB (``--budget``), or a ValueError naming it."""
+    budgets = budget_list(text)
+    if len(budgets) != 1:
+        raise ValueError(f"--budget={text!r}: expected one budget (GiB)")
+    return budgets[0]
+
+
 def sweep_counts(num_blocks: int, auto: int) -> list[int]:
     """The resident counts the manual sweep tries (pure): 0, every quarter of the blocks,
     and the policy's count with its neighbours, within ``[0, num_blocks]``."""

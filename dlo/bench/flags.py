@@ -24,6 +24,15 @@ def int_list(flag: str, text: Any) -> list[int]:
     return values
 
 
+def method_list(text: str, known: tuple[str, ...]) -> list[str]:
+    """``--methods``: comma-separated names of ``known``, or a ValueError naming the others."""
+    methods = [m for m in text.split(",") if m]
+    bad = [m for m in methods if m not in known]
+    if bad:
+        raise ValueError(f"--methods: {bad} not among {list(known)}")
+    return methods
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``dlo bench``."""
     p.add_argument(
@@ -125,6 +134,7 @@ def add_call_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
+    p.set_defaults(forward_marks=False)  # Bench reads it; pipeline_budgets has the flag
 
 
 def parse_size(text: str) -> tuple[int, int, int | None]:

@@ -35,16 +35,15 @@ from typing import Any
 import torch
 
 from dlo.backends.factory import enable_offload
-from dlo.bench.budgets import budget_list
-from dlo.bench.flags import add_call_arguments
+from dlo.bench.budgets import one_budget
+from dlo.bench.flags import add_call_arguments, method_list
 from dlo.bench.methods import _clean
 from dlo.bench.pipeline_budgets import Bench, _capped, bench_main, failure, same, save
 from dlo.commands.pipeline_calls import dits_of, resident_reference
 from dlo.config.fields import GIB
 from dlo.config.offload import OffloadConfig
-from dlo.runtime.measure import h2d_bandwidth
+from dlo.runtime.measure import GB, h2d_bandwidth
 
-GB = 1e9
 METHODS = ("resident", "dlo-load", "dlo-switch", "dlo-streamed", "dlo-none")
 TARGET_SLACK_MS = 20.0
 """Issue 36: a switch within the adapter's bytes over the H2D rate plus this."""
@@ -64,9 +63,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     add_call_arguments(p)
-    args = p.parse_args(argv)
-    args.forward_marks = False
-    return args
+    return p.parse_args(argv)
 
 
 def lora_state_dicts(pipe: Any, args: argparse.Namespace) -> list[dict[str, torch.Tensor]]:
@@ -159,17 +156,13 @@ def _load_all(pipe: Any, loras: list[dict[str, Any]]) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    budgets = budget_list(args.budget)
-    if len(budgets) != 1:
-        raise ValueError(f"--budget={args.budget!r}: expected one budget (GiB)")
+    budget = one_budget(args.budget)
     for flag in ("rank", "adapters", "requests"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag}={getattr(args, flag)!r}: expected a positive integer")
-    methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad or "resident" not in methods:
+    methods = method_list(args.methods, METHODS)
+    if "resident" not in methods:  # every row is compared with its outputs
         raise ValueError(f"--methods={args.methods!r}: resident and any of {list(METHODS[1:])}")
-    budget = budgets[0]
     b = Bench(args)
     h2d = h2d_bandwidth(b.platform, 256 << 20, pinned=True)
     ref = resident_reference(args.pipeline, b.dtype, b.device)

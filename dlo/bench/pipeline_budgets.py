@@ -42,7 +42,7 @@ import torch
 
 from dlo.backends.factory import enable_offload
 from dlo.bench.budgets import budget_list
-from dlo.bench.flags import add_call_arguments, int_list, parse_size, sweep_list
+from dlo.bench.flags import add_call_arguments, int_list, method_list, parse_size, sweep_list
 from dlo.bench.methods import _clean, codec_list, manual_codecs
 from dlo.bench.pipeline_table import markdown
 from dlo.commands.pipeline_calls import (
@@ -250,10 +250,7 @@ def _capped(platform: Platform, budget: float) -> tuple[bool, Callable[[], None]
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every method on the folder under every budget: the report (see the module docstring)."""
     budgets = budget_list(args.budgets)
-    methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"--methods: {bad} not among {list(METHODS)}")
+    methods = method_list(args.methods, METHODS)
     codecs = manual_codecs(codec_list(args.codec))
     sweep_list(args.sweep_counts, 1, 0)  # bad input fails before any work
     int_list("--sweep-slots", args.sweep_slots)

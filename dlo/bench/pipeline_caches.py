@@ -32,21 +32,20 @@ from typing import Any
 
 import torch
 
-from dlo.bench.budgets import budget_list
-from dlo.bench.flags import add_call_arguments
+from dlo.bench.budgets import one_budget
+from dlo.bench.flags import add_call_arguments, method_list
 from dlo.bench.methods import _clean
 from dlo.bench.pipeline_budgets import Bench, _capped, _group_rows, bench_main, save
 from dlo.commands.pipeline_calls import dits_of, resident_reference
 from dlo.config.fields import GIB
 from dlo.config.offload import OffloadConfig
-from dlo.runtime.measure import h2d_bandwidth
+from dlo.runtime.measure import GB, h2d_bandwidth
 
 METHODS = ("resident", "diffusers-group", "dlo")
 BLOCK_LISTS = ("blocks", "transformer_blocks", "single_transformer_blocks")
 """The DiT children whose blocks diffusers' step caches hook (and this bench counts)."""
 RUNS_HOOK = "dlo.bench.runs"
 H2D_PROBE_NBYTES = 256 << 20
-GB = 1e9
 
 _DLO_COUNTS = (
     "num_resident_blocks",
@@ -83,9 +82,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     add_call_arguments(p)
-    args = p.parse_args(argv)
-    args.forward_marks = False
-    return args
+    return p.parse_args(argv)
 
 
 def thresholds(text: str) -> list[float]:
@@ -231,16 +228,10 @@ def _per_call(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    budgets = budget_list(args.budget)
-    if len(budgets) != 1:
-        raise ValueError(f"--budget={args.budget!r}: expected one budget (GiB)")
-    budget = budgets[0]
+    budget = one_budget(args.budget)
     if not 0 <= args.min_skip <= 1:
         raise ValueError(f"--min-skip={args.min_skip!r}: expected a share from 0 to 1")
-    methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in METHODS]
-    if bad:
-        raise ValueError(f"--methods: {bad} not among {list(METHODS)}")
+    methods = method_list(args.methods, METHODS)
     thresholds(args.thresholds)  # bad input fails before any work
     b = Bench(args)
     h2d = h2d_bandwidth(b.platform, H2D_PROBE_NBYTES, pinned=True)

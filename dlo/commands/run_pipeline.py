@@ -6,14 +6,14 @@ rank r takes prompt ``r mod len(--prompt)`` and seed ``--seed + r``, and writes
 ``--output`` with ``.rankR`` before the suffix, or after a directory's name (rank 0 the path
 itself). With ``--context-parallel ulysses|ring`` (:mod:`dlo.parallel.context`) the ranks
 instead run one request together (the first prompt, ``--seed``), every DiT split along the
-sequence over all of them, and rank 0 alone writes it. ``--output`` is a directory (a PNG per frame) when it is one already, whatever its
-name, ends in ``/`` or has no suffix; a ``.png`` for more than one frame is refused before
-any work. Rank 0 prints what will run before the load, shows the progress
-(:mod:`dlo.platform.progress`, not diffusers' bar) and prints the results: step time, peak
-HBM, host memory, cold start (process start to the first DiT forward), where the output
-went and its frame count. ``--check`` runs the same call on a resident
-pipeline (``DiffusionPipeline.from_pretrained`` on the device; context-parallel the same
-way) and compares bit for bit.
+sequence over all of them, and rank 0 alone writes it. ``--output`` is a directory (a PNG per
+frame) when it is one already, whatever its name, ends in ``/`` or has no suffix; a ``.png``
+for more than one frame is refused before any work. Rank 0 prints what will run before the
+load, shows the progress (:mod:`dlo.platform.progress`, not diffusers' bar) and prints the
+results: step time, peak HBM, host memory, cold start (process start to the first DiT
+forward), where the output went and its frame count. ``--check`` runs the same call on a
+resident pipeline (``DiffusionPipeline.from_pretrained`` on the device; context-parallel the
+same way) and compares bit for bit.
 """
 
 from __future__ import annotations
@@ -195,6 +195,11 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
     if cp is not None:  # every rank runs rank 0's request, split along the sequence
         check_context_parallel(cp, world.size, device)
     request = 0 if cp is not None else world.rank
+    split = (  # the pipeline's DiTs split along the sequence (the run's and --check's)
+        None
+        if cp is None
+        else lambda p: enable_context_parallel(dits_of(p), cp, world.size, device)
+    )
     platform = get_platform(device)
     init_s = time.time() - entered
     rank0 = world.rank == 0
@@ -216,9 +221,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         device=device,
         dtype=dtype,
         verify_checksum=args.verify_checksum,
-        prepare=None
-        if cp is None
-        else lambda p: enable_context_parallel(dits_of(p), cp, world.size, device),
+        prepare=split,
     )
     load_s = time.perf_counter() - t0
     try:
@@ -257,8 +260,8 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             pipe = None
             gc.collect()
             ref = resident_reference(args.pipeline, dtype, device)
-            if cp is not None:  # the same split on the same ranks, every weight resident
-                enable_context_parallel(dits_of(ref), cp, world.size, device)
+            if split is not None:  # the same split on the same ranks, every weight resident
+                split(ref)
             for dit in dits_of(ref):
                 compile_blocks(dit, args.compile)
             with torch.inference_mode():

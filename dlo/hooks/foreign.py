@@ -56,9 +56,10 @@ def foreign_offloader(module: nn.Module) -> str | None:
 
     Only ``module`` is inspected, not its children (see :func:`find_foreign_offloaders`).
     Recognized: accelerate hooks (``_hf_hook``), diffusers hooks (a ``_diffusers_hook``
-    registry holding hooks other than step caches' and context parallelism's), FSDP1 (``FullyShardedDataParallel``), FSDP2 (``fully_shard``,
-    an ``FSDPModule``) and DTensor parameters held directly by ``module``. Nothing is imported
-    here: a mechanism whose module was never imported cannot be managing anything.
+    registry holding hooks other than step caches' and context parallelism's), FSDP1
+    (``FullyShardedDataParallel``), FSDP2 (``fully_shard``, an ``FSDPModule``) and DTensor
+    parameters held directly by ``module``. Nothing is imported here: a mechanism whose module
+    was never imported cannot be managing anything.
 
     Args:
         module: the module to inspect.

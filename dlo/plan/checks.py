@@ -195,7 +195,8 @@ def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
     return (t.device, storage.data_ptr())
 
 
-def _all_named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+def named_tensors(module: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``module`` under every name it has (tied ones too)."""
     yield from module.named_parameters(remove_duplicate=False)
     yield from ((n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None)
 
@@ -206,7 +207,7 @@ def non_block_tensors(
     """Parameters and buffers of ``component`` that belong to no selected block."""
     out: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
-    for name, t in _all_named_tensors(component):
+    for name, t in named_tensors(component):
         if id(t) in seen or any(id(x) in block_tensor_ids for x in leaf_tensors(t)):
             continue
         seen.add(id(t))
