@@ -42,3 +42,12 @@ class ForwardRefused(OffloadError):
     """A forward refused before any block ran: it cannot fit the device even with every
     block streamed through one slot (see [Note: re-plan between forwards] in
     :mod:`dlo.plan.replan`). Nothing moved; the backend stays usable for smaller inputs."""
+
+
+def refuse_in_forward(busy: bool, what: str, rank: int) -> None:
+    """Refuse ``what()`` (a call that moves dlo's hooks or rebinds block tensors: a step
+    cache's enable, an adapter call) while a block forward runs (``busy``)."""
+    if busy:
+        raise OffloadError(
+            f"{what}() while a block forward runs: call it between pipeline calls", rank=rank
+        )

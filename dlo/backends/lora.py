@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from dlo.backends.lora_fuse import BlockFuse, is_tuner, unguard
-from dlo.errors import OffloadError
+from dlo.errors import OffloadError, refuse_in_forward
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.journal import Journal
@@ -207,11 +207,8 @@ class AdapterCalls:
         back, every new adapter tensor of a streamed block is on the device, and every
         block's weights are still reachable in it."""
         outer = self.depth == 0
-        if outer and self.busy():
-            raise OffloadError(
-                f"{method}() while a block forward runs: call it between pipeline calls",
-                rank=self.rank,
-            )
+        if outer:
+            refuse_in_forward(self.busy(), method, self.rank)
         stubbed: list[tuple[torch.Tensor, torch.Tensor]] = []
         before: dict[int, set[str]] = {}
         if outer:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo.errors import OffloadError
+from dlo.errors import OffloadError, refuse_in_forward
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.foreign import INNER_RING_HOOK as INNER_HOOK
 from dlo.hooks.registry import HookRegistry
@@ -107,7 +107,7 @@ class StepCaches:
         """``dit.enable_cache(config)`` while dlo streams its blocks."""
         _, blocks, inner = self.dits[id(dit)]
         if inner and getattr(dit, "_cache_config", None) is None:
-            self._refuse_busy("enable_cache")
+            refuse_in_forward(self.busy(), "enable_cache", self.rank)
             try:
                 self._move_inside(dit, blocks)
                 _real(dit, "enable_cache", config)
@@ -123,7 +123,7 @@ class StepCaches:
         """``dit.disable_cache()`` while dlo streams its blocks."""
         _, blocks, _ = self.dits[id(dit)]
         if id(dit) in self.inside:
-            self._refuse_busy("disable_cache")
+            refuse_in_forward(self.busy(), "disable_cache", self.rank)
         try:
             _real(dit, "disable_cache")
         finally:  # dlo's inner hooks are the last of their chains only with the cache off
@@ -167,13 +167,6 @@ class StepCaches:
             )
 
     # ------------------------------------------------------------------ moving
-    def _refuse_busy(self, what: str) -> None:
-        if self.busy():
-            raise OffloadError(
-                f"{what}() while a block forward runs: call it between pipeline calls",
-                rank=self.rank,
-            )
-
     def _move_inside(self, dit: nn.Module, blocks: list[CachedBlock]) -> None:
         """Each block's ring hook into its diffusers chain (idempotent: a move cut short is
         finished or undone by :meth:`_move_outside`)."""
