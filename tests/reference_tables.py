@@ -239,7 +239,28 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "num_staging_buffers": 'pinned staging buffers of `host_backing="mapped"` (0 otherwise)',
         "staging_buffer_nbytes": "bytes of each staging buffer (the largest chunk; 0 otherwise)",
         "staging_host_wait_ms": "total host time the compute thread waited for the staging "
-        'thread to enqueue a block\'s copies (`"mapped"` only)',
+        'thread to enqueue a block\'s copies (`"mapped"` and `host_budget_gb` only)',
+        "num_disk_blocks": "blocks that host_budget_gb leaves in their file, read for every use "
+        "(see [Note: host budget tiers])",
+        "disk_nbytes": "their padded bytes (read from the file per load)",
+        "disk_direct": "whether every file they are read from was opened with O_DIRECT (False: "
+        "buffered reads, pages dropped behind them; None: no disk tier)",
+        "disk_read_nbytes": "bytes of disk-tier blocks read into the read-ahead buffers since "
+        "enable",
+        "disk_read_ms": "time the read-ahead thread spent reading them",
+        "disk_read_gbps": "disk_read_nbytes / disk_read_ms (GB/s): the disk tier's read rate",
+        "num_disk_reads": "disk-tier block reads since enable",
+        "num_wasted_disk_reads": "blocks read ahead and dropped before their load (a wrong "
+        "prediction, or a buffer needed sooner)",
+        "read_ahead_buffers": "whole-block page-locked read-ahead buffers (0: no disk tier)",
+        "read_ahead_buffer_nbytes": "bytes of each (the largest disk-tier block)",
+        "read_ahead_wait_ms": "total time the staging thread waited for a block's read (the "
+        "disk did not keep ahead)",
+        "num_read_ahead_waits": "loads whose block was not read yet when its copy was due",
+        "disk_probe_gbps": "the disk tier's read rate measured at enable (GB/s): a short read "
+        "of its largest file the tier's way (O_DIRECT where allowed); 0 without a disk tier",
+        "disk_limit_ms": "the disk tier's model: one pass over its streamed blocks at that rate "
+        "(ms), what a forward of every streamed block cannot beat",
         "codec": '`"ans"` when some stack\'s host blocks are encoded, else `"none"`',
         "codec_bitstream": 'the bitstream of the encoded blocks (`"nvcomp-ans-f2"` on CUDA, '
         '`"dlo-zlib-planes-v1"` on the CPU platform; None without a codec)',

@@ -369,6 +369,7 @@ def _policy_input(
         non_block_to_place_nbytes=to_place,
         block_compute_s=cfg.block_compute_ms / 1e3 if cfg.block_compute_ms else None,
         host_backing=cfg.host_backing,
+        host_budget=cfg.host_budget_gb is not None,
     )
 
 

@@ -24,13 +24,13 @@ from dlo.codec.format import EncodedLayout
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
-from dlo.host.mapped import MappedBlock
+from dlo.host.mapped import MappedBlock, largest_file, map_blocks
 from dlo.host.node_share import SharedBlock, packer, share_host, sharers
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
 from dlo.host.shards import copy_back, placeholder, unpack_tensor, written_tensors
+from dlo.io.direct import DirectReads, read_bandwidth
 from dlo.io.header_checks import CheckpointError
-from dlo.io.sources import mapped_source
 from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
 from dlo.parallel.groups import World, current_world, group_of
@@ -60,7 +60,8 @@ class LayerBlock:
     """The block's index in ``region``."""
     original_devices: list[torch.device] = field(default_factory=list)
     mapped: MappedBlock | None = None
-    """With ``host_backing="mapped"``: the block's host backing (no region bytes)."""
+    """With ``host_backing="mapped"``, or left in its file by ``host_budget_gb``: the
+    block's host backing (no region bytes)."""
     device_buffer: torch.Tensor | None = None
     """A resident block's own device buffer (its tensors are views of it)."""
     restored: bool = False
@@ -146,6 +147,10 @@ class LayerHost:
         """Blocks every rank keeps pageable (``pin_failure_policy="whole_block_fallback"``)."""
         self.codec: HostCodec | None = None
         """The codec of the encoded blocks (see :mod:`dlo.backends.layer_codec`)."""
+        self.reads: DirectReads | None = None
+        """The disk tier's reads around the page cache (``host_budget_gb``)."""
+        self.disk_probe: tuple[str, float, bool] | None = None
+        """The disk tier's file, its read rate (bytes/s) and whether it was O_DIRECT."""
 
     # ------------------------------------------------------------------ private region
     def prepare(self, plan: LayerPlan, journal: Journal, group_rank: Callable[[str], int]) -> None:
@@ -153,8 +158,8 @@ class LayerHost:
         (``group_rank(axis)``: this rank's place in the weight group of an axis). With
         group size 1 the region then holds every byte of a block, so the originals are
         released at once; with the mapped backing nothing is packed."""
-        if plan.mapped:
-            self._map_blocks()
+        if plan.from_file:
+            self._map_blocks([self.blocks[i] for i in plan.from_file], journal, plan.mapped)
             # the files stay open while blocks are read from them, and until disable has
             # rebuilt the blocks from them (load_pipeline's close is deferred until then)
             for ckpt in {
@@ -220,23 +225,19 @@ class LayerHost:
             journal.record("encoded pieces", self.codec.forget)
         return self.codec
 
-    def _map_blocks(self) -> None:
-        """Give every block its :class:`MappedBlock` (see [Note: mapped host backing] in
-        :mod:`dlo.host.mapped`)."""
-        for b in self.blocks:
-            b.mapped = MappedBlock(
-                b.name, b.layout, [mapped_source(t) or t.data for t in b.tensors]
-            )
-        if not any(b.mapped is not None and b.mapped.mapped_nbytes for b in self.blocks):
-            for b in self.blocks:
-                b.mapped = None
-            raise ValueError(
-                "host_backing='mapped' serves blocks from the checkpoint they were loaded "
-                "from, but no tensor of the streamed blocks aliases a checkpoint: load the "
-                "model with dlo.load_pipeline (not copy=True), or use host_backing='region' "
-                "(a tensor holds the file's bytes only until a disable gives it private "
-                "memory, .to() new memory or an in-place write changes it)"
-            )
+    def _map_blocks(self, blocks: list[LayerBlock], journal: Journal, cached: bool) -> None:
+        """Give ``blocks`` their :class:`MappedBlock` (see [Note: mapped host backing] in
+        :mod:`dlo.host.mapped`): read through the page cache with the mapped backing
+        (``cached``), around it on the disk tier of ``host_budget_gb``."""
+        reads = None
+        if not cached:
+            reads = self.reads = DirectReads()
+            journal.record("disk reads", reads.close)
+        mapped = map_blocks([(b.name, b.layout, b.tensors) for b in blocks], reads)
+        for b, m in zip(blocks, mapped):
+            b.mapped = m
+        if reads is not None and (path := largest_file(mapped)) is not None:
+            self.disk_probe = (path, *read_bandwidth(path))  # the policy's disk tier
 
     def pin(self) -> PinReport | None:
         """Finish pinning the streamed blocks of the private region within the plan's budget

@@ -50,7 +50,7 @@ from dlo.runtime.decoding import Decoder
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
-from dlo.runtime.staged import StagedTransport
+from dlo.runtime.staged import NUM_STAGING_BUFFERS, StagedTransport
 from dlo.runtime.transport import BlockTransport, TransferCounters, Transport
 
 logger = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def build_transports(
     copy_stream, comm_stream = platform.new_stream(), platform.new_stream()
     out = Transports()
     stacks = list(dict.fromkeys(b.stack for b in blocks))
-    if plan.mapped:  # every stack is rank-local (check_stacks)
+    if plan.from_file:  # every stack is rank-local (check_stacks)
         staging = StagedTransport(
             platform,
             copy_stream=copy_stream,
@@ -148,6 +148,10 @@ def build_transports(
             pin_budget_nbytes=plan.pin_budget_nbytes,
             require_pinned=cfg.pin_failure_policy == "fail",
             rank=rank,
+            num_buffers=NUM_STAGING_BUFFERS if plan.mapped else 0,
+            read_ahead_nbytes=max(
+                (blocks[i].layout.padded_nbytes for i in plan.on_disk), default=0
+            ),
         )
         out.staging = staging
         journal.record("staging", staging.close)

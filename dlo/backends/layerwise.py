@@ -36,10 +36,9 @@ the collective way back: every rank of the group calls it, each AllGather block 
 once more (the resident ones are already whole on the device) and unpacked into ordinary
 tensors on the device the originals came from, then the same rollback runs; the model runs
 without dlo and can be enabled again. A restore that fails (a peer gone, a timeout) still
-disables locally, releases what it did not gather, and poisons the backend. A block of the
-mapped host backing whose checkpoint can no longer be read back (truncated or rewritten while
-dlo served it) is released the same way, whole (every tensor is read before any is bound),
-and disable raises an error naming it once the rest of the rollback ran.
+disables locally, releases what it did not gather, and poisons the backend. A block read
+from its checkpoint (mapped backing, disk tier) that can no longer be read back (truncated
+or rewritten) is released the same way, whole, and disable raises an error naming it.
 """
 
 from __future__ import annotations
@@ -261,7 +260,8 @@ class LayerwiseBackend(OffloadBackend):
         try:  # every failure from here to the vote is the vote's (peers are waiting in it)
             if sizing_error is not None:
                 raise sizing_error
-            check_stacks(plan.stacks, host_backing=cfg.host_backing)
+            budget = cfg.host_budget_gb is not None
+            check_stacks(plan.stacks, host_backing=cfg.host_backing, host_budget=budget)
             state.uncap = cap_to_budget(self.platform, self.config.device_budget_gb, journal)
             claim_components(
                 [(p, get_by_path(pipeline, p)) for p in plan.streamed_components],
@@ -377,6 +377,7 @@ class LayerwiseBackend(OffloadBackend):
             num_slots=cfg.num_slots,
             pin_budget_nbytes=cfg.pin_budget_nbytes,
             host_backing=cfg.host_backing,
+            host_budget_nbytes=cfg.host_budget_nbytes,
             # the sharers only size the budget's charge (torchrun's layout is read only then)
             node_sharers=(
                 expected_sharers(self.parallel, self.world, share.share_axis, share.share_size)

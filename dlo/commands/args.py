@@ -91,6 +91,15 @@ def say_nonfinite(reports: list[dict[str, Any]]) -> None:
         )
 
 
+DISK_FIELDS = ("num_disk_blocks", "disk_read_nbytes", "disk_read_gbps", "disk_direct")
+"""The disk tier's stats a run's report carries (``--host-budget-gb``)."""
+
+
+def disk_fields(stats: dict[str, Any]) -> dict[str, Any]:
+    """:data:`DISK_FIELDS` of a backend's ``stats()`` (0 / None without a layer backend)."""
+    return {k: stats.get(k, None if k == "disk_direct" else 0) for k in DISK_FIELDS}
+
+
 def report_ranks(
     report: dict[str, Any], world_size: int, rank0: bool, render: Callable[[list], str]
 ) -> bool:

@@ -25,6 +25,7 @@ from dlo.commands.args import (
     check_minimums,
     compile_blocks,
     count_nonfinite,
+    disk_fields,
     parity_word,
     report_ranks,
     steady_median,
@@ -32,7 +33,7 @@ from dlo.commands.args import (
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
 from dlo.config.unset import for_device, unset_fields
-from dlo.plan.policy_explain import replans_explained
+from dlo.plan.policy_explain import disk_explained, replans_explained
 from dlo.platform.progress import progress_bar
 
 
@@ -80,6 +81,13 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         raise ValueError(
             "--host-backing mapped reads blocks from the checkpoint: it needs --checkpoint "
             "(with --checkpoint-load mapped)"
+        )
+    if cfg.host_budget_gb is not None and (
+        args.checkpoint is None or args.checkpoint_load != "mapped"
+    ):
+        raise ValueError(
+            "--host-budget-gb leaves blocks in the checkpoint file: it needs --checkpoint "
+            "(with --checkpoint-load mapped), or --pipeline"
         )
     if args.verify_checksum and args.checkpoint is None:
         raise ValueError("--verify-checksum checks what is read from --checkpoint: give one")
@@ -213,6 +221,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
         "host_backing": stats.get("host_backing", "-"),
         "host_mapped_nbytes": stats.get("host_mapped_nbytes", 0),
+        **disk_fields(stats),
         "codec": stats.get("codec", "none"),
         "codec_ratio": stats.get("codec_ratio", 1.0),
         "encoded_read_blocks": stats.get("encoded_read_blocks", 0),
@@ -252,6 +261,7 @@ def _explain(cfg: OffloadConfig, backend: Any) -> str:
             f"{stats.get('gather_engine')}"
             + (f" ({stats['gather_sync']} barriers)" if stats.get("gather_sync") else "")
         )
+    gather += "\n" + disk_explained(stats) if stats.get("num_disk_blocks") else ""
     if policy is not None:
         return str(policy["explanation"]) + gather
     if cfg.mode != "layer":

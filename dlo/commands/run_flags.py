@@ -42,6 +42,7 @@ OFFLOAD_FLAGS = {
     "gather_engine": "--gather-engine",
     "gather_sync": "--gather-sync",
     "device_budget_gb": "--device-budget-gb",
+    "host_budget_gb": "--host-budget-gb",
     "block_compute_ms": "--block-compute-ms",
     "host_backing": "--host-backing",
     "codec": "--codec",
@@ -97,6 +98,14 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         default=None,
         help="device memory per rank for everything the run holds (GiB), as on a GPU of that "
         "size (a fifth kept for activations); sizes the resident blocks, caps the allocator",
+    )
+    r.add_argument(
+        "--host-budget-gb",
+        type=float,
+        default=None,
+        help="host memory per rank for the blocks' copy (GiB, 0 allowed); the blocks beyond "
+        "it stay in --pipeline's or --checkpoint's files and are read for every use, ahead "
+        "of the ring, with O_DIRECT where the filesystem allows it (rank-local stacks)",
     )
     r.add_argument(
         "--block-compute-ms",
@@ -221,6 +230,7 @@ LAYER_ONLY_FLAGS = (
     "resident_layers",
     "num_slots",
     "device_budget_gb",
+    "host_budget_gb",
     "block_compute_ms",
     "host_backing",
     "codec",
@@ -277,6 +287,7 @@ def config_of(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> Offl
         gather_engine=args.gather_engine,
         gather_sync=args.gather_sync,
         device_budget_gb=args.device_budget_gb,
+        host_budget_gb=args.host_budget_gb,
         block_compute_ms=args.block_compute_ms,
         host_backing=args.host_backing,
         codec=args.codec,

@@ -36,6 +36,7 @@ from dlo.commands.args import (
     check_ranges,
     compile_blocks,
     count_nonfinite,
+    disk_fields,
     parity_word,
     report_ranks,
 )
@@ -53,7 +54,7 @@ from dlo.commands.run_flags import (
     save_encoded_if_asked,
 )
 from dlo.config.parallel import ParallelConfig
-from dlo.plan.policy_explain import replans_explained
+from dlo.plan.policy_explain import disk_explained, replans_explained
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
 from dlo.platform.progress import progress_bar
 
@@ -246,6 +247,8 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             out = sys.stderr if args.json else sys.stdout
             print((stats.get("policy") or {}).get("explanation", "dlo policy: none"), file=out)
             print(replans_explained(stats.get("policy")), file=out, flush=True)
+            if stats.get("num_disk_blocks"):
+                print(disk_explained(stats), file=out, flush=True)
         hbm_peak = device_peak_nbytes(platform, stats)
         run_rss = process_peak_rss_bytes()
         written: list[Path] = []
@@ -297,6 +300,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "hbm_peak_nbytes": hbm_peak,
             "host_nbytes": stats.get("host_nbytes", 0),
             "host_pinned_nbytes": stats.get("host_pinned_nbytes", 0),
+            **disk_fields(stats),
             "codec": stats.get("codec", "none"),
             "codec_ratio": stats.get("codec_ratio", 1.0),
             "encoded_read_blocks": stats.get("encoded_read_blocks", 0),

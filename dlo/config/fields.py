@@ -79,9 +79,12 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
-def _check_positive_number(name: str, value: Any, *, maximum: float = 1e7) -> None:
-    """A number in ``(0, maximum]``: the bound keeps a value that would overflow later (a
-    timeout in ms as a C int, GB as bytes) an error here, naming the field."""
+def _check_positive_number(
+    name: str, value: Any, *, maximum: float = 1e7, zero: bool = False
+) -> None:
+    """A number in ``(0, maximum]`` (``[0, maximum]`` with ``zero``): the bound keeps a value
+    that would overflow later (a timeout in ms as a C int, GB as bytes) an error here,
+    naming the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
     try:
@@ -89,7 +92,7 @@ def _check_positive_number(name: str, value: Any, *, maximum: float = 1e7) -> No
     except OverflowError:  # an int too large for a float
         finite = False
     shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:20]}... (too large)"
-    if not finite or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {shown}")
+    if not finite or value < 0 or (value == 0 and not zero):
+        raise ValueError(f"{name} must be a finite number {'>=' if zero else '>'} 0, got {shown}")
     if value > maximum:
         raise ValueError(f"{name} must be <= {maximum:g}, got {shown}")

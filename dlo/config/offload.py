@@ -153,6 +153,12 @@ class OffloadConfig:
     """Cap on pinned host bytes per rank (GiB; a node-shared block costs each of its L ranks
     1/L of its bytes, and node-shared blocks are served before the rank's private ones);
     None is unlimited."""
+    host_budget_gb: float | None = None
+    """Cap on the host bytes of this rank's copy of the blocks (GiB, 0 allowed; None: no cap).
+    The blocks beyond it stay in the file they were loaded from (:func:`dlo.load_pipeline`)
+    and are read for every use, ahead of the ring, into page-locked staging (O_DIRECT where
+    the filesystem allows it): the host holds the budget plus the staging (see [Note: host
+    budget tiers]). Rank-local stacks with codec ``"none"`` for now."""
     device_budget_gb: float | None = None
     """Device memory per rank for everything the run holds (GiB), as on a device of that
     size: what the process already holds, non-block weights, slots, resident blocks, decode
@@ -231,6 +237,8 @@ class OffloadConfig:
         _check_int("chunk_mb", self.chunk_mb, minimum=1, maximum=MAX_CHUNK_MB)
         if self.pin_budget_gb is not None:
             _check_positive_number("pin_budget_gb", self.pin_budget_gb)
+        if self.host_budget_gb is not None:
+            _check_positive_number("host_budget_gb", self.host_budget_gb, zero=True)
         if self.device_budget_gb is not None:
             _check_positive_number("device_budget_gb", self.device_budget_gb)
         if self.block_compute_ms is not None:
@@ -255,6 +263,7 @@ class OffloadConfig:
                 "device_budget_gb": None,
                 "block_compute_ms": None,
                 "host_backing": "region",
+                "host_budget_gb": None,
                 "codec": "none",
             }
             old = {"resident_layers": 0, "num_slots": 2}  # the defaults before unset ones
@@ -325,6 +334,11 @@ class OffloadConfig:
     def pin_budget_nbytes(self) -> int | None:
         """:attr:`pin_budget_gb` in bytes (None: no budget)."""
         return _gib_nbytes(self.pin_budget_gb)
+
+    @property
+    def host_budget_nbytes(self) -> int | None:
+        """:attr:`host_budget_gb` in bytes (None: no budget)."""
+        return _gib_nbytes(self.host_budget_gb)
 
     def transfer_for(self, component: str) -> str:
         """Effective transfer of a component kind."""

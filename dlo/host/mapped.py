@@ -17,18 +17,28 @@ on), reads file ranges with ``pread`` (nothing of the file is mapped into the pr
 would hold them. Then one H2D copy per chunk. Pinned host memory is only the staging
 buffers: ``NUM_STAGING_BUFFERS`` exact-size buffers of the largest chunk, in one
 :class:`~dlo.host.region.HostRegion` (counted in the ledger).
+
+A block that ``host_budget_gb`` leaves in its file (see [Note: host budget tiers] in
+:mod:`dlo.plan.host_tiers`) is a :class:`MappedBlock` whose ``reads`` go around the page
+cache ([Note: reads around the page cache] in :mod:`dlo.io.direct`), filled whole into a
+read-ahead buffer ([Note: disk read-ahead] in :mod:`dlo.runtime.read_ahead`); at disable its
+tensors alias the file again, as :func:`dlo.load_pipeline` left them (a private copy of
+every block would need the host memory the budget was set to spare).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from dlo.host.packer import TensorSource, fill_ranges
+from dlo.host.packer import TensorSource, cached_read, fill_ranges
 from dlo.host.shards import chunk_copies, gap_ranges
 from dlo.io.checkpoint import Checkpoint, bytes_of
+from dlo.io.direct import DirectReads
+from dlo.io.sources import mapped_source
 from dlo.plan.layout import BlockLayout
 
 
@@ -40,6 +50,8 @@ class MappedBlock:
     name: str
     layout: BlockLayout
     sources: list[TensorSource]
+    reads: DirectReads | None = None
+    """The disk tier's reads around the page cache (None: ``pread`` through it)."""
     _chunks: list[tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]] = field(
         default_factory=list, repr=False
     )
@@ -84,7 +96,14 @@ class MappedBlock:
         copies, gaps = self._chunks[k]
         for lo, hi in gaps:
             dst[lo:hi].zero_()
-        fill_ranges(dst, copies, self.sources, pool=pool)
+        read = self.reads.read_into if self.reads is not None else cached_read
+        fill_ranges(dst, copies, self.sources, pool=pool, read=read)
+
+    def fill(self, dst: torch.Tensor, *, pool: ThreadPoolExecutor | None = None) -> None:
+        """Write the whole padded block into ``dst`` (a read-ahead buffer)."""
+        for k in range(self.layout.num_chunks):
+            c0, c1 = self.layout.chunk_range(k)
+            self.fill_chunk(k, dst[c0:c1], pool=pool)
 
     def tensor(self, i: int) -> torch.Tensor:
         """Tensor ``i`` as ``state_dict`` serves it: a view of the checkpoint's private
@@ -95,12 +114,65 @@ class MappedBlock:
         return src[0].tensor(src[1])
 
     def rebuild(self, i: int) -> torch.Tensor:
-        """Tensor ``i`` in memory of its own (``pread`` of a checkpoint range), for disable."""
+        """Tensor ``i`` for disable: in memory of its own (``pread`` of a checkpoint range),
+        or, on the disk tier, aliasing the file as the loader left it."""
         src = self.sources[i]
         if isinstance(src, torch.Tensor):
             return src
+        if self.reads is not None:  # the file unchanged, or aliasing it could fault
+            self.reads.file(src[0].entries[src[1]].file).check()
+            return src[0].tensor(src[1])
         spec = self.layout.tensors[i]
         out = torch.empty(spec.shape, dtype=spec.dtype)
         if out.numel():
             src[0].read_into(src[1], 0, bytes_of(out.reshape(-1).view(torch.uint8)))
         return out
+
+
+_PRIVATE = (
+    "(a tensor holds the file's bytes only until a disable gives it private memory, .to() new "
+    "memory or an in-place write changes it)"
+)
+
+
+def map_blocks(
+    blocks: Sequence[tuple[str, BlockLayout, Sequence[torch.Tensor]]],
+    reads: DirectReads | None,
+) -> list[MappedBlock]:
+    """The :class:`MappedBlock` of each ``(name, layout, tensors)``: every tensor that
+    aliases a checkpoint is served from it, the others from their own memory; ``reads``:
+    the disk tier's reads around the page cache (None: the mapped backing's ``pread``).
+
+    Raises:
+        ValueError: with ``reads``, a block with no byte in a checkpoint (the disk tier
+            cannot leave it in a file); without, no block with one.
+    """
+    out = [
+        MappedBlock(name, layout, [mapped_source(t) or t.data for t in tensors], reads)
+        for name, layout, tensors in blocks
+    ]
+    unmapped = [m.name for m in out if not m.mapped_nbytes]
+    if reads is not None and unmapped:
+        raise ValueError(
+            f"host_budget_gb leaves {len(out)} blocks in their file, but {unmapped[0]!r} is "
+            "not in one: load the model with dlo.load_pipeline or --checkpoint (not "
+            f"copy=True, no dtype cast), or raise host_budget_gb {_PRIVATE}"
+        )
+    if reads is None and len(unmapped) == len(out):
+        raise ValueError(
+            "host_backing='mapped' serves blocks from the checkpoint they were loaded from, "
+            "but no tensor of the streamed blocks aliases a checkpoint: load the model with "
+            "dlo.load_pipeline (not copy=True), or use host_backing='region' " + _PRIVATE
+        )
+    return out
+
+
+def largest_file(blocks: Sequence[MappedBlock]) -> str | None:
+    """The file that serves the most bytes of ``blocks`` (None: none is served by a file)."""
+    held: dict[str, int] = {}
+    for m in blocks:
+        for spec, src in zip(m.layout.tensors, m.sources):
+            if not isinstance(src, torch.Tensor):
+                path = str(src[0].entries[src[1]].file)
+                held[path] = held.get(path, 0) + spec.span_nbytes
+    return max(held, key=lambda p: held[p]) if held else None

@@ -4,7 +4,7 @@ tensors that alias it (see [Note: loading from a checkpoint] in :mod:`dlo.io.mat
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
@@ -44,6 +44,15 @@ READ_PIECE_NBYTES = 8 << 20
 TensorSource = torch.Tensor | tuple[Checkpoint, str]
 """Where one tensor's bytes come from: a CPU tensor, or ``(checkpoint, name)``."""
 
+FileRead = Callable[[Checkpoint, str, int, memoryview], None]
+"""``read(checkpoint, name, offset, out)``: how a checkpoint range is read (``pread``
+through the page cache, or around it: :class:`~dlo.io.direct.DirectReads`)."""
+
+
+def cached_read(ckpt: Checkpoint, name: str, offset: int, out: memoryview) -> None:
+    """A checkpoint range read with ``pread`` through the page cache."""
+    ckpt.read_into(name, offset, out)
+
 
 def fill_ranges(
     dst: torch.Tensor,
@@ -51,12 +60,14 @@ def fill_ranges(
     sources: Sequence[TensorSource],
     *,
     pool: ThreadPoolExecutor | None = None,
+    read: FileRead = cached_read,
 ) -> None:
     """Copy the byte ranges ``copies`` (``(tensor_index, src_start, nbytes, dst_start)``, from
     :func:`~dlo.host.shards.range_copies`) of ``sources`` into the uint8 tensor ``dst``.
 
-    Tensor sources are copied from their span; checkpoint sources are read with ``pread``
-    (several at a time, on ``pool`` or a pool of this call), never through the mapping.
+    Tensor sources are copied from their span; checkpoint sources are read with ``read``
+    (``pread``; several at a time, on ``pool`` or a pool of this call), never through the
+    mapping.
     """
     out: memoryview | None = None
     spans: dict[int, torch.Tensor] = {}
@@ -76,22 +87,21 @@ def fill_ranges(
             m = min(READ_PIECE_NBYTES, n - off)
             reads.append((ckpt, name, src_lo + off, out[dst_lo + off : dst_lo + off + m]))
     if len(reads) == 1:
-        ckpt, name, lo, buf = reads[0]
-        ckpt.read_into(name, lo, buf)
+        read(*reads[0])
     elif reads and pool is not None:
-        _read_all(pool, reads)
+        _read_all(pool, reads, read)
     elif reads:
         with ThreadPoolExecutor(max_workers=min(READERS, len(reads))) as own:
-            _read_all(own, reads)
+            _read_all(own, reads, read)
 
 
 def _read_all(
-    pool: ThreadPoolExecutor, reads: list[tuple[Checkpoint, str, int, memoryview]]
+    pool: ThreadPoolExecutor, reads: list[tuple[Checkpoint, str, int, memoryview]], read: FileRead
 ) -> None:
     """Run ``reads`` on ``pool``; on a failure, cancel the ones not started and wait for the
     running ones before raising the first error: no read of this fill may still be writing
     into ``dst`` once the caller reuses it (a staging buffer holds the next block soon)."""
-    futures = [pool.submit(c.read_into, n, lo, buf) for c, n, lo, buf in reads]
+    futures = [pool.submit(read, c, n, lo, buf) for c, n, lo, buf in reads]
     try:
         for fut in futures:
             fut.result()

@@ -301,7 +301,7 @@ class Checkpoint:
         except BaseException:
             self.close()
             raise
-        self._verified = checksums.Verified()
+        self.verified = checksums.Verified()
         self.read_nbytes = 0
         """Bytes read with :meth:`read_into` so far."""
 
@@ -401,7 +401,7 @@ class Checkpoint:
         if self.verify_checksum:
             assert e.checksums is not None
             checksums.read_verified(
-                pread, str(e.file), name, e.nbytes, e.checksums, offset, out, self._verified
+                pread, str(e.file), name, e.nbytes, e.checksums, offset, out, self.verified
             )
         else:
             pread(offset, out)

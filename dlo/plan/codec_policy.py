@@ -31,6 +31,8 @@ def choose_codec(s: StackSpec, c: StackChoice, inp: PolicyInput) -> StackChoice:
         codec, why = s.codec, "explicit"
     elif inp.host_backing == "mapped":
         codec, why = "none", "auto: the mapped backing streams the checkpoint's own bytes"
+    elif inp.host_budget:
+        codec, why = "none", "auto: host_budget_gb streams the file's own bytes"
     elif s.component != "dit" or t_c is None:
         codec, why = "none", "auto: no compute time for this stack (block_compute_ms: DiT)"
     elif t_c * 1e3 < CODEC_TRANSFER_BOUND * h2d_ms and gather_ms < h2d_ms:

@@ -11,8 +11,9 @@ chunks and shards]) and derives everything the install sizes from the layouts:
 * the slot size: the largest padded block that streams (resident blocks get their own
   buffer, so they do not size the slots);
 * the bytes of this rank's private host region per block: the block's shard, or nothing for
-  a node-shared block (it lives in the node's copy) and for the mapped backing (its bytes
-  stay in the checkpoint file);
+  a node-shared block (it lives in the node's copy), for the mapped backing (its bytes
+  stay in the checkpoint file) and for a block that ``host_budget_gb`` leaves in its file
+  (see [Note: host budget tiers] in :mod:`dlo.plan.host_tiers`);
 * the pin budgets: the config's ``pin_budget_gb`` is charged first for the node-shared
   streamed blocks (each rank pays 1/L of the node's copy, L its sharers on the node), and the
   rest is this rank's private region's; after the private region pinned, what it did not use
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dlo.plan.host_tiers import choose_on_disk
 from dlo.plan.layout import ALIGN, BlockLayout, Manifest, build_manifest, plan_block_layout
 from dlo.plan.topology import BlockStack
 
@@ -71,6 +73,19 @@ class LayerPlan:
     """Bytes of the node-shared streamed blocks charged to this rank (1/L of the node's copy)."""
     mapped: bool
     """``host_backing="mapped"``: blocks stream from the checkpoint file."""
+    host_budget_nbytes: int | None = None
+    """The config's ``host_budget_gb`` in bytes (None: no budget)."""
+    on_disk: frozenset[int] = frozenset()
+    """Positions of the blocks that ``host_budget_gb`` leaves in their file: read for every
+    use (see [Note: host budget tiers])."""
+
+    @property
+    def from_file(self) -> list[int]:
+        """Positions of the blocks whose bytes are read from their file for every load (the
+        mapped backing's, the disk tier's)."""
+        if self.mapped:
+            return list(range(len(self.blocks)))
+        return sorted(self.on_disk)
 
     @property
     def streamed(self) -> list[int]:
@@ -94,7 +109,10 @@ class LayerPlan:
     @property
     def region_nbytes(self) -> list[int]:
         """Bytes of each block in this rank's private host region."""
-        return [0 if self.mapped or b.node_shared else b.layout.shard_nbytes for b in self.blocks]
+        return [
+            0 if self.mapped or b.node_shared or i in self.on_disk else b.layout.shard_nbytes
+            for i, b in enumerate(self.blocks)
+        ]
 
     @property
     def private_pin_budget_nbytes(self) -> int | None:
@@ -152,14 +170,32 @@ def plan_units(
     }
 
 
-def check_stacks(stacks: Sequence[BlockStack], *, host_backing: str) -> None:
+def check_stacks(
+    stacks: Sequence[BlockStack], *, host_backing: str, host_budget: bool = False
+) -> None:
     """What no layer plan can serve, refused by name.
 
     Raises:
         ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack; a
-            a codec with the mapped backing; node-shared stacks on different weight axes (one
-            host copy per node and axis).
+            a codec with the mapped backing; ``host_budget_gb`` with the mapped backing, an
+            AllGather or node-shared stack or a codec (not built yet); node-shared stacks on
+            different weight axes (one host copy per node and axis).
     """
+    if host_budget:
+        if host_backing == "mapped":
+            raise ValueError(
+                "host_budget_gb caps the host region, but host_backing='mapped' keeps no "
+                "region (every block is read from the file's page cache): give one of them"
+            )
+        for s in stacks:
+            if s.group_size > 1 or s.transfer == "node-shared" or s.codec != "none":
+                what = f"codec {s.codec!r}" if s.codec != "none" else f"transfer {s.transfer!r}"
+                raise ValueError(
+                    f"host_budget_gb reads blocks beyond the budget from their file on "
+                    f"rank-local stacks with codec 'none' only (for now), but stack "
+                    f"{s.container_path!r} uses {what} (set transfer='rank-local' and "
+                    "codec='none', or leave host_budget_gb unset)"
+                )
     if host_backing == "mapped":
         for s in stacks:
             if s.group_size > 1 or s.transfer == "node-shared":
@@ -193,6 +229,7 @@ def plan_layers(
     pin_budget_nbytes: int | None = None,
     host_backing: str = "region",
     node_sharers: int = 1,
+    host_budget_nbytes: int | None = None,
 ) -> LayerPlan:
     """The layer plan of ``stacks`` (see [Note: layer plan]).
 
@@ -204,6 +241,8 @@ def plan_layers(
         pin_budget_nbytes: the config's pin budget in bytes (None: no budget).
         host_backing: ``"region"`` or ``"mapped"``.
         node_sharers: L, this rank's sharers of the node-shared copy (itself included).
+        host_budget_nbytes: the config's host budget in bytes (None: none): the blocks
+            beyond it are read from their file (see [Note: host budget tiers]).
     Returns:
         The :class:`LayerPlan`.
     Raises:
@@ -218,7 +257,7 @@ def plan_layers(
         >>> plan_layers([s], t, chunk_nbytes=1 << 20, num_slots=2).slot_nbytes
         256
     """
-    check_stacks(stacks, host_backing=host_backing)
+    check_stacks(stacks, host_backing=host_backing, host_budget=host_budget_nbytes is not None)
     blocks: list[BlockPlan] = []
     for stack in stacks:
         if stack.transfer == "auto":
@@ -241,4 +280,15 @@ def plan_layers(
             if b.node_shared
         ),
         mapped=host_backing == "mapped",
+        host_budget_nbytes=host_budget_nbytes,
+        on_disk=(
+            choose_on_disk(
+                [b.layout.shard_nbytes for b in blocks],
+                [b.stack.component for b in blocks],
+                [b.resident for b in blocks],
+                host_budget_nbytes,
+            )
+            if host_budget_nbytes is not None
+            else frozenset()
+        ),
     )

@@ -74,3 +74,21 @@ def replans_explained(policy: dict[str, Any] | None) -> str:
     if not records:
         return "dlo re-plans: none (every forward ran as enable planned it)"
     return "\n".join(replan_line(r) for r in records)
+
+
+def disk_explained(stats: dict[str, Any]) -> str:
+    """The disk tier's model (``host_budget_gb``; see [Note: host budget tiers] in
+    :mod:`dlo.plan.host_tiers`) as lines of ``--explain``; empty without a disk tier."""
+    if not stats.get("num_disk_blocks"):
+        return ""
+    how = "O_DIRECT" if stats.get("disk_direct") else "buffered, pages dropped behind them"
+    return (
+        f"dlo disk tier: {stats['num_disk_blocks']} blocks ({stats['disk_nbytes'] / GIB:.2f} GiB) "
+        f"stay in their files, {stats['host_region_nbytes'] / GIB:.2f} GiB of blocks are kept "
+        f"in host memory; reads {how}, {stats['disk_probe_gbps']:.2f} GB/s measured at enable: "
+        f"a pass over the streamed ones takes {stats['disk_limit_ms']:.0f} ms at that rate "
+        f"(the disk's term beside the copies' and the compute's), read "
+        f"{stats['read_ahead_buffers']} blocks ahead into "
+        f"{stats['read_ahead_buffers'] * stats['read_ahead_buffer_nbytes'] / GIB:.2f} GiB "
+        "of page-locked staging"
+    )

@@ -120,6 +120,9 @@ class PolicyInput:
     """Node-shared copies the fullest node would hold (one per weight group on it)."""
     host_backing: str = "region"
     """``OffloadConfig.host_backing``: ``"mapped"`` streams rank-local stacks only."""
+    host_budget: bool = False
+    """``OffloadConfig.host_budget_gb`` is given: blocks beyond it are read from their file,
+    on rank-local stacks with codec ``"none"`` only (for now)."""
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
 from dlo.runtime.chain import learn
 from dlo.runtime.guard import Guard, every_claim
+from dlo.runtime.read_ahead import READ_AHEAD_BUFFERS as READ_AHEAD
 from dlo.runtime.slots import Slot, SlotPool
 from dlo.runtime.streamed import IDLE, LOADED, RUNNING, BlockRing, StreamedBlock
 
@@ -433,13 +434,12 @@ class RingScheduler:
         ring = block.ring
         assert ring is not None
         size = len(self.pool.slots) - 1
-        if size <= 0:
-            return
-        if ring.num_pinned:  # the next blocks that stream, past the pinned ones
-            window = [b for b in ring.order.after(block, len(ring.blocks)) if b.own is None]
-            window = window[:size]
-        else:
-            window = ring.order.after(block, size)
+        # the next blocks that stream, past the pinned ones: loaded into free slots, read
+        # further ahead by a disk tier (see [Note: disk read-ahead]: past the window, evicted)
+        ahead = [b for b in ring.order.after(block, len(ring.blocks)) if b.own is None]
+        window = ahead[: max(size, 0)]
+        soon = [b for b in window if b.state == IDLE] + ahead[len(window) : size + READ_AHEAD]
+        block.transport.upcoming([b.shard for b in soon])
         protect = (block, *window)
         for nxt in window:
             if nxt.state != IDLE:

@@ -1,6 +1,9 @@
 """The transport of blocks whose host backing is the checkpoint file (see [Note: mapped host
 backing] in :mod:`dlo.host.mapped`): a filler thread reads each chunk into one of a few
-pinned staging buffers and enqueues its host-to-device copy.
+pinned staging buffers and enqueues its host-to-device copy. Under ``host_budget_gb`` it
+serves a whole stack in request order: a kept block is copied from its host region, a block
+left in its file from the read-ahead buffer its read went to (see [Note: disk read-ahead]
+in :mod:`dlo.runtime.read_ahead`); one queue keeps every copy into a slot in order.
 
 [Note: staging filler]
 Filling a staging buffer is host work (``pread`` from the page cache), and a buffer may be
@@ -69,6 +72,7 @@ from dlo.host.region import HostRegion
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import nvtx_range
+from dlo.runtime.read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +110,9 @@ def _track(transport: StagedTransport) -> None:
 @dataclass(eq=False)
 class _Request:
     seq: int
-    block: MappedBlock
+    name: str
+    block: MappedBlock | torch.Tensor
+    """A block backed by its file, or a kept block's host bytes (``host_budget_gb``)."""
     slot: torch.Tensor
     ready_event: Any
 
@@ -127,6 +133,9 @@ class StagedTransport:
         require_pinned: a buffer that cannot be pinned (failed, over budget) is an error;
             else it stays pageable (slower copies) with a warning.
         rank: for errors.
+        num_buffers: chunk staging buffers (0: no block reads its file through them).
+        read_ahead_nbytes: the largest disk-tier block (0: none), the size of the
+            read-ahead buffers (see [Note: disk read-ahead]).
     Raises:
         OffloadError: the staging buffers could not be pinned and ``require_pinned``.
     """
@@ -145,8 +154,10 @@ class StagedTransport:
         pin_budget_nbytes: int | None = None,
         require_pinned: bool = True,
         num_buffers: int = NUM_STAGING_BUFFERS,
+        read_ahead_nbytes: int = 0,
     ) -> None:
         faults.check("staging_allocation")
+        self.ahead: ReadAhead | None = None
         self.platform = platform
         self.copy_stream = copy_stream
         self.counters = counters
@@ -154,7 +165,7 @@ class StagedTransport:
         self.buffer_nbytes = chunk_nbytes
         self.region = HostRegion([chunk_nbytes] * num_buffers)
         try:
-            if pin and platform.can_pin:
+            if pin and platform.can_pin and num_buffers:
                 report = self.region.pin(platform, budget_nbytes=pin_budget_nbytes, num_workers=1)
                 if report.unpinned_blocks:
                     what = (
@@ -171,7 +182,23 @@ class StagedTransport:
             self._done = [platform.new_event() for _ in range(num_buffers)]
             self._turn = 0
             self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="dlo-read")
+            if read_ahead_nbytes:
+                self.ahead = ReadAhead(
+                    platform,
+                    buffer_nbytes=read_ahead_nbytes,
+                    pool=self._readers,
+                    pin=pin,
+                    rank=rank,
+                    pin_budget_nbytes=(
+                        None
+                        if pin_budget_nbytes is None
+                        else pin_budget_nbytes - self.region.pinned_nbytes
+                    ),
+                    require_pinned=require_pinned,
+                )
         except BaseException:
+            if hasattr(self, "_readers"):
+                self._readers.shutdown(wait=True)
             self.region.close()
             raise
         self._cond = threading.Condition()
@@ -196,7 +223,8 @@ class StagedTransport:
 
     @property
     def pinned_nbytes(self) -> int:
-        return self.region.pinned_nbytes
+        """The staging buffers' and read-ahead buffers' pinned bytes."""
+        return self.region.pinned_nbytes + (self.ahead.pinned_nbytes if self.ahead else 0)
 
     @property
     def num_buffers(self) -> int:
@@ -206,7 +234,7 @@ class StagedTransport:
     def load(
         self,
         layout: BlockLayout,
-        shard: MappedBlock,
+        shard: MappedBlock | torch.Tensor,
         slot: torch.Tensor,
         *,
         free_event: Any,
@@ -216,14 +244,17 @@ class StagedTransport:
     ) -> None:
         """Enqueue the load of ``shard`` into ``slot``: the copy stream's wait on
         ``free_event`` now, the fill, copies and ``ready_event`` by the filler."""
-        assert layout is shard.layout and self._thread is not None
+        assert self._thread is not None
+        assert layout is shard.layout if isinstance(shard, MappedBlock) else shard.is_cpu
         with self.platform.stream(self.copy_stream):
             # [free] producer: compute (or the evicted load's copy stream); consumer: the
             # filler's copies, enqueued after this wait on the same stream
             self.copy_stream.wait_event(free_event)
+        if self.ahead is not None and isinstance(shard, MappedBlock) and shard.reads is not None:
+            self.ahead.requested(shard)
         with self._cond:
             self._issued += 1
-            self._queue.append(_Request(self._issued, shard, slot, ready_event))
+            self._queue.append(_Request(self._issued, layout.name, shard, slot, ready_event))
             if slot_index >= 0:
                 self._tickets[slot_index] = self._issued
             self._cond.notify_all()
@@ -233,6 +264,14 @@ class StagedTransport:
     def agree(self, value: int, describe: str) -> None:
         """Nothing: the mapped backing streams whole blocks (a group of one)."""
         return None
+
+    def upcoming(self, shards: list[Any]) -> None:
+        """The shards the ring predicts it loads next, in order: the disk tier's are read
+        ahead (see [Note: disk read-ahead])."""
+        if self.ahead is not None:
+            self.ahead.upcoming(
+                [s for s in shards if isinstance(s, MappedBlock) and s.reads is not None]
+            )
 
     def wait_enqueued(self, slot_index: int, block: str) -> None:
         """Return once the last load into slot ``slot_index`` has its copies and ``ready``
@@ -286,23 +325,27 @@ class StagedTransport:
                 try:
                     self._serve(req)
                 except BaseException as e:  # reported to the hook that waits for it
-                    logger.debug("dlo staging of %s failed: %r", req.block.name, e)
+                    logger.debug("dlo staging of %s failed: %r", req.name, e)
                     error = e
                 with self._cond:
                     self._enqueued = req.seq
                     if error is not None:
-                        self._errors[req.seq] = (req.block.name, error)
+                        self._errors[req.seq] = (req.name, error)
                     self._cond.notify_all()
 
     def _serve(self, req: _Request) -> None:
-        pf, layout = self.platform, req.block.layout
+        pf, block = self.platform, req.block
+        if isinstance(block, torch.Tensor) or block.reads is not None:
+            self._copy_whole(req)
+            return
+        layout = block.layout
         for k in range(layout.num_chunks):
             b = self._turn
             self._turn = (b + 1) % len(self._done)
             self._done[b].synchronize()  # the copy that last read buffer b has completed
             buf = self.region.view(b)[: layout.chunk_nbytes]
             with nvtx_range("dlo::stage"):
-                req.block.fill_chunk(k, buf, pool=self._readers)
+                block.fill_chunk(k, buf, pool=self._readers)
             c0, c1 = layout.chunk_range(k)
             with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
                 req.slot[c0:c1].copy_(buf, non_blocking=True)
@@ -311,6 +354,25 @@ class StagedTransport:
             # [ready] producer: copy_stream, after the block's last copy; consumer: compute,
             # after wait_enqueued (see [Note: staged ready])
             req.ready_event.record(self.copy_stream)
+
+    def _copy_whole(self, req: _Request) -> None:
+        """A kept block from its host region, a disk-tier block from its read-ahead buffer:
+        one copy into the slot, then ``ready``."""
+        pf, block = self.platform, req.block
+        if isinstance(block, torch.Tensor):
+            src = block
+        else:
+            assert self.ahead is not None
+            src = self.ahead.acquire(block)
+        try:
+            with nvtx_range("dlo::h2d"), pf.stream(self.copy_stream):
+                req.slot[: src.numel()].copy_(src, non_blocking=True)
+                # [ready] producer: copy_stream; consumer: compute, after wait_enqueued
+                req.ready_event.record(self.copy_stream)
+        finally:
+            if isinstance(block, MappedBlock):
+                assert self.ahead is not None
+                self.ahead.release(block, self.copy_stream)
 
     # ------------------------------------------------------------------ teardown
     def stop_filler(self, timeout_s: float | None = None) -> bool:
@@ -325,7 +387,8 @@ class StagedTransport:
                 self._queue.append(None)
             self._cond.notify_all()
         thread.join(timeout_s)
-        return not thread.is_alive()
+        reader_stopped = self.ahead is None or self.ahead.stop(timeout_s)
+        return not thread.is_alive() and reader_stopped
 
     def close(self) -> None:
         """Serve what is queued, stop the filler, wait for the device, release the staging
@@ -335,5 +398,7 @@ class StagedTransport:
             self._thread = None
             _LIVE.discard(self)
             self.platform.synchronize()  # no copy still reads a staging buffer
+            if self.ahead is not None:
+                self.ahead.close()
             self._readers.shutdown(wait=True)
         self.region.close()

@@ -78,6 +78,11 @@ class Transport(Protocol):
         prefetch chain] in :mod:`dlo.runtime.chain`); nothing for a group of one."""
         ...
 
+    def upcoming(self, shards: list[Any]) -> None:
+        """The shards the ring predicts it loads next, in order (a disk tier reads them
+        ahead: see [Note: disk read-ahead] in :mod:`dlo.runtime.read_ahead`)."""
+        ...
+
 
 @dataclass
 class TransferCounters:
@@ -167,6 +172,10 @@ class BlockTransport:
         stream (ordered with the gathers); nothing without a check (group of one)."""
         if self.sequence_check is not None:
             self.sequence_check.agree(value, self.comm_stream, describe)
+
+    def upcoming(self, shards: list[Any]) -> None:
+        """Nothing: host copies need no read-ahead."""
+        return None
 
     def load(
         self,

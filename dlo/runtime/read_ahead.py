@@ -1,0 +1,279 @@
+"""Reading the disk tier's blocks into page-locked buffers ahead of their loads.
+
+[Note: disk read-ahead]
+A block that ``host_budget_gb`` leaves in its file (see [Note: host budget tiers] in
+:mod:`dlo.plan.host_tiers`) is read at every use. The ring requests a load only
+``num_slots - 1`` blocks ahead, and a disk read is far slower than a copy, so a reader
+thread reads further ahead, in the order the ring predicts (its learned execution order, see
+[Note: prefetch chain] in :mod:`dlo.runtime.chain`), into ``K`` whole-block page-locked
+buffers (:data:`READ_AHEAD_BUFFERS`). The disk stays busy while a kept block is copied and
+computed; the host footprint is the budget plus these ``K`` blocks (and the readers'
+scratch buffers).
+
+A buffer is FREE, READING (the reader fills it), READY (it holds a block, read and not yet
+copied) or IN_USE (the staging filler enqueues its copy into a slot). Protocol:
+
+    compute thread: upcoming(blocks)  the ring's predicted order, the requested loads first
+    reader thread:  for the first wanted block without a buffer: take a FREE buffer (else a
+                    READY one whose block is not wanted any more: a wasted read); host-wait
+                    done[b] (the copy that last read b); fill it; READY
+    filler thread:  acquire(block): the block's READY buffer (waits while READING; a block
+                    not read ahead is put first and read now), IN_USE
+                    copy_stream: slot <- buffer; record(done[b]); release(b): FREE
+
+An acquire of a block no buffer holds may take a READY buffer of a block wanted later: the
+filler serves loads in order and holds no buffer while it waits, so the reader always has
+one to fill and the two never wait on each other. A failed read is the acquire's error (the
+staging filler reports it to the hook that waits for the block, naming it); the buffer goes
+back FREE and the block is read again at its next use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlo.errors import OffloadError
+from dlo.host.mapped import MappedBlock
+from dlo.host.region import HostRegion
+from dlo.platform.device import Platform
+from dlo.platform.timing import nvtx_range
+
+logger = logging.getLogger(__name__)
+
+READ_AHEAD_BUFFERS = 2
+"""Whole-block page-locked buffers of the disk tier: one is copied while the next is read."""
+
+FREE, READING, READY, IN_USE = "free", "reading", "ready", "in use"
+
+
+@dataclass(eq=False)
+class _Buffer:
+    index: int
+    done: Any
+    """The event recorded after the copy that last read this buffer."""
+    state: str = FREE
+    block: MappedBlock | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class ReadAheadStats:
+    read_nbytes: int = 0
+    """Bytes of blocks read into the buffers."""
+    read_s: float = 0.0
+    """Time the reader spent reading them."""
+    num_reads: int = 0
+    num_wasted_reads: int = 0
+    """Blocks read ahead and dropped before their load (the prediction was wrong)."""
+    num_waits: int = 0
+    """Loads whose block was not read yet when the filler came to copy it."""
+    wait_s: float = 0.0
+    """Time the filler waited for reads."""
+
+
+class ReadAhead:
+    """``num_buffers`` whole-block buffers filled by one reader thread ahead of the loads
+    (see [Note: disk read-ahead]).
+
+    Args:
+        platform: pinning and events.
+        buffer_nbytes: the largest padded disk-tier block.
+        pool: the readers the fills spread their ``pread`` s over.
+        pin: page-lock the buffers where the platform can.
+        pin_budget_nbytes: what they may pin (None: unlimited).
+        require_pinned: a buffer that cannot be pinned is an error; else it stays pageable.
+        rank: for errors.
+    """
+
+    def __init__(
+        self,
+        platform: Platform,
+        *,
+        buffer_nbytes: int,
+        pool: ThreadPoolExecutor,
+        pin: bool,
+        rank: int,
+        pin_budget_nbytes: int | None = None,
+        require_pinned: bool = True,
+        num_buffers: int = READ_AHEAD_BUFFERS,
+    ) -> None:
+        self.platform = platform
+        self.rank = rank
+        self.pool = pool
+        self.region = HostRegion([buffer_nbytes] * num_buffers)
+        try:
+            if pin and platform.can_pin:
+                report = self.region.pin(platform, budget_nbytes=pin_budget_nbytes, num_workers=1)
+                if report.unpinned_blocks:
+                    what = (
+                        f"{len(report.unpinned_blocks)} of {num_buffers} read-ahead buffers of "
+                        f"{buffer_nbytes} bytes (host_budget_gb) could not be pinned"
+                    )
+                    if require_pinned:
+                        raise OffloadError(what, rank=rank)
+                    logger.warning("dlo: %s; they stay pageable", what)
+            self._buffers = [_Buffer(i, platform.new_event()) for i in range(num_buffers)]
+        except BaseException:
+            self.region.close()
+            raise
+        self.stats = ReadAheadStats()
+        self._pending: list[MappedBlock] = []
+        """Blocks whose load was requested and not yet acquired, in request order."""
+        self._hinted: list[MappedBlock] = []
+        """The blocks the ring predicts it requests next, in order."""
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="dlo-read-ahead", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def pinned_nbytes(self) -> int:
+        return self.region.pinned_nbytes
+
+    @property
+    def buffer_nbytes(self) -> int:
+        return self.region.block_nbytes[0]
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self._buffers)
+
+    # ------------------------------------------------------------------ compute thread
+    def requested(self, block: MappedBlock) -> None:
+        """A load of ``block`` was requested: the filler acquires it in this order."""
+        with self._cond:
+            self._pending.append(block)
+            self._cond.notify_all()
+
+    def upcoming(self, blocks: list[MappedBlock]) -> None:
+        """The blocks the ring predicts it requests next, in order."""
+        with self._cond:
+            self._hinted = list(blocks)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ filler thread
+    def acquire(self, block: MappedBlock) -> torch.Tensor:
+        """The padded bytes of a requested ``block`` in a buffer, once read; the buffer is
+        the caller's until :meth:`release`.
+
+        Raises:
+            OffloadError: the reader is gone.
+            BaseException: the read's error.
+        """
+        with self._cond:
+            t0 = time.perf_counter()
+            if (buf := self._holding(block)) is None or buf.state == READING:
+                self.stats.num_waits += 1
+            while (buf := self._holding(block)) is None or buf.state == READING:
+                if self._thread is None or not self._thread.is_alive():
+                    raise OffloadError("the read-ahead thread is gone", rank=self.rank)
+                self._cond.wait(timeout=1.0)
+            self.stats.wait_s += time.perf_counter() - t0
+            self._pending.remove(block)
+            self._hinted = [b for b in self._hinted if b is not block]
+            if buf.error is not None:
+                error, buf.error, buf.block, buf.state = buf.error, None, None, FREE
+                self._cond.notify_all()
+                raise error
+            buf.state = IN_USE
+        return self.region.view(buf.index)[: block.layout.padded_nbytes]
+
+    def release(self, block: MappedBlock, copy_stream: Any) -> None:
+        """The copy out of ``block``'s buffer is enqueued on ``copy_stream``: the buffer may be
+        filled again once it completed."""
+        with self._cond:
+            buf = next(b for b in self._buffers if b.block is block and b.state == IN_USE)
+            buf.done.record(copy_stream)
+            buf.state, buf.block = FREE, None
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ reader thread
+    def _holding(self, block: MappedBlock) -> _Buffer | None:
+        return next((b for b in self._buffers if b.block is block and b.state != FREE), None)
+
+    def _wanted(self) -> list[MappedBlock]:
+        pending = set(map(id, self._pending))
+        return self._pending + [b for b in self._hinted if id(b) not in pending]
+
+    def _next(self) -> tuple[MappedBlock, _Buffer] | None:
+        """The next block to read and the buffer it goes to (the caller holds the lock)."""
+        wanted = self._wanted()
+        want = next((b for b in wanted if self._holding(b) is None), None)
+        if want is None:
+            return None
+        free = [b for b in self._buffers if b.state == FREE]
+        if not free:  # a READY block not wanted any more, else the one wanted last
+            ready = [b for b in self._buffers if b.state == READY]
+            if not ready:
+                return None
+            rank: dict[int, int] = {}
+            for i, b in enumerate(wanted):
+                rank.setdefault(id(b), i)
+            victim = max(ready, key=lambda b: rank.get(id(b.block), len(rank)))
+            if rank.get(id(victim.block), len(rank)) < rank[id(want)]:
+                return None  # every READY block is wanted before this one
+            self.stats.num_wasted_reads += 1
+            free = [victim]
+        buf = free[0]
+        buf.state, buf.block, buf.error = READING, want, None
+        return want, buf
+
+    def _run(self) -> None:
+        with self.platform.device_context():
+            while True:
+                with self._cond:
+                    job = None
+                    while job is None:
+                        if self._stop:
+                            return
+                        if (job := self._next()) is None:
+                            self._cond.wait()
+                block, buf = job
+                error: BaseException | None = None
+                t0 = time.perf_counter()
+                try:
+                    buf.done.synchronize()  # the copy that last read this buffer completed
+                    with nvtx_range("dlo::disk"):
+                        view = self.region.view(buf.index)[: block.layout.padded_nbytes]
+                        block.fill(view, pool=self.pool)
+                except BaseException as e:  # the acquire of this block raises it
+                    logger.debug("dlo read-ahead of %s failed: %r", block.name, e)
+                    error = e
+                with self._cond:
+                    self.stats.read_s += time.perf_counter() - t0
+                    if error is None:
+                        self.stats.read_nbytes += block.layout.padded_nbytes
+                        self.stats.num_reads += 1
+                    buf.state, buf.error = READY, error
+                    self._cond.notify_all()
+
+    # ------------------------------------------------------------------ teardown
+    def stop(self, timeout_s: float | None = None) -> bool:
+        """Stop the reader after its current read; wait at most ``timeout_s`` (None: until it
+        has). Returns whether it has stopped (see [Note: staging filler at exit] in
+        :mod:`dlo.runtime.staged`)."""
+        thread = self._thread
+        if thread is None:
+            return True
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        thread.join(timeout_s)
+        return not thread.is_alive()
+
+    def close(self) -> None:
+        """Stop the reader, wait for the device, release the buffers (idempotent)."""
+        if self._thread is not None:
+            self.stop()
+            self._thread = None
+            self.platform.synchronize()  # no copy still reads a buffer
+        self.region.close()

@@ -1,0 +1,350 @@
+"""``host_budget_gb``: blocks beyond the budget stay in their file and are read for every
+use, ahead of the ring ([Note: host budget tiers], [Note: disk read-ahead]). Real gloo
+process groups (pure data parallelism, each rank its own budget), real files read with
+O_DIRECT where the temporary directory allows it; the same staging thread and reader as on
+CUDA, ordered on the host here."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import gc
+import json
+import os
+import time
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.backends.layerwise import LayerwiseBackend
+from dlo.cli import main
+from dlo.errors import OffloadError
+from dlo.host.region import LEDGER
+from dlo.io.checkpoint import Checkpoint
+from dlo.io.direct import DirectFile
+from dlo.io.writer import save_checkpoint
+from dlo.models import build_pipeline, make_inputs
+from dlo.models.presets import Preset
+from dlo.pipelines.layouts import FOLDERS
+from dlo.pipelines.load import load_pipeline
+from dlo.pipelines.synth import save_folder
+from dlo.platform.env import process_peak_rss_bytes
+from tests.cpu.test_loader import DTYPE, PRESET
+from tests.harness import assert_all_ok, run_ranks
+
+MIB = 1 << 20
+
+
+def _cfg(**kw: Any) -> dlo.OffloadConfig:
+    base: dict[str, Any] = dict(
+        mode="layer",
+        components=("dit", "encoder"),
+        transfer="rank-local",
+        chunk_mb=4,
+        collective_timeout_s=20.0,
+    )
+    base.update(kw)
+    return dlo.OffloadConfig(**base)
+
+
+def _skeleton(preset: Preset = PRESET) -> Any:
+    return build_pipeline(preset, dtype=DTYPE, device="meta")
+
+
+def _steps(pipe: Any, ids: torch.Tensor, latents: torch.Tensor) -> list[torch.Tensor]:
+    outs = []
+    for i in range(3):
+        with torch.no_grad() if i % 2 else torch.inference_mode():
+            outs.append(pipe.decode(pipe.denoise(latents, pipe.encode(ids), 2)))
+    return outs
+
+
+def _block_nbytes(ckpt: Checkpoint) -> int:
+    return sum(e.nbytes for n, e in ckpt.entries.items() if ".blocks." in n or ".layers." in n)
+
+
+def _budgeted_vs_resident(rank: int, world: int, ckpt_dir: str, share: float) -> dict[str, Any]:
+    par = dlo.ParallelConfig(data_parallel_size=world)
+    ids, latents = make_inputs(PRESET, seed=rank, dtype=DTYPE)
+    resident = build_pipeline(PRESET, dtype=DTYPE)
+    refs = _steps(resident, ids, latents)
+    state = {k: v.clone() for k, v in resident.state_dict().items()}
+    del resident
+    checkpoint = Checkpoint(ckpt_dir)
+    budget = share * _block_nbytes(checkpoint)
+    pipe, backend = load_pipeline(
+        _skeleton, checkpoint, _cfg(host_budget_gb=budget / (1 << 30)), par, "cpu"
+    )
+    assert isinstance(backend, LayerwiseBackend)
+    plan = backend.layer_plan
+    assert plan is not None
+    ledger_enabled = LEDGER.host_nbytes
+    outs = _steps(pipe, ids, latents)
+    sd = pipe.state_dict()
+    st = backend.stats()
+    reads = backend._state.host.reads if backend._state.host else None
+    backend.disable()
+    after = _steps(pipe, ids, latents)  # the blocks alias the file again, as loaded
+    ref = weakref.ref(backend)
+    del backend
+    gc.collect()
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(outs, refs)),
+        "bitwise_after_disable": all(torch.equal(a, b) for a, b in zip(after, refs)),
+        "state_dict": sorted(sd) == sorted(state)
+        and all(torch.equal(sd[k], state[k]) for k in state),
+        "stats": st,
+        "budget": budget,
+        "on_disk": sorted(plan.on_disk),
+        "num_blocks": len(plan.blocks),
+        "ledger_enabled": ledger_enabled,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+        "collected": ref() is None,
+        "reads_closed": reads is not None and reads.files == [],
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("disk-ckpt")
+    path = save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), root, max_shard_nbytes=12 << 20)
+    return str(path.parent)
+
+
+@pytest.mark.parametrize(("world", "share"), [(1, 0.0), (1, 0.5), (2, 0.3), (3, 0.5)])
+def test_blocks_beyond_the_budget_are_read_from_the_file_bitwise(
+    world: int, share: float, checkpoint: str
+) -> None:
+    res = assert_all_ok(run_ranks(_budgeted_vs_resident, world, checkpoint, share, timeout_s=300))
+    for r in res:
+        st = r["stats"]
+        assert r["bitwise"] and r["bitwise_after_disable"] and r["state_dict"], r
+        assert r["on_disk"] and st["num_disk_blocks"] == len(r["on_disk"])
+        if share == 0.0:
+            assert len(r["on_disk"]) == r["num_blocks"] and st["host_region_nbytes"] == 0
+        else:
+            assert len(r["on_disk"]) < r["num_blocks"]
+        # the host copy dlo keeps is within the budget; the rest is read from the file
+        assert st["host_region_nbytes"] <= r["budget"]
+        assert st["disk_nbytes"] > 0 and st["disk_read_nbytes"] >= st["disk_nbytes"]
+        assert st["num_disk_reads"] >= len(r["on_disk"]) and st["disk_direct"] is not None
+        assert st["read_ahead_buffers"] == 2 and st["num_staging_buffers"] == 0
+        assert r["ledger_enabled"] >= 2 * st["read_ahead_buffer_nbytes"]
+        assert r["ledger"] == (0, 0) and r["collected"] and r["reads_closed"]
+
+
+# ----------------------------------------------------------------------------- read-ahead
+@contextlib.contextmanager
+def _slow_blocks(delay_s: float) -> Iterator[None]:
+    """Every block forward of the demo DiT sleeps first (compute longer than a read)."""
+    from dlo.models.blocks import DiTBlock
+
+    forward = DiTBlock.forward
+
+    def slow(self: Any, *args: Any, **kw: Any) -> Any:
+        time.sleep(delay_s)
+        return forward(self, *args, **kw)
+
+    DiTBlock.forward = slow  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DiTBlock.forward = forward  # type: ignore[method-assign]
+
+
+def test_reads_run_ahead_of_the_loads_while_blocks_compute(checkpoint: str) -> None:
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    cfg = _cfg(components=("dit",), host_budget_gb=0, num_slots=2)
+    with _slow_blocks(0.15):  # patched before dlo's hooks wrap the forwards
+        pipe, backend = load_pipeline(_skeleton, checkpoint, cfg, None, "cpu")
+        assert backend is not None
+        with torch.inference_mode():
+            pipe.denoise(latents, pipe.encode(ids), 4)
+        st = backend.stats()
+        backend.disable()
+    # 12 block runs; the first forward learns the order (its blocks may wait for their
+    # read), then every read is done before its copy is due
+    assert st["num_loads"] >= 12 and st["num_disk_reads"] >= 12
+    assert st["num_read_ahead_waits"] <= 3, st
+    assert st["num_wasted_disk_reads"] == 0
+
+
+# ----------------------------------------------------------------------------- faults
+@contextlib.contextmanager
+def _reads_fail(path_part: str) -> Iterator[None]:
+    real_direct, real_buffered = DirectFile._read_direct, DirectFile._read_buffered
+
+    def real(self: DirectFile, offset: int, out: memoryview) -> None:
+        (real_direct if self.direct else real_buffered)(self, offset, out)
+
+    def broken(self: DirectFile, offset: int, out: memoryview) -> None:
+        if path_part in str(self.path):
+            raise OSError(errno.EIO, "Input/output error")
+        real(self, offset, out)
+
+    DirectFile._read_direct = broken  # type: ignore[method-assign]
+    DirectFile._read_buffered = broken  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DirectFile._read_direct = real_direct  # type: ignore[method-assign]
+        DirectFile._read_buffered = real_buffered  # type: ignore[method-assign]
+
+
+def test_a_read_error_fails_the_forward_naming_the_block_and_the_file(checkpoint: str) -> None:
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    ref = build_pipeline(PRESET, dtype=DTYPE).generate(ids, latents, 2)
+    pipe, backend = load_pipeline(_skeleton, checkpoint, _cfg(host_budget_gb=0), None, "cpu")
+    assert backend is not None
+    with _reads_fail(".safetensors"), pytest.raises(OffloadError, match="Input/output") as e:
+        pipe.generate(ids, latents, 2)
+    assert e.value.block is not None and ".safetensors" in str(e.value)
+    assert torch.equal(pipe.generate(ids, latents, 2), ref)  # the next forward reads again
+    backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_a_file_truncated_while_serving_fails_the_forward_and_the_disable_names_the_block(
+    tmp_path: Path,
+) -> None:
+    path = save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), tmp_path, max_shard_nbytes=12 << 20)
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    pipe, backend = load_pipeline(_skeleton, str(path.parent), _cfg(host_budget_gb=0), None, "cpu")
+    assert backend is not None
+    pipe.generate(ids, latents, 1)
+    files = sorted(path.parent.glob("*.safetensors"))
+    for f in files:
+        os.truncate(f, os.path.getsize(f) // 2)
+    with pytest.raises(OffloadError, match="changed while dlo reads blocks") as e:
+        pipe.generate(ids, latents, 1)
+    assert e.value.block is not None and any(str(f) in str(e.value) for f in files)
+    with pytest.raises(OffloadError, match="disable could not restore block"):
+        backend.disable()
+    assert not backend.is_enabled() and (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+# ----------------------------------------------------------------------------- memory
+RSS_PRESET = Preset(
+    name="disk-rss",
+    dim=512,
+    num_heads=4,
+    ffn_dim=2048,
+    num_blocks=24,
+    cross_attention=True,
+    modulation="table",
+    text_dim=64,
+    text_layers=2,
+    text_heads=2,
+    text_ffn=128,
+    vocab=64,
+    text_len=8,
+    latent_channels=8,
+    grid=(4, 4),
+    freq_dim=32,
+    vae_channels=8,
+    vae_upsamples=1,
+)
+
+
+def _rss_reference(rank: int, world: int, ckpt_dir: str) -> list[torch.Tensor]:
+    save = build_pipeline(RSS_PRESET, dtype=DTYPE)
+    save_checkpoint(save, ckpt_dir, max_shard_nbytes=64 << 20)
+    ids, latents = make_inputs(RSS_PRESET, seed=0, dtype=DTYPE)
+    return _steps(save, ids, latents)
+
+
+def _rss_budgeted(rank: int, world: int, ckpt_dir: str, budget_mib: int) -> dict[str, Any]:
+    ids, latents = make_inputs(RSS_PRESET, seed=0, dtype=DTYPE)
+    gc.collect()
+    base = process_peak_rss_bytes()
+    cfg = _cfg(components=("dit",), host_budget_gb=budget_mib / 1024)
+    pipe, backend = load_pipeline(lambda: _skeleton(RSS_PRESET), ckpt_dir, cfg, None, "cpu")
+    assert backend is not None
+    outs = _steps(pipe, ids, latents)
+    peak = process_peak_rss_bytes()
+    st = backend.stats()
+    non_block = sum(
+        t.numel() * t.element_size() for n, t in pipe.state_dict().items() if ".blocks." not in n
+    )
+    backend.disable()
+    return {"outs": outs, "growth": peak - base, "stats": st, "non_block": non_block}
+
+
+def test_peak_rss_stays_within_the_budget_plus_staging(tmp_path: Path) -> None:
+    (refs,) = assert_all_ok(run_ranks(_rss_reference, 1, str(tmp_path), timeout_s=300))
+    budget_mib = 48
+    (r,) = assert_all_ok(run_ranks(_rss_budgeted, 1, str(tmp_path), budget_mib, timeout_s=300))
+    st = r["stats"]
+    assert all(torch.equal(a, b) for a, b in zip(r["outs"], refs))
+    blocks = st["disk_nbytes"] + st["host_region_nbytes"]
+    assert st["host_region_nbytes"] <= budget_mib * MIB and st["disk_nbytes"] > blocks // 2
+    staging = st["read_ahead_buffers"] * st["read_ahead_buffer_nbytes"]
+    staging += st["device_slot_nbytes"]  # the "device" is this host's memory here
+    scratch = 16 * 2 * MIB  # the readers' O_DIRECT scratch buffers (at most 16 readers)
+    slack = 48 * MIB  # activations, allocator and interpreter growth
+    bound = budget_mib * MIB + staging + r["non_block"] + scratch + slack
+    # the whole DiT's blocks would not fit it: the budget is what bounds the footprint
+    assert blocks > bound - slack
+    assert r["growth"] <= bound, (r["growth"] / MIB, bound / MIB, blocks / MIB)
+
+
+# ----------------------------------------------------------------------------- folders, CLI
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan2.1"])
+def test_a_pipeline_folder_under_a_host_budget_is_bitwise(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / name
+    save_folder(FOLDERS[name], folder, max_shard_size=40_000)
+    call: list[str] = []
+    names = {"guidance_scale": "--guidance", "num_frames": "--frames"}
+    for k, v in FOLDERS[name].call.items():
+        call += [names.get(k, "--" + k.replace("_", "-")), str(v)]
+    argv = ["run", "--pipeline", str(folder), "--steps", "2", "--check", "--json"]
+    argv += ["--device", "cpu", "--dtype", "float32", *call, "--host-budget-gb", "0.00005"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    (r,) = json.loads(out[out.index("[") :])
+    assert r["parity"] is True and r["num_disk_blocks"] > 0 and r["disk_read_nbytes"] > 0, r
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_cli_host_budget_needs_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = tmp_path / "ckpt"
+    assert main(["save-checkpoint", "--preset", "tiny", "--out", str(ckpt)]) == 0
+    argv = ["run", "--steps", "2", "--check", "--json", "--device", "cpu", "--chunk-mb", "1"]
+    argv += ["--resident-layers", "0", "--host-budget-gb", "0.0003"]
+    capsys.readouterr()
+    assert main([*argv, "--checkpoint", str(ckpt), "--explain"]) == 0
+    captured = capsys.readouterr()
+    (r,) = json.loads(captured.out)
+    assert r["parity"] is True and r["num_disk_blocks"] > 0
+    # --explain: the disk tier's model (on stderr with --json)
+    assert f"dlo disk tier: {r['num_disk_blocks']} blocks" in captured.err
+    assert "measured at enable" in captured.err
+    assert main(argv) == 2
+    assert "--host-budget-gb leaves blocks in the checkpoint file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("value", "error"), [(-1.0, ValueError), (float("nan"), ValueError), ("8", TypeError)]
+)
+def test_the_config_field_is_checked(value: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match="host_budget_gb"):
+        dlo.OffloadConfig(mode="layer", host_budget_gb=value)
+    assert dlo.OffloadConfig(mode="layer", host_budget_gb=0).host_budget_nbytes == 0
+    with pytest.raises(ValueError, match="host_budget_gb=8 applies to mode='layer' only"):
+        dlo.OffloadConfig(mode="module", host_budget_gb=8)
+
+
+def test_a_model_not_loaded_from_a_file_is_refused_naming_the_field() -> None:
+    pipe = build_pipeline(PRESET, dtype=DTYPE)
+    with pytest.raises(ValueError, match=r"host_budget_gb leaves .* not in one"):
+        dlo.enable_offload(pipe, _cfg(host_budget_gb=0), device="cpu")
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE)
+    assert torch.isfinite(pipe.generate(ids, latents, 1)).all()  # rolled back, whole
