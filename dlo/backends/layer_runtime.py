@@ -41,6 +41,7 @@ from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
 from dlo.plan.declarations import get_by_path
+from dlo.plan.host_tiers import READ_AHEAD_BUFFERS
 from dlo.plan.layers import LayerPlan
 from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan
@@ -149,9 +150,8 @@ def build_transports(
             require_pinned=cfg.pin_failure_policy == "fail",
             rank=rank,
             num_buffers=NUM_STAGING_BUFFERS if plan.mapped else 0,
-            read_ahead_nbytes=max(
-                (blocks[i].layout.padded_nbytes for i in plan.on_disk), default=0
-            ),
+            read_ahead_nbytes=plan.read_ahead_nbytes // READ_AHEAD_BUFFERS,
+            read_ahead_pin_budget_nbytes=plan.read_ahead_pin_budget_nbytes,
         )
         out.staging = staging
         journal.record("staging", staging.close)

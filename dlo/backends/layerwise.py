@@ -260,8 +260,7 @@ class LayerwiseBackend(OffloadBackend):
         try:  # every failure from here to the vote is the vote's (peers are waiting in it)
             if sizing_error is not None:
                 raise sizing_error
-            budget = cfg.host_budget_gb is not None
-            check_stacks(plan.stacks, host_backing=cfg.host_backing, host_budget=budget)
+            check_stacks(plan.stacks, host_backing=cfg.host_backing, host_budget=cfg.host_budget_gb)
             state.uncap = cap_to_budget(self.platform, self.config.device_budget_gb, journal)
             claim_components(
                 [(p, get_by_path(pipeline, p)) for p in plan.streamed_components],

@@ -154,11 +154,9 @@ class OffloadConfig:
     1/L of its bytes, and node-shared blocks are served before the rank's private ones);
     None is unlimited."""
     host_budget_gb: float | None = None
-    """Cap on the host bytes of this rank's copy of the blocks (GiB, 0 allowed; None: no cap).
-    The blocks beyond it stay in the file they were loaded from (:func:`dlo.load_pipeline`)
-    and are read for every use, ahead of the ring, into page-locked staging (O_DIRECT where
-    the filesystem allows it): the host holds the budget plus the staging (see [Note: host
-    budget tiers]). Rank-local stacks with codec ``"none"`` for now."""
+    """Cap on this rank's host copy of the blocks (GiB, 0 allowed; None: none). The blocks
+    beyond it stay in the file they were loaded from and are read for every use, ahead of the
+    ring, with O_DIRECT where allowed (see [Note: host budget tiers]); rank-local stacks."""
     device_budget_gb: float | None = None
     """Device memory per rank for everything the run holds (GiB), as on a device of that
     size: what the process already holds, non-block weights, slots, resident blocks, decode

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from dlo.host.packer import TensorSource, cached_read, fill_ranges
-from dlo.host.shards import chunk_copies, gap_ranges
-from dlo.io.checkpoint import Checkpoint, bytes_of
+from dlo.host.shards import chunk_copies, gap_ranges, range_copies
+from dlo.io.buffers import bytes_of
+from dlo.io.checkpoint import Checkpoint
 from dlo.io.direct import DirectReads
 from dlo.io.sources import mapped_source
 from dlo.plan.layout import BlockLayout
@@ -100,10 +101,15 @@ class MappedBlock:
         fill_ranges(dst, copies, self.sources, pool=pool, read=read)
 
     def fill(self, dst: torch.Tensor, *, pool: ThreadPoolExecutor | None = None) -> None:
-        """Write the whole padded block into ``dst`` (a read-ahead buffer)."""
-        for k in range(self.layout.num_chunks):
-            c0, c1 = self.layout.chunk_range(k)
-            self.fill_chunk(k, dst[c0:c1], pool=pool)
+        """Write the whole padded block into ``dst`` (a read-ahead buffer): every read of
+        the block at once, spread over ``pool``."""
+        nbytes = self.layout.padded_nbytes
+        assert dst.numel() == nbytes
+        copies = list(range_copies(self.layout, [(0, nbytes, 0)]))
+        for lo, hi in gap_ranges(copies, nbytes):
+            dst[lo:hi].zero_()
+        read = self.reads.read_into if self.reads is not None else cached_read
+        fill_ranges(dst, copies, self.sources, pool=pool, read=read)
 
     def tensor(self, i: int) -> torch.Tensor:
         """Tensor ``i`` as ``state_dict`` serves it: a view of the checkpoint's private
@@ -120,7 +126,7 @@ class MappedBlock:
         if isinstance(src, torch.Tensor):
             return src
         if self.reads is not None:  # the file unchanged, or aliasing it could fault
-            self.reads.file(src[0].entries[src[1]].file).check()
+            self.reads.file(src[0], src[0].entries[src[1]].file).check()
             return src[0].tensor(src[1])
         spec = self.layout.tensors[i]
         out = torch.empty(spec.shape, dtype=spec.dtype)
@@ -151,6 +157,11 @@ def map_blocks(
         MappedBlock(name, layout, [mapped_source(t) or t.data for t in tensors], reads)
         for name, layout, tensors in blocks
     ]
+    if reads is not None:  # every file opened now: its stamp is the enable's
+        for m in out:
+            for src in m.sources:
+                if not isinstance(src, torch.Tensor):
+                    reads.file(src[0], src[0].entries[src[1]].file)
     unmapped = [m.name for m in out if not m.mapped_nbytes]
     if reads is not None and unmapped:
         raise ValueError(

@@ -10,7 +10,8 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import torch
 
 from dlo.host.shards import pack_shard, shard_copies, span_bytes
-from dlo.io.checkpoint import Checkpoint, bytes_of
+from dlo.io.buffers import bytes_of
+from dlo.io.checkpoint import Checkpoint
 from dlo.io.sources import mapped_source
 from dlo.plan.layout import BlockLayout
 from dlo.platform.env import cpu_share

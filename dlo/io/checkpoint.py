@@ -406,6 +406,12 @@ class Checkpoint:
         else:
             pread(offset, out)
 
+    def identity(self, file: Path) -> tuple[int, int, int]:
+        """``(st_dev, st_ino, st_size)`` of ``file`` as this checkpoint reads (and maps) it."""
+        with self._lock:
+            st = os.fstat(self._fd(file))
+        return st.st_dev, st.st_ino, st.st_size
+
     def is_aligned(self, name: str) -> bool:
         e = self.entries[name]
         return e.start % _itemsize(e.dtype) == 0
@@ -436,14 +442,3 @@ class Checkpoint:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)
-
-
-def flat_uint8(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 CPU tensor, any dtype (bf16 and fp8 have no numpy
-    type); a view where it is one already."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-
-
-def bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable memoryview of a contiguous CPU uint8 tensor."""
-    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]

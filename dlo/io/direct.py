@@ -64,16 +64,25 @@ def _scratch_view() -> memoryview:
 
 class DirectFile:
     """One file opened for reads around the page cache (see [Note: reads around the page
-    cache]).
+    cache]); safe to read from several threads at once.
 
     Args:
         path: the file.
         direct: try ``O_DIRECT`` (False: buffered reads, pages dropped behind them).
+        identity: ``(st_dev, st_ino, st_size)`` the file must have (the file a checkpoint
+            was loaded from: :meth:`~dlo.io.checkpoint.Checkpoint.identity`).
     Raises:
         OSError: the file cannot be opened.
+        CheckpointError: it is not the file of ``identity`` (replaced since).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, direct: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        direct: bool = True,
+        identity: tuple[int, int, int] | None = None,
+    ) -> None:
         self.path = Path(path)
         self.direct = False
         fd = -1
@@ -86,9 +95,18 @@ class DirectFile:
                     raise
         if fd < 0:
             fd = os.open(self.path, os.O_RDONLY | _CLOEXEC)
-        self.fd = fd
         st = os.fstat(fd)
-        self.identity = (st.st_size, st.st_mtime_ns)
+        if identity is not None and (st.st_dev, st.st_ino, st.st_size) != identity:
+            os.close(fd)
+            raise CheckpointError(
+                f"{self.path}: another file than the one the checkpoint was loaded from "
+                "(replaced since): reload the model"
+            )
+        self._fd = fd
+        self._fds = [fd]
+        """Every descriptor opened (a fallback keeps the first open until :meth:`close`:
+        another thread may still be reading through it)."""
+        self.stamp = (st.st_size, st.st_mtime_ns)
         """Size and modification time when opened: a change fails every later read."""
         self.read_nbytes = 0
         """Bytes read from the file (with ``O_DIRECT``: the aligned ranges around them)."""
@@ -97,12 +115,12 @@ class DirectFile:
     def check(self) -> None:
         """Raise if the file changed since it was opened (see [Note: reads around the page
         cache])."""
-        st = os.fstat(self.fd)
+        st = os.fstat(self._fd)
         now = (st.st_size, st.st_mtime_ns)
-        if now != self.identity:
+        if now != self.stamp:
             raise CheckpointError(
                 f"{self.path}: changed while dlo reads blocks from it (size "
-                f"{self.identity[0]} -> {now[0]} bytes, mtime {self.identity[1]} -> {now[1]} "
+                f"{self.stamp[0]} -> {now[0]} bytes, mtime {self.stamp[1]} -> {now[1]} "
                 "ns): a file that serves blocks must not be rewritten or truncated"
             )
 
@@ -117,13 +135,15 @@ class DirectFile:
         done = 0
         while done < len(out):
             n = min(SCRATCH_NBYTES, len(out) - done)
+            with self._lock:  # one attempt's descriptor and mode, whatever others do
+                fd, direct = self._fd, self.direct
             try:
-                if self.direct:
-                    self._read_direct(offset + done, out[done : done + n])
+                if direct:
+                    self._read_direct(fd, offset + done, out[done : done + n])
                 else:
-                    self._read_buffered(offset + done, out[done : done + n])
+                    self._read_buffered(fd, offset + done, out[done : done + n])
             except OSError as e:
-                if self.direct and e.errno == errno.EINVAL:
+                if direct and e.errno == errno.EINVAL:
                     self._fall_back()
                     continue
                 raise CheckpointError(
@@ -131,16 +151,16 @@ class DirectFile:
                 ) from e
             done += n
 
-    def _read_direct(self, offset: int, out: memoryview) -> None:
+    def _read_direct(self, fd: int, offset: int, out: memoryview) -> None:
         lo = offset - offset % DIRECT_ALIGN
         hi = -(-(offset + len(out)) // DIRECT_ALIGN) * DIRECT_ALIGN
         scratch = _scratch_view()[: hi - lo]
         got = 0
         while got < len(scratch):
-            n = os.preadv(self.fd, [scratch[got:]], lo + got)
-            if n <= 0:
+            n = os.preadv(fd, [scratch[got:]], lo + got)
+            got += max(n, 0)
+            if n <= 0 or got % DIRECT_ALIGN:  # the end of the file: no aligned read after
                 break
-            got += n
         if got < offset - lo + len(out):
             self._short(offset, len(out))
         with self._lock:
@@ -148,17 +168,22 @@ class DirectFile:
         src = torch.frombuffer(scratch, dtype=torch.uint8)[offset - lo : offset - lo + len(out)]
         torch.frombuffer(out, dtype=torch.uint8).copy_(src)  # releases the GIL
 
-    def _read_buffered(self, offset: int, out: memoryview) -> None:
+    def _read_buffered(self, fd: int, offset: int, out: memoryview) -> None:
         got = 0
         while got < len(out):
-            n = os.preadv(self.fd, [out[got:]], offset + got)
+            n = os.preadv(fd, [out[got:]], offset + got)
             if n <= 0:
                 self._short(offset, len(out))
             got += n
         with self._lock:
             self.read_nbytes += got
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, offset, len(out), os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(fd, offset, len(out), os.POSIX_FADV_DONTNEED)
+
+    def drop_cached(self, offset: int, nbytes: int) -> None:
+        """Drop the page cache's pages of a range (where the platform can)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     def _short(self, offset: int, nbytes: int) -> None:
         self.check()
@@ -167,19 +192,18 @@ class DirectFile:
         )
 
     def _fall_back(self) -> None:
-        """A filesystem that accepted ``O_DIRECT`` at open but refuses its reads: reopen
-        buffered (the identity stays the first open's)."""
+        """A filesystem that accepted ``O_DIRECT`` at open but refuses its reads: read
+        buffered from now on (idempotent; the stamp stays the first open's)."""
         with self._lock:
-            if not self.direct:
-                return
-            fd = os.open(self.path, os.O_RDONLY | _CLOEXEC)
-            old, self.fd, self.direct = self.fd, fd, False
-        os.close(old)
+            if self.direct:
+                self._fd = os.open(self.path, os.O_RDONLY | _CLOEXEC)
+                self._fds.append(self._fd)
+                self.direct = False
 
     def close(self) -> None:
         with self._lock:
-            fd, self.fd = self.fd, -1
-        if fd >= 0:
+            fds, self._fds = self._fds, []
+        for fd in fds:
             os.close(fd)
 
 
@@ -204,15 +228,15 @@ def read_bandwidth(
     """
     f = DirectFile(path)
     try:
-        size = f.identity[0]
+        size = f.stamp[0]
         n = min(nbytes, size)
         lo = max(0, (size - n) // 2)
         lo -= lo % DIRECT_ALIGN
         n = min(n, size - lo)
         if n <= 0:
             return 0.0, f.direct
-        if not f.direct and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fd, lo, n, os.POSIX_FADV_DONTNEED)
+        if not f.direct:
+            f.drop_cached(lo, n)
         pieces = [(a, min(SCRATCH_NBYTES, lo + n - a)) for a in range(lo, lo + n, SCRATCH_NBYTES)]
         dst = memoryview(bytearray(SCRATCH_NBYTES * min(workers, len(pieces))))
 
@@ -239,12 +263,15 @@ class DirectReads:
         self._files: dict[Path, DirectFile] = {}
         self._lock = threading.Lock()
 
-    def file(self, path: Path) -> DirectFile:
-        """``path`` opened for reads around the page cache (once)."""
+    def file(self, ckpt: Checkpoint, path: Path) -> DirectFile:
+        """``path`` opened for reads around the page cache, once: the file ``ckpt`` was
+        loaded from (the same inode and size), its stamp taken then (see [Note: reads around
+        the page cache])."""
         with self._lock:
             f = self._files.get(path)
             if f is None:
-                f = self._files[path] = DirectFile(path, direct=self.direct)
+                f = DirectFile(path, direct=self.direct, identity=ckpt.identity(path))
+                self._files[path] = f
             return f
 
     def read_into(self, ckpt: Checkpoint, name: str, offset: int, out: memoryview) -> None:
@@ -252,7 +279,7 @@ class DirectReads:
         page cache."""
         e = ckpt.entries[name]
         assert offset >= 0 and offset + len(out) <= e.nbytes
-        f = self.file(e.file)
+        f = self.file(ckpt, e.file)
 
         def pread(at: int, buf: memoryview) -> None:
             f.read_into(e.start + at, buf)

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from dlo.io.checkpoint import Checkpoint, bytes_of
+from dlo.io.buffers import bytes_of
+from dlo.io.checkpoint import Checkpoint
 from dlo.journal import atomic
 from dlo.platform.device import Platform, get_platform
 from dlo.platform.env import cpu_share

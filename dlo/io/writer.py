@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from dlo.io.checkpoint import DTYPE_NAMES, bytes_of, flat_uint8
+from dlo.io.buffers import bytes_of, flat_uint8
+from dlo.io.checkpoint import DTYPE_NAMES
 from dlo.io.checksums import METADATA_KEY, digests, metadata_value
 from dlo.io.files import FILE_MODE, CheckpointWriteError, Staged, staged
 from dlo.platform.progress import progress_bar

@@ -29,6 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+READ_AHEAD_BUFFERS = 2
+"""Whole-block page-locked buffers of the disk tier (see [Note: disk read-ahead] in
+:mod:`dlo.runtime.read_ahead`): one is copied while the next is read."""
+
 RUNS_PER_CALL = {"dit": 2, "encoder": 1}
 """How the tiers rank components: a DiT's blocks before an encoder's (their ratio is not
 used, only the order)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlo.plan.host_tiers import choose_on_disk
+from dlo.plan.host_tiers import READ_AHEAD_BUFFERS, choose_on_disk
 from dlo.plan.layout import ALIGN, BlockLayout, Manifest, build_manifest, plan_block_layout
 from dlo.plan.topology import BlockStack
 
@@ -115,11 +115,29 @@ class LayerPlan:
         ]
 
     @property
-    def private_pin_budget_nbytes(self) -> int | None:
-        """What the private region may pin: the budget less the node-shared charge."""
+    def read_ahead_nbytes(self) -> int:
+        """The disk tier's read-ahead buffers, each the largest block it reads (see [Note:
+        host budget tiers]); pinned out of the budget before the private region."""
+        sizes = [self.blocks[i].layout.padded_nbytes for i in self.on_disk]
+        return READ_AHEAD_BUFFERS * max(sizes, default=0)
+
+    @property
+    def read_ahead_pin_budget_nbytes(self) -> int | None:
+        """What the read-ahead buffers may pin: their bytes, within what the node-shared
+        charge leaves of the budget."""
         if self.pin_budget_nbytes is None:
             return None
-        return self.pin_budget_nbytes - self.shared_charged_nbytes
+        return max(
+            0, min(self.read_ahead_nbytes, self.pin_budget_nbytes - self.shared_charged_nbytes)
+        )
+
+    @property
+    def private_pin_budget_nbytes(self) -> int | None:
+        """What the private region may pin: the budget less the node-shared charge and the
+        read-ahead buffers."""
+        if self.pin_budget_nbytes is None:
+            return None
+        return max(0, self.pin_budget_nbytes - self.shared_charged_nbytes - self.read_ahead_nbytes)
 
     def shared_pin_budget_nbytes(self, private_pinned_nbytes: int) -> int | None:
         """What the node-shared copy may pin once the private region pinned
@@ -171,7 +189,7 @@ def plan_units(
 
 
 def check_stacks(
-    stacks: Sequence[BlockStack], *, host_backing: str, host_budget: bool = False
+    stacks: Sequence[BlockStack], *, host_backing: str, host_budget: float | None = None
 ) -> None:
     """What no layer plan can serve, refused by name.
 
@@ -181,7 +199,7 @@ def check_stacks(
             AllGather or node-shared stack or a codec (not built yet); node-shared stacks on
             different weight axes (one host copy per node and axis).
     """
-    if host_budget:
+    if host_budget is not None:
         if host_backing == "mapped":
             raise ValueError(
                 "host_budget_gb caps the host region, but host_backing='mapped' keeps no "
@@ -257,7 +275,7 @@ def plan_layers(
         >>> plan_layers([s], t, chunk_nbytes=1 << 20, num_slots=2).slot_nbytes
         256
     """
-    check_stacks(stacks, host_backing=host_backing, host_budget=host_budget_nbytes is not None)
+    check_stacks(stacks, host_backing=host_backing, host_budget=host_budget_nbytes)
     blocks: list[BlockPlan] = []
     for stack in stacks:
         if stack.transfer == "auto":

@@ -21,11 +21,14 @@ copied) or IN_USE (the staging filler enqueues its copy into a slot). Protocol:
                     not read ahead is put first and read now), IN_USE
                     copy_stream: slot <- buffer; record(done[b]); release(b): FREE
 
-An acquire of a block no buffer holds may take a READY buffer of a block wanted later: the
-filler serves loads in order and holds no buffer while it waits, so the reader always has
-one to fill and the two never wait on each other. A failed read is the acquire's error (the
-staging filler reports it to the hook that waits for the block, naming it); the buffer goes
-back FREE and the block is read again at its next use.
+The block an acquire waits for is read before any other and may take any READY buffer: the
+filler serves loads in request order and holds no buffer while it waits, so the reader
+always has one to fill and the two never wait on each other (a request the filler never
+served, an interrupted load, is dropped when a later one is acquired). A failed read of a
+requested block is its acquire's error (the staging filler reports it to the hook that
+waits for the block, naming it); the buffer goes back FREE and the block is read again at
+its next use. A failed read of a predicted block is forgotten: it is read again if it is
+requested.
 """
 
 from __future__ import annotations
@@ -42,13 +45,12 @@ import torch
 from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
 from dlo.host.region import HostRegion
+from dlo.plan.host_tiers import READ_AHEAD_BUFFERS
 from dlo.platform.device import Platform
 from dlo.platform.timing import nvtx_range
 
 logger = logging.getLogger(__name__)
 
-READ_AHEAD_BUFFERS = 2
-"""Whole-block page-locked buffers of the disk tier: one is copied while the next is read."""
 
 FREE, READING, READY, IN_USE = "free", "reading", "ready", "in use"
 
@@ -128,6 +130,8 @@ class ReadAhead:
         """Blocks whose load was requested and not yet acquired, in request order."""
         self._hinted: list[MappedBlock] = []
         """The blocks the ring predicts it requests next, in order."""
+        self._urgent: MappedBlock | None = None
+        """The block the filler waits for: read before anything else."""
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = threading.Thread(
@@ -170,16 +174,25 @@ class ReadAhead:
             BaseException: the read's error.
         """
         with self._cond:
+            # loads are served in request order: requests before this one were never
+            # served (an interrupted load) and are dropped; this block is read first
+            if any(b is block for b in self._pending):
+                while self._pending.pop(0) is not block:
+                    pass
+            self._hinted = [b for b in self._hinted if b is not block]
+            self._urgent = block
+            self._cond.notify_all()
             t0 = time.perf_counter()
             if (buf := self._holding(block)) is None or buf.state == READING:
                 self.stats.num_waits += 1
-            while (buf := self._holding(block)) is None or buf.state == READING:
-                if self._thread is None or not self._thread.is_alive():
-                    raise OffloadError("the read-ahead thread is gone", rank=self.rank)
-                self._cond.wait(timeout=1.0)
+            try:
+                while (buf := self._holding(block)) is None or buf.state == READING:
+                    if self._thread is None or not self._thread.is_alive():
+                        raise OffloadError("the read-ahead thread is gone", rank=self.rank)
+                    self._cond.wait(timeout=1.0)
+            finally:
+                self._urgent = None
             self.stats.wait_s += time.perf_counter() - t0
-            self._pending.remove(block)
-            self._hinted = [b for b in self._hinted if b is not block]
             if buf.error is not None:
                 error, buf.error, buf.block, buf.state = buf.error, None, None, FREE
                 self._cond.notify_all()
@@ -201,8 +214,14 @@ class ReadAhead:
         return next((b for b in self._buffers if b.block is block and b.state != FREE), None)
 
     def _wanted(self) -> list[MappedBlock]:
-        pending = set(map(id, self._pending))
-        return self._pending + [b for b in self._hinted if id(b) not in pending]
+        first = [self._urgent] if self._urgent is not None else []
+        seen = set(map(id, first))
+        out = list(first)
+        for b in self._pending + self._hinted:
+            if id(b) not in seen:
+                seen.add(id(b))
+                out.append(b)
+        return out
 
     def _next(self) -> tuple[MappedBlock, _Buffer] | None:
         """The next block to read and the buffer it goes to (the caller holds the lock)."""
@@ -215,9 +234,7 @@ class ReadAhead:
             ready = [b for b in self._buffers if b.state == READY]
             if not ready:
                 return None
-            rank: dict[int, int] = {}
-            for i, b in enumerate(wanted):
-                rank.setdefault(id(b), i)
+            rank = {id(b): i for i, b in enumerate(wanted)}
             victim = max(ready, key=lambda b: rank.get(id(b.block), len(rank)))
             if rank.get(id(victim.block), len(rank)) < rank[id(want)]:
                 return None  # every READY block is wanted before this one
@@ -253,7 +270,12 @@ class ReadAhead:
                     if error is None:
                         self.stats.read_nbytes += block.layout.padded_nbytes
                         self.stats.num_reads += 1
-                    buf.state, buf.error = READY, error
+                        buf.state = READY
+                    elif block is self._urgent or any(b is block for b in self._pending):
+                        buf.state, buf.error = READY, error  # its load raises it
+                    else:  # a prediction: forgotten, read again if it is requested
+                        buf.state, buf.block = FREE, None
+                        self._hinted = [b for b in self._hinted if b is not block]
                     self._cond.notify_all()
 
     # ------------------------------------------------------------------ teardown

@@ -70,11 +70,11 @@ from dlo import faults
 from dlo.errors import BackendPoisonedError, ForwardRefused, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.host.shards import copy_back, placeholder, shard_view, written_tensors
+from dlo.plan.host_tiers import READ_AHEAD_BUFFERS as READ_AHEAD
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
 from dlo.runtime.chain import learn
 from dlo.runtime.guard import Guard, every_claim
-from dlo.runtime.read_ahead import READ_AHEAD_BUFFERS as READ_AHEAD
 from dlo.runtime.slots import Slot, SlotPool
 from dlo.runtime.streamed import IDLE, LOADED, RUNNING, BlockRing, StreamedBlock
 

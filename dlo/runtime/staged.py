@@ -136,6 +136,7 @@ class StagedTransport:
         num_buffers: chunk staging buffers (0: no block reads its file through them).
         read_ahead_nbytes: the largest disk-tier block (0: none), the size of the
             read-ahead buffers (see [Note: disk read-ahead]).
+        read_ahead_pin_budget_nbytes: what those may pin (None: unlimited).
     Raises:
         OffloadError: the staging buffers could not be pinned and ``require_pinned``.
     """
@@ -155,6 +156,7 @@ class StagedTransport:
         require_pinned: bool = True,
         num_buffers: int = NUM_STAGING_BUFFERS,
         read_ahead_nbytes: int = 0,
+        read_ahead_pin_budget_nbytes: int | None = None,
     ) -> None:
         faults.check("staging_allocation")
         self.ahead: ReadAhead | None = None
@@ -189,11 +191,7 @@ class StagedTransport:
                     pool=self._readers,
                     pin=pin,
                     rank=rank,
-                    pin_budget_nbytes=(
-                        None
-                        if pin_budget_nbytes is None
-                        else pin_budget_nbytes - self.region.pinned_nbytes
-                    ),
+                    pin_budget_nbytes=read_ahead_pin_budget_nbytes,
                     require_pinned=require_pinned,
                 )
         except BaseException:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -82,22 +83,32 @@ def test_the_page_cache_is_dropped_behind_buffered_reads(data_file: tuple[Path, 
 def test_a_filesystem_that_refuses_direct_reads_falls_back_to_buffered(
     data_file: tuple[Path, bytes], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Every thread that meets the refusal retries buffered: the fallback happens once, and
+    no read fails or reads through a closed descriptor."""
+    from concurrent.futures import ThreadPoolExecutor
+
     path, data = data_file
     f = DirectFile(path)
     assert f.direct == _takes_direct(path)  # where the open refused it, reads are buffered
+    first = f._fds[0]
     real = os.preadv
     refused: list[int] = []
 
     def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
-        if fd == f.fd and f.direct:
+        if fd == first and f._fds and _takes_direct(path):
             refused.append(offset)
+            time.sleep(0.01)  # the threads meet the refusal together
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(fd, bufs, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    out = bytearray(9000)
-    f.read_into(7, memoryview(out))
-    assert bool(refused) == _takes_direct(path) and not f.direct and bytes(out) == data[7:9007]
+    ranges = [(7 + 100_003 * k, 9000 + k) for k in range(8)]
+    outs = [bytearray(n) for _, n in ranges]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda k: f.read_into(ranges[k][0], memoryview(outs[k])), range(8)))
+    assert all(bytes(o) == data[a : a + n] for o, (a, n) in zip(outs, ranges))
+    assert not f.direct and bool(refused) == _takes_direct(path)
+    assert len(f._fds) == (2 if _takes_direct(path) else 1)  # one fallback, first fd kept
     f.close()
 
 
@@ -129,7 +140,8 @@ def test_a_read_past_the_end_is_a_short_read(data_file: tuple[Path, bytes]) -> N
 
 
 def test_reads_open_each_file_once_and_close_them(tmp_path: Path) -> None:
-    from dlo.io.checkpoint import Checkpoint, bytes_of
+    from dlo.io.buffers import bytes_of
+    from dlo.io.checkpoint import Checkpoint
     from dlo.io.writer import save_checkpoint
 
     m = torch.nn.Linear(300, 70)

@@ -34,6 +34,7 @@ from dlo.pipelines.layouts import FOLDERS
 from dlo.pipelines.load import load_pipeline
 from dlo.pipelines.synth import save_folder
 from dlo.platform.env import process_peak_rss_bytes
+from tests.cpu.test_direct_reads import _takes_direct
 from tests.cpu.test_loader import DTYPE, PRESET
 from tests.harness import assert_all_ok, run_ranks
 
@@ -132,7 +133,8 @@ def test_blocks_beyond_the_budget_are_read_from_the_file_bitwise(
         # the host copy dlo keeps is within the budget; the rest is read from the file
         assert st["host_region_nbytes"] <= r["budget"]
         assert st["disk_nbytes"] > 0 and st["disk_read_nbytes"] >= st["disk_nbytes"]
-        assert st["num_disk_reads"] >= len(r["on_disk"]) and st["disk_direct"] is not None
+        assert st["num_disk_reads"] >= len(r["on_disk"])
+        assert st["disk_direct"] == _takes_direct(next(Path(checkpoint).glob("*.safetensors")))
         assert st["read_ahead_buffers"] == 2 and st["num_staging_buffers"] == 0
         assert r["ledger_enabled"] >= 2 * st["read_ahead_buffer_nbytes"]
         assert r["ledger"] == (0, 0) and r["collected"] and r["reads_closed"]
@@ -177,18 +179,19 @@ def test_reads_run_ahead_of_the_loads_while_blocks_compute(checkpoint: str) -> N
 # ----------------------------------------------------------------------------- faults
 @contextlib.contextmanager
 def _reads_fail(path_part: str) -> Iterator[None]:
+    """Every read of a file whose path holds ``path_part`` fails with EIO (a disk gone)."""
     real_direct, real_buffered = DirectFile._read_direct, DirectFile._read_buffered
 
-    def real(self: DirectFile, offset: int, out: memoryview) -> None:
-        (real_direct if self.direct else real_buffered)(self, offset, out)
+    def broken(real: Any) -> Any:
+        def read(self: DirectFile, fd: int, offset: int, out: memoryview) -> None:
+            if path_part in str(self.path):
+                raise OSError(errno.EIO, "Input/output error")
+            real(self, fd, offset, out)
 
-    def broken(self: DirectFile, offset: int, out: memoryview) -> None:
-        if path_part in str(self.path):
-            raise OSError(errno.EIO, "Input/output error")
-        real(self, offset, out)
+        return read
 
-    DirectFile._read_direct = broken  # type: ignore[method-assign]
-    DirectFile._read_buffered = broken  # type: ignore[method-assign]
+    DirectFile._read_direct = broken(real_direct)  # type: ignore[method-assign]
+    DirectFile._read_buffered = broken(real_buffered)  # type: ignore[method-assign]
     try:
         yield
     finally:
@@ -285,7 +288,8 @@ def test_peak_rss_stays_within_the_budget_plus_staging(tmp_path: Path) -> None:
     assert st["host_region_nbytes"] <= budget_mib * MIB and st["disk_nbytes"] > blocks // 2
     staging = st["read_ahead_buffers"] * st["read_ahead_buffer_nbytes"]
     staging += st["device_slot_nbytes"]  # the "device" is this host's memory here
-    scratch = 16 * 2 * MIB  # the readers' O_DIRECT scratch buffers (at most 16 readers)
+    # the O_DIRECT scratch buffers: the fill's readers (at most 16) and the read-ahead thread
+    scratch = 17 * (2 * MIB + 4096)
     slack = 48 * MIB  # activations, allocator and interpreter growth
     bound = budget_mib * MIB + staging + r["non_block"] + scratch + slack
     # the whole DiT's blocks would not fit it: the budget is what bounds the footprint

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -96,6 +98,21 @@ def test_what_the_disk_tier_does_not_serve_yet_is_refused_by_name(
     stack: BlockStack, what: str
 ) -> None:
     with pytest.raises(ValueError, match=f"host_budget_gb.*{what}"):
-        check_stacks([stack], host_backing="region", host_budget=True)
+        check_stacks([stack], host_backing="region", host_budget=0)
     with pytest.raises(ValueError, match=r"host_budget_gb.*host_backing='mapped'"):
-        check_stacks([_stack()], host_backing="mapped", host_budget=True)
+        check_stacks([_stack()], host_backing="mapped", host_budget=0)
+
+
+def test_the_read_ahead_buffers_are_pinned_out_of_the_pin_budget_first() -> None:
+    t = {f"blocks.{i}": [("w", "param", (64, 64), (64, 1), torch.float32)] for i in range(4)}
+    kw: dict[str, Any] = dict(chunk_nbytes=1 << 20, num_slots=2, host_budget_nbytes=32768)
+    plan = plan_layers([_stack()], t, pin_budget_nbytes=50_000, **kw)
+    assert plan.read_ahead_nbytes == 2 * 16384
+    # the buffers take theirs first; the kept blocks' region pins what is left
+    assert plan.read_ahead_pin_budget_nbytes == 32768
+    assert plan.private_pin_budget_nbytes == 50_000 - 32768
+    tight = plan_layers([_stack()], t, pin_budget_nbytes=20_000, **kw)
+    assert tight.read_ahead_pin_budget_nbytes == 20_000 and tight.private_pin_budget_nbytes == 0
+    free = plan_layers([_stack()], t, **kw)
+    assert free.read_ahead_pin_budget_nbytes is None and free.private_pin_budget_nbytes is None
+    assert plan_layers([_stack()], t, chunk_nbytes=1 << 20, num_slots=2).read_ahead_nbytes == 0

@@ -1,0 +1,71 @@
+"""The disk tier on a GPU ([Note: disk read-ahead]): blocks beyond ``host_budget_gb`` read
+from their file with O_DIRECT into page-locked read-ahead buffers, copied on the copy
+stream while the previous block computes, bitwise against the resident model on the
+device; pipeline folders through ``dlo run --pipeline --host-budget-gb``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dlo
+from dlo.cli import main
+from dlo.host.region import LEDGER
+from dlo.io.writer import save_checkpoint
+from dlo.models import build_pipeline, make_inputs
+from dlo.pipelines.load import load_pipeline
+from tests.cpu.test_disk_tier import _skeleton, _steps
+from tests.cpu.test_loader import DTYPE, PRESET
+from tests.cpu.test_pipeline_folders import _call_flags, _folder
+
+
+@pytest.mark.parametrize(("share", "slots"), [(0.0, 2), (0.5, 3)])
+def test_disk_blocks_are_bitwise_on_the_gpu(tmp_path: Path, share: float, slots: int) -> None:
+    resident = build_pipeline(PRESET, dtype=DTYPE)
+    path = save_checkpoint(resident, tmp_path, max_shard_nbytes=12 << 20)
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE, device="cuda")
+    refs = _steps(resident.to("cuda"), ids, latents)
+    blocks = sum(
+        t.numel() * t.element_size()
+        for n, t in resident.state_dict().items()
+        if ".blocks." in n or ".layers." in n
+    )
+    del resident
+    cfg = dlo.OffloadConfig(
+        mode="layer",
+        components=("dit", "encoder"),
+        resident_layers=0,
+        num_slots=slots,
+        chunk_mb=4,
+        host_budget_gb=share * blocks / (1 << 30),
+    )
+    pipe, backend = load_pipeline(_skeleton, str(path.parent), cfg, None, "cuda")
+    assert backend is not None
+    outs = _steps(pipe, ids, latents)
+    torch.cuda.synchronize()
+    st = backend.stats()
+    backend.disable()
+    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    assert st["num_disk_blocks"] > 0 and st["disk_read_nbytes"] >= st["disk_nbytes"]
+    # the read-ahead buffers are page-locked (the copies run from pinned memory)
+    assert st["host_pinned_nbytes"] >= 2 * st["read_ahead_buffer_nbytes"] > 0
+    assert st["host_region_nbytes"] <= share * blocks and st["disk_probe_gbps"] > 0
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+@pytest.mark.parametrize("name", ["tiny-flux", "tiny-wan2.2"])
+def test_pipeline_folder_from_disk_is_bitwise_on_the_gpu(
+    tmp_path: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = _folder(tmp_path, name)
+    argv = ["run", "--pipeline", str(folder), "--steps", "2", "--check", "--json"]
+    argv += ["--dtype", "bfloat16", *_call_flags(name), "--resident-layers", "0"]
+    argv += ["--host-budget-gb", "0"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    (r,) = json.loads(out[out.index("[") :])
+    assert r["parity"] is True and r["num_disk_blocks"] > 0 and r["disk_read_nbytes"] > 0, r
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
