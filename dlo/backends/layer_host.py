@@ -159,14 +159,7 @@ class LayerHost:
         group size 1 the region then holds every byte of a block, so the originals are
         released at once; with the mapped backing nothing is packed."""
         if plan.from_file:
-            self._map_blocks([self.blocks[i] for i in plan.from_file], journal, plan.mapped)
-            # the files stay open while blocks are read from them, and until disable has
-            # rebuilt the blocks from them (load_pipeline's close is deferred until then)
-            for ckpt in {
-                id(c): c for b in self.blocks if b.mapped for c in b.mapped.checkpoints
-            }.values():
-                ckpt.retain()
-                journal.record("checkpoint files", ckpt.release)
+            self._map_blocks(plan, journal, group_rank)
         sizes = plan.region_nbytes
         # closed after every release below is undone: a block laid into the region is
         # rebuilt from it (see [Note: released as encoded] in dlo.backends.layer_codec)
@@ -200,7 +193,8 @@ class LayerHost:
                 continue
             b.region, b.host_index = region, i
             if b.mapped is not None:  # its bytes stay in the checkpoint: nothing to pack
-                self.release(b, journal)
+                if b.layout.group_size == 1:  # gathered blocks: after the agreement
+                    self.release(b, journal)
                 continue
             faults.check("host_fill")
             if self.codec is not None and b.stack.codec != "none":
@@ -225,17 +219,25 @@ class LayerHost:
             journal.record("encoded pieces", self.codec.forget)
         return self.codec
 
-    def _map_blocks(self, blocks: list[LayerBlock], journal: Journal, cached: bool) -> None:
-        """Give ``blocks`` their :class:`MappedBlock` (see [Note: mapped host backing] in
-        :mod:`dlo.host.mapped`): read through the page cache with the mapped backing
-        (``cached``), around it on the disk tier of ``host_budget_gb``."""
+    def _map_blocks(self, plan: LayerPlan, journal: Journal, rank: Callable[[str], int]) -> None:
+        """Give the blocks read from their file their :class:`MappedBlock` (see [Note: mapped
+        host backing] in :mod:`dlo.host.mapped`): through the page cache with the mapped
+        backing, around it on the disk tier of ``host_budget_gb``."""
         reads = None
-        if not cached:
+        if not plan.mapped:
             reads = self.reads = DirectReads()
             journal.record("disk reads", reads.close)
-        mapped = map_blocks([(b.name, b.layout, b.tensors) for b in blocks], reads)
+        blocks = [self.blocks[i] for i in plan.from_file]
+        mapped = map_blocks(
+            [(b.name, b.layout, b.tensors, rank(b.stack.group_axis)) for b in blocks], reads
+        )
         for b, m in zip(blocks, mapped):
             b.mapped = m
+        # the files stay open while blocks are read from them, and until disable has
+        # rebuilt the blocks from them (load_pipeline's close is deferred until then)
+        for ckpt in {id(c): c for m in mapped for c in m.checkpoints}.values():
+            ckpt.retain()
+            journal.record("checkpoint files", ckpt.release)
         if reads is not None and (path := largest_file(mapped)) is not None:
             self.disk_probe = (path, *read_bandwidth(path))  # the policy's disk tier
 

@@ -41,13 +41,13 @@ from dlo.journal import Journal
 from dlo.parallel.groups import weight_group
 from dlo.plan.checks import non_block_state
 from dlo.plan.declarations import get_by_path
-from dlo.plan.host_tiers import READ_AHEAD_BUFFERS
 from dlo.plan.layers import LayerPlan
 from dlo.plan.subclasses import move_tensor, tensor_nbytes
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
 from dlo.runtime.ce_gather import CopyEngineGather
 from dlo.runtime.decoding import Decoder
+from dlo.runtime.read_ahead import ReadAhead
 from dlo.runtime.ring import BlockRing, RingScheduler, StreamedBlock
 from dlo.runtime.sequence import SequenceCheck
 from dlo.runtime.slots import SlotPool
@@ -108,6 +108,8 @@ class Transports:
     encoded_by_axis: dict[str, Transport] = field(default_factory=dict)
     """The transports of the encoded blocks, per weight axis (see [Note: decode pipeline])."""
     decoders: list[Decoder] = field(default_factory=list)
+    aheads: dict[str, ReadAhead] = field(default_factory=dict)
+    """The disk tier's readers, per weight axis (``"local"``: whole blocks)."""
 
     def drain(self) -> None:
         """Wait until the staged transport issued every load (a no-op without one)."""
@@ -139,7 +141,18 @@ def build_transports(
     copy_stream, comm_stream = platform.new_stream(), platform.new_stream()
     out = Transports()
     stacks = list(dict.fromkeys(b.stack for b in blocks))
-    if plan.from_file:  # every stack is rank-local (check_stacks)
+    budgets = plan.read_ahead_pin_budgets()
+    for axis, nbytes in plan.read_ahead_sizes.items():  # [Note: disk read-ahead]
+        ahead = out.aheads[axis] = ReadAhead(
+            platform,
+            buffer_nbytes=nbytes,
+            pin=cfg.pin_memory,
+            rank=rank,
+            pin_budget_nbytes=budgets[axis],
+            require_pinned=cfg.pin_failure_policy == "fail",
+        )
+        journal.record(f"read-ahead {axis}", ahead.close)
+    if plan.mapped or "local" in out.aheads:  # whole blocks read from their file
         staging = StagedTransport(
             platform,
             copy_stream=copy_stream,
@@ -150,12 +163,11 @@ def build_transports(
             require_pinned=cfg.pin_failure_policy == "fail",
             rank=rank,
             num_buffers=NUM_STAGING_BUFFERS if plan.mapped else 0,
-            read_ahead_nbytes=plan.read_ahead_nbytes // READ_AHEAD_BUFFERS,
-            read_ahead_pin_budget_nbytes=plan.read_ahead_pin_budget_nbytes,
+            ahead=out.aheads.get("local"),
         )
         out.staging = staging
         journal.record("staging", staging.close)
-        out.by_axis = {s.group_axis: staging for s in stacks}
+        out.by_axis = {s.group_axis: staging for s in stacks if s.group_size == 1}
     for stack in stacks:
         if stack.group_axis in out.by_axis:
             continue
@@ -200,6 +212,7 @@ def build_transports(
             counters=counters,
             sequence_check=check,
             ce_gather=ce,
+            ahead=out.aheads.get(stack.group_axis) if stack.group_size > 1 else None,
         )
         if len(ranks) > 1 and out.group_size == 1:
             out.group_rank, out.group_size = group_rank, len(ranks)

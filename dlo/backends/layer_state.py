@@ -16,7 +16,6 @@ from dlo.platform.device import Platform
 from dlo.runtime.read_ahead import ReadAheadStats
 from dlo.runtime.ring import RingScheduler
 from dlo.runtime.slots import SlotPool
-from dlo.runtime.staged import StagedTransport
 from dlo.runtime.transport import TransferCounters
 
 
@@ -126,11 +125,12 @@ class LayerState:
             "host_share_ranks": shared.share_ranks if shared else 1,
             "host_pinned_nbytes": (region.pinned_nbytes if region else 0)
             + (shared.charged_pinned_nbytes if shared else 0)
-            + (staging.pinned_nbytes if staging else 0),
+            + (staging.pinned_nbytes if staging else 0)
+            + sum(a.pinned_nbytes for a in (transports.aheads.values() if transports else [])),
             "num_staging_buffers": staging.num_buffers if staging else 0,
             "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
             "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
-            **disk_stats(staging, blocks, host.disk_probe if host else None),
+            **disk_stats(transports, blocks, host.disk_probe if host else None),
             # [Note: block codecs]: what the encoded blocks hold and move
             "codec": next((b.stack.codec for b in blocks if b.encoded), "none"),
             "codec_bitstream": host.codec.bitstream if host and host.codec else None,
@@ -200,7 +200,7 @@ class LayerState:
 
 
 def disk_stats(
-    staging: StagedTransport | None,
+    transports: Transports | None,
     blocks: list[LayerBlock],
     probe: tuple[str, float, bool] | None,
 ) -> dict[str, Any]:
@@ -208,21 +208,24 @@ def disk_stats(
     in :mod:`dlo.runtime.read_ahead`), and its model: the probe's rate, and a pass over the
     streamed disk blocks at that rate."""
     disk = [b for b in blocks if b.mapped is not None and b.mapped.reads is not None]
-    streamed = sum(b.layout.padded_nbytes for b in disk if not b.resident)
-    ahead = staging.ahead if staging else None
-    st = ahead.stats if ahead else ReadAheadStats()
+    streamed = sum(b.layout.shard_nbytes for b in disk if not b.resident)
+    aheads = list(transports.aheads.values()) if transports else []
+    st = ReadAheadStats()
+    for a in aheads:
+        for k, v in vars(a.stats).items():
+            setattr(st, k, getattr(st, k) + v)
     files = disk[0].mapped.reads.files if disk and disk[0].mapped and disk[0].mapped.reads else []
     return {
         "num_disk_blocks": len(disk),
-        "disk_nbytes": sum(b.layout.padded_nbytes for b in disk),
+        "disk_nbytes": sum(b.layout.shard_nbytes for b in disk),
         "disk_direct": all(f.direct for f in files) if files else None,
         "disk_read_nbytes": st.read_nbytes,
         "disk_read_ms": st.read_s * 1e3,
         "disk_read_gbps": st.read_nbytes / st.read_s / 1e9 if st.read_s else 0.0,
         "num_disk_reads": st.num_reads,
         "num_wasted_disk_reads": st.num_wasted_reads,
-        "read_ahead_buffers": ahead.num_buffers if ahead else 0,
-        "read_ahead_buffer_nbytes": ahead.buffer_nbytes if ahead else 0,
+        "read_ahead_buffers": sum(a.num_buffers for a in aheads),
+        "read_ahead_buffer_nbytes": max((a.buffer_nbytes for a in aheads), default=0),
         "read_ahead_wait_ms": st.wait_s * 1e3,
         "num_read_ahead_waits": st.num_waits,
         "disk_probe_gbps": probe[1] / 1e9 if probe else 0.0,

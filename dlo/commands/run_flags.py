@@ -105,7 +105,8 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         default=None,
         help="host memory per rank for the blocks' copy (GiB, 0 allowed); the blocks beyond "
         "it stay in --pipeline's or --checkpoint's files and are read for every use, ahead "
-        "of the ring, with O_DIRECT where the filesystem allows it (rank-local stacks)",
+        "of the ring, with O_DIRECT where the filesystem allows it (AllGather: each rank "
+        "its 1/N)",
     )
     r.add_argument(
         "--block-compute-ms",

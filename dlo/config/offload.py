@@ -156,7 +156,7 @@ class OffloadConfig:
     host_budget_gb: float | None = None
     """Cap on this rank's host copy of the blocks (GiB, 0 allowed; None: none). The blocks
     beyond it stay in the file they were loaded from and are read for every use, ahead of the
-    ring, with O_DIRECT where allowed (see [Note: host budget tiers]); rank-local stacks."""
+    ring, with O_DIRECT where allowed (see [Note: host budget tiers]); AllGather: 1/N each."""
     device_budget_gb: float | None = None
     """Device memory per rank for everything the run holds (GiB), as on a device of that
     size: what the process already holds, non-block weights, slots, resident blocks, decode

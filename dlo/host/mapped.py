@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dlo.host.packer import TensorSource, cached_read, fill_ranges
-from dlo.host.shards import chunk_copies, gap_ranges, range_copies
+from dlo.host.shards import chunk_copies, gap_ranges, shard_copies
 from dlo.io.buffers import bytes_of
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.direct import DirectReads
@@ -53,6 +53,8 @@ class MappedBlock:
     sources: list[TensorSource]
     reads: DirectReads | None = None
     """The disk tier's reads around the page cache (None: ``pread`` through it)."""
+    rank: int = 0
+    """This rank's place in the block's weight group: :meth:`fill` writes its slices."""
     _chunks: list[tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]] = field(
         default_factory=list, repr=False
     )
@@ -101,11 +103,12 @@ class MappedBlock:
         fill_ranges(dst, copies, self.sources, pool=pool, read=read)
 
     def fill(self, dst: torch.Tensor, *, pool: ThreadPoolExecutor | None = None) -> None:
-        """Write the whole padded block into ``dst`` (a read-ahead buffer): every read of
-        the block at once, spread over ``pool``."""
-        nbytes = self.layout.padded_nbytes
+        """Write this rank's host shard of the block into ``dst`` (a read-ahead buffer; the
+        whole padded block in a group of one): every read of it at once, spread over
+        ``pool``."""
+        nbytes = self.layout.shard_nbytes
         assert dst.numel() == nbytes
-        copies = list(range_copies(self.layout, [(0, nbytes, 0)]))
+        copies = list(shard_copies(self.layout, self.rank))
         for lo, hi in gap_ranges(copies, nbytes):
             dst[lo:hi].zero_()
         read = self.reads.read_into if self.reads is not None else cached_read
@@ -142,20 +145,21 @@ _PRIVATE = (
 
 
 def map_blocks(
-    blocks: Sequence[tuple[str, BlockLayout, Sequence[torch.Tensor]]],
+    blocks: Sequence[tuple[str, BlockLayout, Sequence[torch.Tensor], int]],
     reads: DirectReads | None,
 ) -> list[MappedBlock]:
-    """The :class:`MappedBlock` of each ``(name, layout, tensors)``: every tensor that
-    aliases a checkpoint is served from it, the others from their own memory; ``reads``:
-    the disk tier's reads around the page cache (None: the mapped backing's ``pread``).
+    """The :class:`MappedBlock` of each ``(name, layout, tensors, group rank)``: every
+    tensor that aliases a checkpoint is served from it, the others from their own memory;
+    ``reads``: the disk tier's reads around the page cache (None: the mapped backing's
+    ``pread``).
 
     Raises:
         ValueError: with ``reads``, a block with no byte in a checkpoint (the disk tier
             cannot leave it in a file); without, no block with one.
     """
     out = [
-        MappedBlock(name, layout, [mapped_source(t) or t.data for t in tensors], reads)
-        for name, layout, tensors in blocks
+        MappedBlock(name, layout, [mapped_source(t) or t.data for t in tensors], reads, rank)
+        for name, layout, tensors, rank in blocks
     ]
     if reads is not None:  # every file opened now: its stamp is the enable's
         for m in out:

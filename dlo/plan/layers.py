@@ -115,21 +115,37 @@ class LayerPlan:
         ]
 
     @property
-    def read_ahead_nbytes(self) -> int:
-        """The disk tier's read-ahead buffers, each the largest block it reads (see [Note:
-        host budget tiers]); pinned out of the budget before the private region."""
-        sizes = [self.blocks[i].layout.padded_nbytes for i in self.on_disk]
-        return READ_AHEAD_BUFFERS * max(sizes, default=0)
+    def read_ahead_sizes(self) -> dict[str, int]:
+        """Per weight axis with disk-tier blocks (``"local"``: whole blocks), the bytes of
+        each of its read-ahead buffers: the largest host shard it reads (see [Note: host
+        budget tiers])."""
+        out: dict[str, int] = {}
+        for i in sorted(self.on_disk):
+            b = self.blocks[i]
+            axis = b.stack.group_axis if b.layout.group_size > 1 else "local"
+            out[axis] = max(out.get(axis, 0), b.layout.shard_nbytes)
+        return out
 
     @property
-    def read_ahead_pin_budget_nbytes(self) -> int | None:
-        """What the read-ahead buffers may pin: their bytes, within what the node-shared
-        charge leaves of the budget."""
-        if self.pin_budget_nbytes is None:
-            return None
-        return max(
-            0, min(self.read_ahead_nbytes, self.pin_budget_nbytes - self.shared_charged_nbytes)
-        )
+    def read_ahead_nbytes(self) -> int:
+        """Every read-ahead buffer's bytes; pinned out of the budget before the private
+        region."""
+        return READ_AHEAD_BUFFERS * sum(self.read_ahead_sizes.values())
+
+    def read_ahead_pin_budgets(self) -> dict[str, int | None]:
+        """What each axis's read-ahead buffers may pin: their bytes, in axis order, within
+        what the node-shared charge leaves of the budget (None: no budget)."""
+        left = None if self.pin_budget_nbytes is None else self.pin_budget_nbytes
+        if left is not None:
+            left -= self.shared_charged_nbytes
+        out: dict[str, int | None] = {}
+        for axis, n in self.read_ahead_sizes.items():
+            if left is None:
+                out[axis] = None
+                continue
+            pins = max(0, min(READ_AHEAD_BUFFERS * n, left))
+            out[axis], left = pins, left - pins
+        return out
 
     @property
     def private_pin_budget_nbytes(self) -> int | None:
@@ -195,9 +211,9 @@ def check_stacks(
 
     Raises:
         ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack; a
-            a codec with the mapped backing; ``host_budget_gb`` with the mapped backing, an
-            AllGather or node-shared stack or a codec (not built yet); node-shared stacks on
-            different weight axes (one host copy per node and axis).
+            a codec with the mapped backing; ``host_budget_gb`` with the mapped backing, a
+            node-shared stack or a codec (not built yet); node-shared stacks on different
+            weight axes (one host copy per node and axis).
     """
     if host_budget is not None:
         if host_backing == "mapped":
@@ -206,13 +222,13 @@ def check_stacks(
                 "region (every block is read from the file's page cache): give one of them"
             )
         for s in stacks:
-            if s.group_size > 1 or s.transfer == "node-shared" or s.codec != "none":
+            if s.transfer == "node-shared" or s.codec != "none":
                 what = f"codec {s.codec!r}" if s.codec != "none" else f"transfer {s.transfer!r}"
                 raise ValueError(
                     f"host_budget_gb reads blocks beyond the budget from their file on "
-                    f"rank-local stacks with codec 'none' only (for now), but stack "
-                    f"{s.container_path!r} uses {what} (set transfer='rank-local' and "
-                    "codec='none', or leave host_budget_gb unset)"
+                    f"rank-local and AllGather stacks with codec 'none' only (for now), but "
+                    f"stack {s.container_path!r} uses {what} (set codec='none' and another "
+                    "transfer, or leave host_budget_gb unset)"
                 )
     if host_backing == "mapped":
         for s in stacks:

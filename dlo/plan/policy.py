@@ -108,8 +108,6 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
         transfer, reason = "rank-local", f"auto: the {s.group_axis!r} axis has one rank"
     elif inp.host_backing == "mapped":
         transfer, reason = "rank-local", "auto: host_backing='mapped' streams rank-local stacks"
-    elif inp.host_budget:
-        transfer, reason = "rank-local", "auto: host_budget_gb reads rank-local stacks from disk"
     elif ag is not None and ag < rl and _compute_hides_whole_blocks(s, inp):
         t_c = inp.block_compute_s
         assert t_c is not None

@@ -122,7 +122,7 @@ class PolicyInput:
     """``OffloadConfig.host_backing``: ``"mapped"`` streams rank-local stacks only."""
     host_budget: bool = False
     """``OffloadConfig.host_budget_gb`` is given: blocks beyond it are read from their file,
-    on rank-local stacks with codec ``"none"`` only (for now)."""
+    with codec ``"none"`` only (for now)."""
 
 
 @dataclass(frozen=True)

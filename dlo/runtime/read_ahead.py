@@ -33,9 +33,11 @@ requested.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +46,7 @@ import torch
 
 from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
+from dlo.host.packer import READERS
 from dlo.host.region import HostRegion
 from dlo.plan.host_tiers import READ_AHEAD_BUFFERS
 from dlo.platform.device import Platform
@@ -53,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 
 FREE, READING, READY, IN_USE = "free", "reading", "ready", "in use"
+
+EXIT_JOIN_S = 30.0
+"""How long interpreter exit waits for a reader (after its current read)."""
 
 
 @dataclass(eq=False)
@@ -86,8 +92,10 @@ class ReadAhead:
 
     Args:
         platform: pinning and events.
-        buffer_nbytes: the largest padded disk-tier block.
-        pool: the readers the fills spread their ``pread`` s over.
+        buffer_nbytes: the largest host shard it reads (a whole padded block on a
+            rank-local stack, this rank's 1/N of one under AllGather).
+        pool: the readers the fills spread their ``pread`` s over (None: a pool of its own,
+            :data:`~dlo.host.packer.READERS` threads, shut down at :meth:`close`).
         pin: page-lock the buffers where the platform can.
         pin_budget_nbytes: what they may pin (None: unlimited).
         require_pinned: a buffer that cannot be pinned is an error; else it stays pageable.
@@ -99,16 +107,17 @@ class ReadAhead:
         platform: Platform,
         *,
         buffer_nbytes: int,
-        pool: ThreadPoolExecutor,
         pin: bool,
         rank: int,
+        pool: ThreadPoolExecutor | None = None,
         pin_budget_nbytes: int | None = None,
         require_pinned: bool = True,
         num_buffers: int = READ_AHEAD_BUFFERS,
     ) -> None:
         self.platform = platform
         self.rank = rank
-        self.pool = pool
+        self._own_pool = pool is None
+        self.pool = pool or ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="dlo-read")
         self.region = HostRegion([buffer_nbytes] * num_buffers)
         try:
             if pin and platform.can_pin:
@@ -124,6 +133,8 @@ class ReadAhead:
             self._buffers = [_Buffer(i, platform.new_event()) for i in range(num_buffers)]
         except BaseException:
             self.region.close()
+            if self._own_pool:
+                self.pool.shutdown()
             raise
         self.stats = ReadAheadStats()
         self._pending: list[MappedBlock] = []
@@ -138,6 +149,7 @@ class ReadAhead:
             target=self._run, name="dlo-read-ahead", daemon=True
         )
         self._thread.start()
+        _track(self)
 
     @property
     def pinned_nbytes(self) -> int:
@@ -198,7 +210,7 @@ class ReadAhead:
                 self._cond.notify_all()
                 raise error
             buf.state = IN_USE
-        return self.region.view(buf.index)[: block.layout.padded_nbytes]
+        return self.region.view(buf.index)[: block.layout.shard_nbytes]
 
     def release(self, block: MappedBlock, copy_stream: Any) -> None:
         """The copy out of ``block``'s buffer is enqueued on ``copy_stream``: the buffer may be
@@ -260,7 +272,7 @@ class ReadAhead:
                 try:
                     buf.done.synchronize()  # the copy that last read this buffer completed
                     with nvtx_range("dlo::disk"):
-                        view = self.region.view(buf.index)[: block.layout.padded_nbytes]
+                        view = self.region.view(buf.index)[: block.layout.shard_nbytes]
                         block.fill(view, pool=self.pool)
                 except BaseException as e:  # the acquire of this block raises it
                     logger.debug("dlo read-ahead of %s failed: %r", block.name, e)
@@ -268,7 +280,7 @@ class ReadAhead:
                 with self._cond:
                     self.stats.read_s += time.perf_counter() - t0
                     if error is None:
-                        self.stats.read_nbytes += block.layout.padded_nbytes
+                        self.stats.read_nbytes += block.layout.shard_nbytes
                         self.stats.num_reads += 1
                         buf.state = READY
                     elif block is self._urgent or any(b is block for b in self._pending):
@@ -297,5 +309,30 @@ class ReadAhead:
         if self._thread is not None:
             self.stop()
             self._thread = None
+            _LIVE.discard(self)
             self.platform.synchronize()  # no copy still reads a buffer
+            if self._own_pool:
+                self.pool.shutdown(wait=True)
         self.region.close()
+
+
+_LIVE: weakref.WeakSet[ReadAhead] = weakref.WeakSet()
+"""The readers that may still run: stopped at interpreter exit (see [Note: staging filler
+at exit] in :mod:`dlo.runtime.staged`: a reader copies with the GIL released too)."""
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def _stop_readers_at_exit() -> None:
+    for ahead in list(_LIVE):
+        if not ahead.stop(EXIT_JOIN_S):
+            logger.warning("dlo: the read-ahead thread did not stop within %.0f s", EXIT_JOIN_S)
+
+
+def _track(ahead: ReadAhead) -> None:
+    global _exit_registered
+    with _exit_lock:
+        _LIVE.add(ahead)
+        if not _exit_registered:
+            atexit.register(_stop_readers_at_exit)
+            _exit_registered = True

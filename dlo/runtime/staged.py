@@ -134,9 +134,7 @@ class StagedTransport:
             else it stays pageable (slower copies) with a warning.
         rank: for errors.
         num_buffers: chunk staging buffers (0: no block reads its file through them).
-        read_ahead_nbytes: the largest disk-tier block (0: none), the size of the
-            read-ahead buffers (see [Note: disk read-ahead]).
-        read_ahead_pin_budget_nbytes: what those may pin (None: unlimited).
+        ahead: the disk tier's reader (see [Note: disk read-ahead]; closed by its owner).
     Raises:
         OffloadError: the staging buffers could not be pinned and ``require_pinned``.
     """
@@ -155,11 +153,10 @@ class StagedTransport:
         pin_budget_nbytes: int | None = None,
         require_pinned: bool = True,
         num_buffers: int = NUM_STAGING_BUFFERS,
-        read_ahead_nbytes: int = 0,
-        read_ahead_pin_budget_nbytes: int | None = None,
+        ahead: ReadAhead | None = None,
     ) -> None:
         faults.check("staging_allocation")
-        self.ahead: ReadAhead | None = None
+        self.ahead = ahead
         self.platform = platform
         self.copy_stream = copy_stream
         self.counters = counters
@@ -184,16 +181,6 @@ class StagedTransport:
             self._done = [platform.new_event() for _ in range(num_buffers)]
             self._turn = 0
             self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="dlo-read")
-            if read_ahead_nbytes:
-                self.ahead = ReadAhead(
-                    platform,
-                    buffer_nbytes=read_ahead_nbytes,
-                    pool=self._readers,
-                    pin=pin,
-                    rank=rank,
-                    pin_budget_nbytes=read_ahead_pin_budget_nbytes,
-                    require_pinned=require_pinned,
-                )
         except BaseException:
             if hasattr(self, "_readers"):
                 self._readers.shutdown(wait=True)
@@ -221,8 +208,8 @@ class StagedTransport:
 
     @property
     def pinned_nbytes(self) -> int:
-        """The staging buffers' and read-ahead buffers' pinned bytes."""
-        return self.region.pinned_nbytes + (self.ahead.pinned_nbytes if self.ahead else 0)
+        """The staging buffers' pinned bytes."""
+        return self.region.pinned_nbytes
 
     @property
     def num_buffers(self) -> int:
@@ -385,8 +372,7 @@ class StagedTransport:
                 self._queue.append(None)
             self._cond.notify_all()
         thread.join(timeout_s)
-        reader_stopped = self.ahead is None or self.ahead.stop(timeout_s)
-        return not thread.is_alive() and reader_stopped
+        return not thread.is_alive()
 
     def close(self) -> None:
         """Serve what is queued, stop the filler, wait for the device, release the staging
@@ -396,7 +382,5 @@ class StagedTransport:
             self._thread = None
             _LIVE.discard(self)
             self.platform.synchronize()  # no copy still reads a staging buffer
-            if self.ahead is not None:
-                self.ahead.close()
             self._readers.shutdown(wait=True)
         self.region.close()

@@ -29,12 +29,14 @@ from typing import Any, Protocol
 import torch
 
 from dlo.codec.blocks import EncodedShard
+from dlo.host.mapped import MappedBlock
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import nvtx_range
 from dlo.runtime.ce_gather import CopyEngineGather
 from dlo.runtime.collectives import all_gather_into
 from dlo.runtime.decoding import Decoder
+from dlo.runtime.read_ahead import ReadAhead
 from dlo.runtime.sequence import SequenceCheck
 
 logger = logging.getLogger(__name__)
@@ -106,6 +108,7 @@ class BlockTransport:
         max_chunks: the largest ``num_chunks`` of the blocks this transport loads.
         ce_gather: gather into slots with copy engines instead of NCCL kernels ([Note:
             copy-engine gather]); destinations outside its symmetric buffer use ``group``.
+        ahead: the reader of this axis's disk-tier shards (``host_budget_gb``).
     """
 
     def __init__(
@@ -122,9 +125,11 @@ class BlockTransport:
         sequence_check: SequenceCheck | None = None,
         ce_gather: CopyEngineGather | None = None,
         decoder: Decoder | None = None,
+        ahead: ReadAhead | None = None,
     ) -> None:
         assert (group is None) == (group_size == 1)
         self.decoder = decoder
+        self.ahead = ahead
         self.ce_gather = ce_gather
         self.platform = platform
         self.group = group
@@ -153,6 +158,7 @@ class BlockTransport:
             sequence_check=self.sequence_check,
             ce_gather=self.ce_gather,
             decoder=decoder,
+            ahead=self.ahead,
         )
 
     @property
@@ -174,13 +180,15 @@ class BlockTransport:
             self.sequence_check.agree(value, self.comm_stream, describe)
 
     def upcoming(self, shards: list[Any]) -> None:
-        """Nothing: host copies need no read-ahead."""
-        return None
+        """The shards the ring predicts it loads next: the disk tier's are read ahead (see
+        [Note: disk read-ahead] in :mod:`dlo.runtime.read_ahead`)."""
+        if self.ahead is not None:
+            self.ahead.upcoming([s for s in shards if isinstance(s, MappedBlock)])
 
     def load(
         self,
         layout: BlockLayout,
-        shard: torch.Tensor,
+        shard: torch.Tensor | EncodedShard | MappedBlock,
         slot: torch.Tensor,
         *,
         free_event: Any,
@@ -189,7 +197,30 @@ class BlockTransport:
         slot_index: int = -1,
     ) -> None:
         """Enqueue the load of block ``index`` into ``slot`` (slot ``slot_index`` of the
-        pool; -1 for a buffer outside it) and record ``ready_event``."""
+        pool; -1 for a buffer outside it) and record ``ready_event``. A disk-tier shard is
+        taken from its read-ahead buffer first (this thread waits while it is read; a failed
+        read raises before anything is enqueued or gathered)."""
+        if not isinstance(shard, MappedBlock):
+            self._load(layout, shard, slot, free_event, ready_event, index, slot_index)
+            return
+        assert self.ahead is not None, "a disk-tier shard needs the transport's reader"
+        self.ahead.requested(shard)
+        buf = self.ahead.acquire(shard)
+        try:
+            self._load(layout, buf, slot, free_event, ready_event, index, slot_index)
+        finally:
+            self.ahead.release(shard, self.copy_stream)  # after the copies that read it
+
+    def _load(
+        self,
+        layout: BlockLayout,
+        shard: Any,
+        slot: torch.Tensor,
+        free_event: Any,
+        ready_event: Any,
+        index: int,
+        slot_index: int,
+    ) -> None:
         assert layout.group_size == self.group_size
         if layout.num_chunks == 0:  # a block without tensors: nothing moves on any rank
             ready_event.record(self.copy_stream)

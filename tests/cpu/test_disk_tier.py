@@ -140,6 +140,92 @@ def test_blocks_beyond_the_budget_are_read_from_the_file_bitwise(
         assert r["ledger"] == (0, 0) and r["collected"] and r["reads_closed"]
 
 
+# ----------------------------------------------------------------------------- AllGather
+def _gathered_vs_resident(rank: int, world: int, ckpt_dir: str, share: float) -> dict[str, Any]:
+    """Each rank keeps and reads only its 1/N of every block; disable(restore=True) gathers
+    the disk-tier blocks back like any AllGather block."""
+    par = dlo.ParallelConfig(data_parallel_size=world)
+    ids, latents = make_inputs(PRESET, seed=rank, dtype=DTYPE)
+    resident = build_pipeline(PRESET, dtype=DTYPE)
+    refs = _steps(resident, ids, latents)
+    del resident
+    checkpoint = Checkpoint(ckpt_dir)
+    budget = share * _block_nbytes(checkpoint) / world  # a rank's share of the blocks
+    cfg = _cfg(transfer="allgather", host_budget_gb=budget / (1 << 30))
+    pipe, backend = load_pipeline(_skeleton, checkpoint, cfg, par, "cpu")
+    assert isinstance(backend, LayerwiseBackend) and backend.layer_plan is not None
+    outs = _steps(pipe, ids, latents)
+    st = backend.stats()
+    backend.disable(restore=True)
+    after = _steps(pipe, ids, latents)
+    return {
+        "bitwise": all(torch.equal(a, b) for a, b in zip(outs, refs)),
+        "bitwise_after_restore": all(torch.equal(a, b) for a, b in zip(after, refs)),
+        "stats": st,
+        "budget": budget,
+        "shards": sum(
+            b.layout.shard_nbytes
+            for i, b in enumerate(backend.layer_plan.blocks)
+            if i in backend.layer_plan.on_disk
+        ),
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+@pytest.mark.parametrize(("world", "share"), [(2, 0.5), (3, 0.0)])
+def test_allgather_ranks_read_their_one_nth_of_each_block_bitwise(
+    world: int, share: float, checkpoint: str
+) -> None:
+    res = assert_all_ok(run_ranks(_gathered_vs_resident, world, checkpoint, share, timeout_s=300))
+    for r in res:
+        st = r["stats"]
+        assert r["bitwise"] and r["bitwise_after_restore"], r
+        assert st["group_size"] == world and st["allgather_nbytes"] > 0
+        assert st["num_disk_blocks"] > 0 and st["host_region_nbytes"] <= r["budget"]
+        # what the tier holds and reads per rank is its shards: 1/N of each block
+        assert st["disk_nbytes"] == r["shards"]
+        assert st["read_ahead_buffer_nbytes"] < max(st["disk_nbytes"], 1)
+        assert st["disk_read_nbytes"] >= st["disk_nbytes"]
+        assert r["ledger"] == (0, 0)
+    # the ranks share out the reads: every rank read the same bytes, 1/N each
+    assert len({r["stats"]["disk_read_nbytes"] for r in res}) == 1
+
+
+def _one_rank_cannot_read(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    par = dlo.ParallelConfig(data_parallel_size=world)
+    ids, latents = make_inputs(PRESET, seed=rank, dtype=DTYPE)
+    cfg = _cfg(transfer="allgather", host_budget_gb=0, collective_timeout_s=8.0)
+    pipe, backend = load_pipeline(_skeleton, Checkpoint(ckpt_dir), cfg, par, "cpu")
+    assert backend is not None
+    pipe.generate(ids, latents, 1)
+    t0 = time.monotonic()
+    with _reads_fail(".safetensors") if rank == 1 else contextlib.nullcontext():
+        try:
+            pipe.generate(ids, latents, 1)
+            error = None
+        except OffloadError as e:
+            error = (str(e), e.block)
+    waited = time.monotonic() - t0
+    backend.disable()
+    return {
+        "error": error,
+        "waited_s": waited,
+        "ledger": (LEDGER.host_nbytes, LEDGER.pinned_nbytes),
+    }
+
+
+def test_one_ranks_failed_read_under_allgather_is_bounded_on_every_rank(checkpoint: str) -> None:
+    """FAULTS.md: the rank whose read failed raises at once naming the file and the block;
+    its peer, left in the gather, raises within the collective timeout; both disable with
+    nothing left behind."""
+    r0, r1 = assert_all_ok(run_ranks(_one_rank_cannot_read, 2, checkpoint, timeout_s=120))
+    assert r1["error"] is not None and r1["error"][1] is not None
+    assert "Input/output error" in r1["error"][0] and ".safetensors" in r1["error"][0]
+    assert r1["waited_s"] < 5
+    assert r0["error"] is not None and r0["waited_s"] < 8.0 + 20
+    assert r0["ledger"] == r1["ledger"] == (0, 0)
+
+
 # ----------------------------------------------------------------------------- read-ahead
 @contextlib.contextmanager
 def _slow_blocks(delay_s: float) -> Iterator[None]:

@@ -22,7 +22,7 @@ NBYTES = 4096
 
 @dataclass(eq=False)
 class _Layout:
-    padded_nbytes: int = NBYTES
+    shard_nbytes: int = NBYTES
 
 
 @dataclass(eq=False)
@@ -49,7 +49,7 @@ class FakeBlock:
 @pytest.fixture
 def ahead() -> Any:
     pool = ThreadPoolExecutor(2)
-    ra = ReadAhead(CpuPlatform(), buffer_nbytes=NBYTES, pool=pool, pin=False, rank=0)
+    ra = ReadAhead(CpuPlatform(), buffer_nbytes=NBYTES, pin=False, rank=0, pool=pool)
     yield ra
     ra.close()
     pool.shutdown()

@@ -91,7 +91,7 @@ def test_the_layer_plan_gives_disk_blocks_no_region_bytes() -> None:
     ("stack", "what"),
     [
         (_stack(codec="ans"), "codec 'ans'"),
-        (_stack(transfer="allgather", size=2), "transfer 'allgather'"),
+        (_stack(transfer="node-shared"), "transfer 'node-shared'"),
     ],
 )
 def test_what_the_disk_tier_does_not_serve_yet_is_refused_by_name(
@@ -109,10 +109,26 @@ def test_the_read_ahead_buffers_are_pinned_out_of_the_pin_budget_first() -> None
     plan = plan_layers([_stack()], t, pin_budget_nbytes=50_000, **kw)
     assert plan.read_ahead_nbytes == 2 * 16384
     # the buffers take theirs first; the kept blocks' region pins what is left
-    assert plan.read_ahead_pin_budget_nbytes == 32768
+    assert plan.read_ahead_pin_budgets() == {"local": 32768}
     assert plan.private_pin_budget_nbytes == 50_000 - 32768
     tight = plan_layers([_stack()], t, pin_budget_nbytes=20_000, **kw)
-    assert tight.read_ahead_pin_budget_nbytes == 20_000 and tight.private_pin_budget_nbytes == 0
+    assert tight.read_ahead_pin_budgets() == {"local": 20_000}
+    assert tight.private_pin_budget_nbytes == 0
     free = plan_layers([_stack()], t, **kw)
-    assert free.read_ahead_pin_budget_nbytes is None and free.private_pin_budget_nbytes is None
+    assert free.read_ahead_pin_budgets() == {"local": None}
+    assert free.private_pin_budget_nbytes is None
     assert plan_layers([_stack()], t, chunk_nbytes=1 << 20, num_slots=2).read_ahead_nbytes == 0
+
+
+def test_an_allgather_stacks_disk_shards_are_one_nth_of_each_block() -> None:
+    """Each rank of a group of 2 keeps, and reads, its half of a block: the budget counts
+    shards, the read-ahead buffers are a shard each, on the stack's weight axis."""
+    t = {f"blocks.{i}": [("w", "param", (64, 64), (64, 1), torch.float32)] for i in range(4)}
+    gathered = _stack(transfer="allgather", size=2)
+    plan = plan_layers(
+        [gathered], t, chunk_nbytes=1 << 20, num_slots=3, host_budget_nbytes=2 * 8192
+    )
+    shard = plan.blocks[1].layout.shard_nbytes
+    assert shard == plan.blocks[1].layout.padded_nbytes // 2
+    assert plan.on_disk == {0, 1} and plan.region_nbytes == [0, 0, shard, shard]
+    assert plan.read_ahead_sizes == {"shard": shard} and plan.read_ahead_nbytes == 2 * shard
