@@ -16,8 +16,12 @@ fi
   > "$out/machine.txt" 2>&1
 free_gb=$(df -BG --output=avail /tmp | tail -1 | tr -dc 0-9)
 like=wan2.1-t2v-14b; size=${2:-480x832x1}; steps=${3:-3}
-if [ "$free_gb" -lt 46 ]; then like=flux.1-dev; size=${2:-1024x1024}; fi
-[ "$free_gb" -lt 36 ] && like=none
+if [ -f /tmp/dlo_disk_folder/model_index.json ]; then  # saved by an earlier call: kept
+  grep -q Flux /tmp/dlo_disk_folder/model_index.json && like=flux.1-dev && size=${2:-1024x1024}
+elif [ "$free_gb" -lt 46 ]; then
+  like=flux.1-dev; size=${2:-1024x1024}
+  [ "$free_gb" -lt 36 ] && like=none
+fi
 echo "/tmp has ${free_gb} GiB free: $like" | tee -a "$out/machine.txt"
 if [ "$like" != none ] && [ ! -d /tmp/dlo_disk_folder ]; then
   (timeout 250 python3 -m dlo save-pipeline --like "$like" /tmp/dlo_disk_folder \

@@ -104,7 +104,9 @@ def test_a_block_nobody_predicted_is_read_first_evicting_a_prediction(ahead: Rea
     ahead.upcoming([a, b])  # type: ignore[list-item]
     _wait_for(lambda: ahead.stats.num_reads == 2)  # both buffers hold predictions
     assert _serve(ahead, c) == 3  # not predicted: read now, in a buffer taken from one
-    assert ahead.stats.num_wasted_reads == 1 and ahead.stats.num_waits == 1
+    # (its request alone may get it read before the load waits for it)
+    assert ahead.stats.num_wasted_reads == 1 and ahead.stats.num_waits <= 1
+    assert a.fills + b.fills == 2 and c.fills == 1
 
 
 def test_a_request_the_filler_never_served_does_not_hold_a_buffer(ahead: ReadAhead) -> None:
