@@ -378,6 +378,19 @@ def _empty_host_cache() -> None:
         empty()
 
 
+def per_call(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rows whose ``keys`` count since the first call, each given its own call's share."""
+    prev = dict.fromkeys(keys, 0)
+    out = []
+    for r in rows:
+        r = dict(r)
+        for k in keys:
+            if k in r:
+                r[k], prev[k] = r[k] - prev[k], r[k]
+        out.append(r)
+    return out
+
+
 def save(path: str | None, report: dict[str, Any]) -> None:
     if path:
         with open(path, "w") as f:

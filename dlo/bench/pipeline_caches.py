@@ -35,7 +35,7 @@ import torch
 from dlo.bench.budgets import one_budget
 from dlo.bench.flags import add_call_arguments, method_list
 from dlo.bench.methods import _clean
-from dlo.bench.pipeline_budgets import Bench, _capped, _group_rows, bench_main, save
+from dlo.bench.pipeline_budgets import Bench, _capped, _group_rows, bench_main, per_call, save
 from dlo.commands.pipeline_calls import dits_of, resident_reference
 from dlo.config.fields import GIB
 from dlo.config.offload import OffloadConfig
@@ -197,7 +197,7 @@ def resident_rows(b: Bench, args: argparse.Namespace) -> tuple[list[dict[str, An
                 disable_cache(ref)
             for r in new:  # compared with the uncached reference: meaningless here
                 r.pop("bitwise_vs_resident", None), r.pop("output_bitwise_vs_resident", None)
-            rows += [{**r, "threshold": t} for r in _per_call(new, _RUN_COUNTS)]
+            rows += [{**r, "threshold": t} for r in per_call(new, _RUN_COUNTS)]
             skip[t] = 1 - runs.runs / runs.calls if runs.calls else 0.0
     finally:
         runs.remove()
@@ -212,19 +212,6 @@ def resident_rows(b: Bench, args: argparse.Namespace) -> tuple[list[dict[str, An
         _clean(b.platform)
     rows += [{**r, "threshold": chosen, "min_skip_met": bool(met)} for r in new]
     return rows, chosen
-
-
-def _per_call(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Rows whose ``keys`` count since the first call, each given its own call's share."""
-    prev = dict.fromkeys(keys, 0)
-    out = []
-    for r in rows:
-        r = dict(r)
-        for k in keys:
-            if k in r:
-                r[k], prev[k] = r[k] - prev[k], r[k]
-        out.append(r)
-    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -275,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             undo()
             disable_cache(pipe)
-        rows += [{**r, "threshold": chosen, "capped": ok} for r in _per_call(new, _CUMULATIVE)]
+        rows += [{**r, "threshold": chosen, "capped": ok} for r in per_call(new, _CUMULATIVE)]
     save(args.json, report())
     return report()
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from dlo.bench.flags import add_call_arguments, method_list
 from dlo.bench.methods import _clean
-from dlo.bench.pipeline_budgets import FAILURES, Bench, bench_main, failure, save
+from dlo.bench.pipeline_budgets import FAILURES, Bench, bench_main, failure, per_call, save
 from dlo.commands.pipeline_calls import resident_reference
 from dlo.config.offload import OffloadConfig
 from dlo.host.packer import READERS
@@ -96,18 +96,6 @@ def dit_file(folder: str) -> Path:
     return max(files, key=lambda f: f.stat().st_size)
 
 
-def _per_call(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    prev: dict[str, float] = dict.fromkeys(_CUMULATIVE, 0)
-    out = []
-    for r in rows:
-        r = dict(r)
-        for k in _CUMULATIVE:
-            if k in r:
-                r[k], prev[k] = r[k] - prev[k], r[k]
-        out.append(r)
-    return out
-
-
 def disk_rows(b: Bench, args: argparse.Namespace, host_gb: float) -> list[dict[str, Any]]:
     """The folder loaded by dlo under a host budget of ``host_gb``, its calls, disabled."""
     cfg = OffloadConfig(
@@ -130,7 +118,7 @@ def disk_rows(b: Bench, args: argparse.Namespace, host_gb: float) -> list[dict[s
         if backend is not None:
             backend.disable()
         _clean(b.platform)
-    return [{**r, "host_budget_gb": host_gb, "load_s": load_s} for r in _per_call(rows)]
+    return [{**r, "host_budget_gb": host_gb, "load_s": load_s} for r in per_call(rows, _CUMULATIVE)]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

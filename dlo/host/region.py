@@ -389,3 +389,27 @@ def _map_file(path: str, nbytes: int) -> mmap.mmap:
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
+
+
+def pin_buffers(
+    region: HostRegion,
+    platform: Platform,
+    *,
+    budget_nbytes: int | None,
+    require: bool,
+    what: str,
+    rank: int,
+) -> None:
+    """Page-lock every buffer of ``region`` within the budget; one that cannot be pinned
+    (failed, over budget) is an error with ``require``, else stays pageable with a warning
+    naming ``what`` (staging and read-ahead buffers)."""
+    report = region.pin(platform, budget_nbytes=budget_nbytes, num_workers=1)
+    if report.unpinned_blocks:
+        msg = (
+            f"{len(report.unpinned_blocks)} of {len(region.block_nbytes)} {what} could not be "
+            f"pinned (failed: {len(report.failed_blocks)}, over pin_budget_gb: "
+            f"{len(report.over_budget_blocks)})"
+        )
+        if require:
+            raise OffloadError(msg, rank=rank)
+        logger.warning("dlo: %s; they stay pageable", msg)

@@ -29,7 +29,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -391,13 +391,19 @@ class Checkpoint:
             while done < len(buf):
                 n = os.preadv(fd, [buf[done:]], e.start + at + done)
                 if n <= 0:
-                    raise CheckpointError(
-                        f"{e.file}: short read of tensor {name!r} (file changed?)"
-                    )
+                    raise CheckpointError(f"{e.file}: short read of {name!r} (file changed?)")
                 done += n
             with self._lock:
                 self.read_nbytes += done
 
+        self.read_checked(name, offset, out, pread)
+
+    def read_checked(
+        self, name: str, offset: int, out: memoryview, pread: Callable[[int, memoryview], None]
+    ) -> None:
+        """``pread(at, buf)`` of ``name``'s data into ``out``, checked against the stored
+        checksums where this checkpoint verifies them (see [Note: checkpoint checksums])."""
+        e = self.entries[name]
         if self.verify_checksum:
             assert e.checksums is not None
             checksums.read_verified(

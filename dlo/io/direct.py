@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-from dlo.io import checksums
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.header_checks import CheckpointError
 
@@ -284,13 +283,7 @@ class DirectReads:
         def pread(at: int, buf: memoryview) -> None:
             f.read_into(e.start + at, buf)
 
-        if ckpt.verify_checksum:
-            assert e.checksums is not None
-            checksums.read_verified(
-                pread, str(e.file), name, e.nbytes, e.checksums, offset, out, ckpt.verified
-            )
-        else:
-            pread(offset, out)
+        ckpt.read_checked(name, offset, out, pread)
 
     @property
     def files(self) -> list[DirectFile]:

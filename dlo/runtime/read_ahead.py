@@ -33,11 +33,9 @@ requested.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -47,18 +45,16 @@ import torch
 from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
 from dlo.host.packer import READERS
-from dlo.host.region import HostRegion
+from dlo.host.region import HostRegion, pin_buffers
 from dlo.plan.host_tiers import READ_AHEAD_BUFFERS
 from dlo.platform.device import Platform
 from dlo.platform.timing import nvtx_range
+from dlo.runtime.exit_stop import track, untrack
 
 logger = logging.getLogger(__name__)
 
 
 FREE, READING, READY, IN_USE = "free", "reading", "ready", "in use"
-
-EXIT_JOIN_S = 30.0
-"""How long interpreter exit waits for a reader (after its current read)."""
 
 
 @dataclass(eq=False)
@@ -121,15 +117,14 @@ class ReadAhead:
         self.region = HostRegion([buffer_nbytes] * num_buffers)
         try:
             if pin and platform.can_pin:
-                report = self.region.pin(platform, budget_nbytes=pin_budget_nbytes, num_workers=1)
-                if report.unpinned_blocks:
-                    what = (
-                        f"{len(report.unpinned_blocks)} of {num_buffers} read-ahead buffers of "
-                        f"{buffer_nbytes} bytes (host_budget_gb) could not be pinned"
-                    )
-                    if require_pinned:
-                        raise OffloadError(what, rank=rank)
-                    logger.warning("dlo: %s; they stay pageable", what)
+                pin_buffers(
+                    self.region,
+                    platform,
+                    budget_nbytes=pin_budget_nbytes,
+                    require=require_pinned,
+                    what=f"read-ahead buffers of {buffer_nbytes} bytes (host_budget_gb)",
+                    rank=rank,
+                )
             self._buffers = [_Buffer(i, platform.new_event()) for i in range(num_buffers)]
         except BaseException:
             self.region.close()
@@ -149,7 +144,7 @@ class ReadAhead:
             target=self._run, name="dlo-read-ahead", daemon=True
         )
         self._thread.start()
-        _track(self)
+        track(self)
 
     @property
     def pinned_nbytes(self) -> int:
@@ -291,7 +286,9 @@ class ReadAhead:
                     self._cond.notify_all()
 
     # ------------------------------------------------------------------ teardown
-    def stop(self, timeout_s: float | None = None) -> bool:
+    thread_name = "read-ahead"
+
+    def stop_thread(self, timeout_s: float | None = None) -> bool:
         """Stop the reader after its current read; wait at most ``timeout_s`` (None: until it
         has). Returns whether it has stopped (see [Note: staging filler at exit] in
         :mod:`dlo.runtime.staged`)."""
@@ -307,32 +304,10 @@ class ReadAhead:
     def close(self) -> None:
         """Stop the reader, wait for the device, release the buffers (idempotent)."""
         if self._thread is not None:
-            self.stop()
+            self.stop_thread()
             self._thread = None
-            _LIVE.discard(self)
+            untrack(self)
             self.platform.synchronize()  # no copy still reads a buffer
             if self._own_pool:
                 self.pool.shutdown(wait=True)
         self.region.close()
-
-
-_LIVE: weakref.WeakSet[ReadAhead] = weakref.WeakSet()
-"""The readers that may still run: stopped at interpreter exit (see [Note: staging filler
-at exit] in :mod:`dlo.runtime.staged`: a reader copies with the GIL released too)."""
-_exit_lock = threading.Lock()
-_exit_registered = False
-
-
-def _stop_readers_at_exit() -> None:
-    for ahead in list(_LIVE):
-        if not ahead.stop(EXIT_JOIN_S):
-            logger.warning("dlo: the read-ahead thread did not stop within %.0f s", EXIT_JOIN_S)
-
-
-def _track(ahead: ReadAhead) -> None:
-    global _exit_registered
-    with _exit_lock:
-        _LIVE.add(ahead)
-        if not _exit_registered:
-            atexit.register(_stop_readers_at_exit)
-            _exit_registered = True

@@ -45,19 +45,17 @@ torch's ``noexcept`` frames: ``std::terminate``, "terminate called without an ac
 exception", exit -6 after output that was correct. So every live transport stops its filler
 from an ``atexit`` handler, while the interpreter is still whole: the filler serves what is
 queued (a fill whose reader pool is already shut down fails at once and is dropped) and
-returns; the join is bounded (:data:`EXIT_JOIN_S`) so a filler stuck on the device cannot
+returns; the join is bounded (:data:`~dlo.runtime.exit_stop.EXIT_JOIN_S`) so a filler stuck on the device cannot
 hold the exit. The staging buffers stay allocated (the process is ending); a load issued
 after the handler, from a later ``atexit`` handler, raises that the staging thread is gone.
 """
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,10 +66,11 @@ from dlo import faults
 from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
 from dlo.host.packer import READERS
-from dlo.host.region import HostRegion
+from dlo.host.region import HostRegion, pin_buffers
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.timing import nvtx_range
+from dlo.runtime.exit_stop import track, untrack
 from dlo.runtime.read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
@@ -79,32 +78,6 @@ logger = logging.getLogger(__name__)
 
 NUM_STAGING_BUFFERS = 2
 """Pinned staging buffers per backend: one is filled while the other's copy runs."""
-
-EXIT_JOIN_S = 30.0
-"""How long interpreter exit waits for each filler (see [Note: staging filler at exit])."""
-
-_LIVE: weakref.WeakSet[StagedTransport] = weakref.WeakSet()
-"""The transports whose filler may still run: stopped at interpreter exit."""
-_exit_lock = threading.Lock()
-_exit_registered = False
-
-
-def _stop_fillers_at_exit() -> None:
-    """Stop the filler of every live transport (see [Note: staging filler at exit])."""
-    for transport in list(_LIVE):
-        if not transport.stop_filler(EXIT_JOIN_S):
-            logger.warning(
-                "dlo: the staging thread did not stop within %.0f s at exit", EXIT_JOIN_S
-            )
-
-
-def _track(transport: StagedTransport) -> None:
-    global _exit_registered
-    with _exit_lock:
-        _LIVE.add(transport)
-        if not _exit_registered:
-            atexit.register(_stop_fillers_at_exit)
-            _exit_registered = True
 
 
 @dataclass(eq=False)
@@ -165,17 +138,14 @@ class StagedTransport:
         self.region = HostRegion([chunk_nbytes] * num_buffers)
         try:
             if pin and platform.can_pin and num_buffers:
-                report = self.region.pin(platform, budget_nbytes=pin_budget_nbytes, num_workers=1)
-                if report.unpinned_blocks:
-                    what = (
-                        f"{len(report.unpinned_blocks)} of {num_buffers} staging buffers of "
-                        f"{chunk_nbytes} bytes (host_backing='mapped') could not be pinned "
-                        f"(failed: {len(report.failed_blocks)}, over pin_budget_gb: "
-                        f"{len(report.over_budget_blocks)})"
-                    )
-                    if require_pinned:
-                        raise OffloadError(what, rank=rank)
-                    logger.warning("dlo: %s; they stay pageable", what)
+                pin_buffers(
+                    self.region,
+                    platform,
+                    budget_nbytes=pin_budget_nbytes,
+                    require=require_pinned,
+                    what=f"staging buffers of {chunk_nbytes} bytes (host_backing='mapped')",
+                    rank=rank,
+                )
             # done[b]: producer copy_stream (after the copy that reads buffer b); consumer
             # the filler thread (host wait before b is refilled)
             self._done = [platform.new_event() for _ in range(num_buffers)]
@@ -200,7 +170,7 @@ class StagedTransport:
             target=self._run, name="dlo-staging", daemon=True
         )
         self._thread.start()
-        _track(self)
+        track(self)
 
     @property
     def writer_stream(self) -> Any:
@@ -360,7 +330,9 @@ class StagedTransport:
                 self.ahead.release(block, self.copy_stream)
 
     # ------------------------------------------------------------------ teardown
-    def stop_filler(self, timeout_s: float | None = None) -> bool:
+    thread_name = "staging"
+
+    def stop_thread(self, timeout_s: float | None = None) -> bool:
         """Let the filler serve what is queued and return; wait at most ``timeout_s`` (None:
         until it has). Returns whether it has stopped. Later loads fail: :meth:`close`
         still releases the buffers."""
@@ -378,9 +350,9 @@ class StagedTransport:
         """Serve what is queued, stop the filler, wait for the device, release the staging
         buffers (idempotent)."""
         if self._thread is not None:
-            self.stop_filler()
+            self.stop_thread()
             self._thread = None
-            _LIVE.discard(self)
+            untrack(self)
             self.platform.synchronize()  # no copy still reads a staging buffer
             self._readers.shutdown(wait=True)
         self.region.close()
