@@ -122,6 +122,16 @@ class Bench:
         self.steps = steps * len(self.sizes) if len(steps) == 1 else steps
         self.expect: dict[int, dict[str, Any]] = {}
 
+    def header(self) -> dict[str, Any]:
+        """The fields every pipeline bench's report starts with."""
+        return {
+            "pipeline": self.args.pipeline,
+            "device": str(self.device),
+            "dtype": self.args.dtype,
+            "sizes": [self.size_name(i) for i in range(len(self.sizes))],
+            "steps": self.steps,
+        }
+
     def size_name(self, i: int) -> str:
         h, w, f = self.sizes[i]
         return f"{h}x{w}" + (f"x{f}" if f is not None else "")
@@ -279,12 +289,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def report() -> dict[str, Any]:
         return {
-            "pipeline": args.pipeline,
+            **b.header(),
             "class": type(pipe).__name__,
-            "device": str(b.device),
-            "dtype": args.dtype,
-            "sizes": [b.size_name(i) for i in range(len(b.sizes))],
-            "steps": b.steps,
             "capped": all(capped),
             "results": rows,
         }
@@ -376,19 +382,6 @@ def _empty_host_cache() -> None:
     )
     if empty is not None:
         empty()
-
-
-def per_call(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Rows whose ``keys`` count since the first call, each given its own call's share."""
-    prev = dict.fromkeys(keys, 0)
-    out = []
-    for r in rows:
-        r = dict(r)
-        for k in keys:
-            if k in r:
-                r[k], prev[k] = r[k] - prev[k], r[k]
-        out.append(r)
-    return out
 
 
 def save(path: str | None, report: dict[str, Any]) -> None:

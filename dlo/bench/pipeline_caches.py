@@ -35,7 +35,8 @@ import torch
 from dlo.bench.budgets import one_budget
 from dlo.bench.flags import add_call_arguments, method_list
 from dlo.bench.methods import _clean
-from dlo.bench.pipeline_budgets import Bench, _capped, _group_rows, bench_main, per_call, save
+from dlo.bench.pipeline_budgets import Bench, _capped, _group_rows, bench_main, save
+from dlo.bench.report import per_call
 from dlo.commands.pipeline_calls import dits_of, resident_reference
 from dlo.config.fields import GIB
 from dlo.config.offload import OffloadConfig
@@ -226,11 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def report() -> dict[str, Any]:
         return {
-            "pipeline": args.pipeline,
-            "device": str(b.device),
-            "dtype": args.dtype,
-            "sizes": [b.size_name(i) for i in range(len(b.sizes))],
-            "steps": b.steps,
+            **b.header(),
             "budget_gb": budget,
             "threshold": chosen,
             "h2d_pinned_GBps": h2d / GB,

@@ -32,7 +32,8 @@ from typing import Any
 
 from dlo.bench.flags import add_call_arguments, method_list
 from dlo.bench.methods import _clean
-from dlo.bench.pipeline_budgets import FAILURES, Bench, bench_main, failure, per_call, save
+from dlo.bench.pipeline_budgets import FAILURES, Bench, bench_main, failure, save
+from dlo.bench.report import per_call
 from dlo.commands.pipeline_calls import resident_reference
 from dlo.config.offload import OffloadConfig
 from dlo.host.packer import READERS
@@ -132,11 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def report() -> dict[str, Any]:
         return {
-            "pipeline": args.pipeline,
-            "device": str(b.device),
-            "dtype": args.dtype,
-            "sizes": [b.size_name(i) for i in range(len(b.sizes))],
-            "steps": b.steps,
+            **b.header(),
             "disk_probe": {"file": str(probe), "GBps": disk_bps / GB, "direct": direct},
             "disk_readers": READERS,
             "h2d_pinned_GBps": h2d / GB,

@@ -187,3 +187,16 @@ def write_json(path: str, report: dict[str, Any]) -> None:
 
 def _seconds(ms: float | None) -> float | None:
     return ms / 1e3 if ms is not None else None
+
+
+def per_call(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rows whose ``keys`` count since the first call, each given its own call's share."""
+    prev = dict.fromkeys(keys, 0)
+    out = []
+    for r in rows:
+        r = dict(r)
+        for k in keys:
+            if k in r:
+                r[k], prev[k] = r[k] - prev[k], r[k]
+        out.append(r)
+    return out
