@@ -114,6 +114,11 @@ class LayerBlock:
         )
 
     @property
+    def from_disk(self) -> bool:
+        """Left in its file by ``host_budget_gb``: its tensors can alias the file again."""
+        return self.mapped is not None and self.mapped.reads is not None
+
+    @property
     def shard(self) -> torch.Tensor | MappedBlock | EncodedShard:
         """What the block's transport loads: its host bytes, encoded or mapped ones."""
         return self.encoded or self.mapped or self.host_view()
@@ -195,6 +200,8 @@ class LayerHost:
             if b.mapped is not None:  # its bytes stay in the checkpoint: nothing to pack
                 if b.layout.group_size == 1:  # gathered blocks: after the agreement
                     self.release(b, journal)
+                elif b.from_disk:  # a gathered disk block aliases its file again at disable
+                    journal.record(f"restore {b.name}", functools.partial(self.restore, b))
                 continue
             faults.check("host_fill")
             if self.codec is not None and b.stack.codec != "none":
@@ -360,7 +367,7 @@ class LayerHost:
     def release_gathered(self, b: LayerBlock) -> None:
         """The undo of an AllGather block's install: its weights go, unless
         ``disable(restore=True)`` gathered them back already."""
-        if not b.restored:
+        if not (b.restored or b.from_disk):  # a disk block aliases its file again
             self.release_originals(b)
 
     def restore(self, b: LayerBlock) -> None:

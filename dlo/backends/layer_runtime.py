@@ -149,7 +149,9 @@ def build_transports(
             pin=cfg.pin_memory,
             rank=rank,
             pin_budget_nbytes=budgets[axis],
-            require_pinned=cfg.pin_failure_policy == "fail",
+            # built after the agreement: one rank failing here would leave its peers to the
+            # timeout, so a buffer that cannot be pinned stays pageable (slower, same bits)
+            require_pinned=False,
         )
         journal.record(f"read-ahead {axis}", ahead.close)
     if plan.mapped or "local" in out.aheads:  # whole blocks read from their file
@@ -324,7 +326,7 @@ def install_rings(
         platform.synchronize()
         scheduler.unbind_all()
         scheduler.close()
-        gone = [b for b in blocks if b.layout.group_size > 1 and not b.restored]
+        gone = [b for b in blocks if b.layout.group_size > 1 and not (b.restored or b.from_disk)]
         for b in gone:
             mark_released(b.tensors, gathered_loss(b.layout.group_size))
         refuse_released_forward(
@@ -430,14 +432,17 @@ def follow_step_caches(
 def restore_gathered(platform: Platform, host: LayerHost, transports: Transports) -> None:
     """Gather every AllGather block back into ordinary tensors on its original device (a
     collective: every rank of each weight group calls it, in manifest order; bounded by the
-    groups' timeouts), for ``disable(restore=True)``."""
+    groups' timeouts), for ``disable(restore=True)``. A disk-tier block is gathered too (its
+    peers may hold it in memory) but aliases its file again at the rollback instead: a
+    private copy of it would take the host memory ``host_budget_gb`` spares."""
     for b in host.blocks:
         if b.layout.group_size == 1 or b.restored:
             continue
         buffer = b.device_buffer if b.resident else _gather(platform, b, transports)
         platform.synchronize()
         assert buffer is not None
-        for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
-            t.data = unpack_tensor(buffer, spec, dev)
-        restore_wrappers(b)
+        if not b.from_disk:
+            for spec, t, dev in zip(b.layout.tensors, b.tensors, b.original_devices):
+                t.data = unpack_tensor(buffer, spec, dev)
+            restore_wrappers(b)
         b.restored, b.device_buffer = True, None

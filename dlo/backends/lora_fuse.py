@@ -197,7 +197,7 @@ def _why(b: LayerBlock) -> str:
     if b.layout.group_size > 1:
         return f"1/{b.layout.group_size} of it per rank (AllGather)"
     if b.mapped is not None:
-        return "the read-only checkpoint (host_backing='mapped')"
+        return "the read-only checkpoint (host_backing='mapped', or host_budget_gb's disk tier)"
     if b.node_shared:
         return "the node's shared copy"
     if b.encoded is not None:

@@ -102,7 +102,7 @@ def written_tensors(
     specs: Sequence[TensorSpec], tensors: Sequence[torch.Tensor], versions: Sequence[int]
 ) -> list[tuple[TensorSpec, torch.Tensor]]:
     """The ``(spec, tensor)`` pairs of ``tensors`` written in place since their version
-    counters read ``versions`` (see [Note: writes into streamed tensors] in dlo.runtime.ring)."""
+    counters read ``versions`` (see [Note: writes into streamed tensors] in dlo.runtime.streamed)."""
     return [(spec, t) for spec, t, v in zip(specs, tensors, versions) if t._version != v]
 
 

@@ -129,6 +129,15 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
             f"auto: modeled whole blocks {rl_ms:.3f} <= AllGather {ag_ms:.3f} ms per block; "
             "the ranks of the weight axis on a node share one host copy of them",
         )
+    choice = _choice(s, transfer, reason, rl_ms, ag_ms)
+    if transfer == "node-shared" and inp.host_budget:  # the disk tier has no node copy
+        return _without_sharing(choice, s, "host_budget_gb reads blocks per rank")
+    return choice
+
+
+def _choice(
+    s: StackSpec, transfer: str, reason: str, rl_ms: float, ag_ms: float | None
+) -> StackChoice:
     local = transfer in ("rank-local", "node-shared")  # whole blocks, no collective
     return StackChoice(
         name=s.name,

@@ -3,10 +3,11 @@
 [Note: ring protocol]
 Each component's streamed blocks, across all its stacks, are a ring (the block after the
 last is the first), in the order they run: learned on the component's first forward (see
-[Note: prefetch chain] in :mod:`dlo.runtime.chain`). All rings of a pipeline share one :class:`~dlo.runtime.slots.SlotPool` and one pair of streams. A block is
-IDLE (its tensors are empty placeholders; its bytes live only in host shards), LOADED (a
-slot holds it, or a load into that slot is enqueued) or RUNNING (its forward is executing
-with its tensors rebound to views of the slot).
+[Note: prefetch chain] in :mod:`dlo.runtime.chain`). All rings of a pipeline share one
+:class:`~dlo.runtime.slots.SlotPool` and one pair of streams. A block is IDLE (its tensors
+are empty placeholders; its bytes live only in host shards), LOADED (a slot holds it, or a
+load into that slot is enqueued) or RUNNING (its forward is executing with its tensors
+rebound to views of the slot).
 
 ``enter(block)``, from the block's pre-forward hook:
   1. if IDLE, take a slot (a free one, else evict the least recently loaded LOADED block)
@@ -33,24 +34,12 @@ released at exit. What it saves is the load of a block that runs again before it
 taken: a step cache's first block (FirstBlockCache runs block 0 every step and skips the
 rest on most: block 0 is then loaded once, not once a step), and a ring no longer than the
 slots (loaded once). The evicted slot's ``free`` is the compute stream's event of its exit;
-a prefetched block evicted before it ran (the forward skipped it) is counted as a wasted load
-and its slot's ``free`` is recorded on its writer stream, after that load. A kept block that
-runs again waits on its slot's ``free`` first (its last run may have been on another
+a prefetched block evicted before it ran (the forward skipped it) is counted as a wasted
+load and its slot's ``free`` is recorded on its writer stream, after that load. A kept block
+that runs again waits on its slot's ``free`` first (its last run may have been on another
 stream, whose kernels the next load into the slot would otherwise not wait for), and a block
 whose in-place writes could not be kept gives its slot up at exit (it loads again from the
 host, as before the write).
-
-[Note: writes into streamed tensors]
-A block may write one of its own tensors in place (a cache kept in a buffer, refreshed
-every other step). The write lands in the slot, which the next load of any block overwrites,
-so it would be lost and later steps would silently differ from the resident model. Each
-tensor's version counter (bumped by every in-place write, not by dlo's ``.data`` rebinding)
-is read at enter and at exit. A written tensor of a whole-block host shard (group size 1,
-host region) is copied back into the shard at exit, synchronously (only when a write
-happened), so every later load and the restore at disable see it, as a resident model
-would. With AllGather a rank holds only its slice of the block, and with
-``host_backing="mapped"`` the block's source is the read-only checkpoint: there the forward
-fails with an error naming the tensors, instead of losing the write silently.
 
 Every decision depends only on the sequence of hook calls, so ranks that run the same block
 sequence issue the same loads (and collectives) in the same order. No step waits on the
@@ -70,6 +59,7 @@ from dlo import faults
 from dlo.errors import BackendPoisonedError, ForwardRefused, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
 from dlo.host.shards import copy_back, placeholder, shard_view, written_tensors
+from dlo.io.header_checks import CheckpointError
 from dlo.plan.host_tiers import READ_AHEAD_BUFFERS as READ_AHEAD
 from dlo.platform.device import Platform
 from dlo.platform.timing import StreamTimer, nvtx_range
@@ -420,15 +410,21 @@ class RingScheduler:
         self._clock += 1
         slot.owner, slot.stamp, slot.used = block, self._clock, False
         block.slot, block.state = slot, LOADED
-        block.transport.load(
-            block.layout,
-            block.shard,
-            slot.buffer,
-            free_event=slot.free,
-            ready_event=slot.ready,
-            index=block.index,
-            slot_index=slot.index,
-        )
+        try:
+            block.transport.load(
+                block.layout,
+                block.shard,
+                slot.buffer,
+                free_event=slot.free,
+                ready_event=slot.ready,
+                index=block.index,
+                slot_index=slot.index,
+            )
+        except (OffloadError, CheckpointError, OSError) as e:  # its disk read failed
+            slot.owner, block.slot, block.state = None, None, IDLE
+            if block.transport.group_size > 1:  # its peers gather it: out of step now
+                self.poisoned = f"a transfer of {block.name} failed ({e}); recreate the worker"
+            raise OffloadError(f"loading failed: {e!r}", rank=self.rank, block=block.name) from e
 
     def _prefetch(self, block: StreamedBlock) -> None:
         ring = block.ring
@@ -439,7 +435,8 @@ class RingScheduler:
         ahead = [b for b in ring.order.after(block, len(ring.blocks)) if b.own is None]
         window = ahead[: max(size, 0)]
         soon = [b for b in window if b.state == IDLE] + ahead[len(window) : size + READ_AHEAD]
-        block.transport.upcoming([b.shard for b in soon])
+        for t in {id(b.transport): b.transport for b in ring.blocks}.values():  # each its own
+            t.upcoming([b.shard for b in soon if b.transport is t])
         protect = (block, *window)
         for nxt in window:
             if nxt.state != IDLE:

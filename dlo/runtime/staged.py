@@ -224,9 +224,8 @@ class StagedTransport:
         """The shards the ring predicts it loads next, in order: the disk tier's are read
         ahead (see [Note: disk read-ahead])."""
         if self.ahead is not None:
-            self.ahead.upcoming(
-                [s for s in shards if isinstance(s, MappedBlock) and s.reads is not None]
-            )
+            mine = [s for s in shards if isinstance(s, MappedBlock) and s.reads is not None]
+            self.ahead.upcoming([s for s in mine if s.layout.group_size == 1])
 
     def wait_enqueued(self, slot_index: int, block: str) -> None:
         """Return once the last load into slot ``slot_index`` has its copies and ``ready``

@@ -1,6 +1,20 @@
 """A ring's blocks: what binds one streamed block to any slot (or its own buffer), and the
 ring of a component's blocks in the order they run (see [Note: ring protocol] in
-:mod:`dlo.runtime.ring`)."""
+:mod:`dlo.runtime.ring`).
+
+[Note: writes into streamed tensors]
+A block may write one of its own tensors in place (a cache kept in a buffer, refreshed every
+other step). The write lands in the slot, which the next load of any block overwrites, so it
+would be lost and later steps would silently differ from the resident model. Each tensor's
+version counter (bumped by every in-place write, not by dlo's ``.data`` rebinding) is read
+at enter and at exit. A written tensor of a whole-block host shard (group size 1, host
+region) is copied back into the shard at exit, synchronously (only when a write happened),
+so every later load and the restore at disable see it, as a resident model would. With
+AllGather a rank holds only its slice of the block, and with ``host_backing="mapped"`` the
+block's source is the read-only checkpoint (and so with the disk tier of
+``host_budget_gb``): there the forward fails with an error naming the tensors, instead of
+losing the write silently.
+"""
 
 from __future__ import annotations
 

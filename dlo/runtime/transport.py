@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from dlo.codec.blocks import EncodedShard
+from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
@@ -183,7 +184,8 @@ class BlockTransport:
         """The shards the ring predicts it loads next: the disk tier's are read ahead (see
         [Note: disk read-ahead] in :mod:`dlo.runtime.read_ahead`)."""
         if self.ahead is not None:
-            self.ahead.upcoming([s for s in shards if isinstance(s, MappedBlock)])
+            mine = [s for s in shards if isinstance(s, MappedBlock) and s.reads is not None]
+            self.ahead.upcoming([s for s in mine if s.layout.group_size == self.group_size])
 
     def load(
         self,
@@ -199,13 +201,22 @@ class BlockTransport:
         """Enqueue the load of block ``index`` into ``slot`` (slot ``slot_index`` of the
         pool; -1 for a buffer outside it) and record ``ready_event``. A disk-tier shard is
         taken from its read-ahead buffer first (this thread waits while it is read; a failed
-        read raises before anything is enqueued or gathered)."""
+        read raises before anything is enqueued or gathered).
+
+        Raises:
+            OffloadError: the disk read of the shard failed (naming the block).
+        """
         if not isinstance(shard, MappedBlock):
             self._load(layout, shard, slot, free_event, ready_event, index, slot_index)
             return
         assert self.ahead is not None, "a disk-tier shard needs the transport's reader"
         self.ahead.requested(shard)
-        buf = self.ahead.acquire(shard)
+        try:
+            buf = self.ahead.acquire(shard)
+        except Exception as e:  # the reader's error: the file, its block
+            raise OffloadError(
+                f"reading from disk failed: {e!r}", rank=self.ahead.rank, block=shard.name
+            ) from e
         try:
             self._load(layout, buf, slot, free_event, ready_event, index, slot_index)
         finally:

@@ -103,6 +103,7 @@ def test_a_block_nobody_predicted_is_read_first_evicting_a_prediction(ahead: Rea
     a, b, c = FakeBlock("a", 1), FakeBlock("b", 2), FakeBlock("c", 3)
     ahead.upcoming([a, b])  # type: ignore[list-item]
     _wait_for(lambda: ahead.stats.num_reads == 2)  # both buffers hold predictions
+    ahead.upcoming([])  # nothing else predicted: the evicted one is not read again
     assert _serve(ahead, c) == 3  # not predicted: read now, in a buffer taken from one
     # (its request alone may get it read before the load waits for it)
     assert ahead.stats.num_wasted_reads == 1 and ahead.stats.num_waits <= 1

@@ -1,6 +1,6 @@
 """A block (or swapped component) that writes its own tensors in place: the write is kept
 where the host holds whole blocks, and refused by name where it cannot be kept (see [Note:
-writes into streamed tensors] in dlo.runtime.ring)."""
+writes into streamed tensors] in dlo.runtime.streamed)."""
 
 from __future__ import annotations
 

@@ -189,6 +189,21 @@ def test_whole_blocks_are_node_shared_where_the_shared_memory_holds_them() -> No
     assert "-> node-shared" in d.explanation and "free shared memory" in d.explanation
 
 
+@pytest.mark.parametrize("compute_s", [None, 10.0])
+def test_a_host_budget_never_takes_node_shared(compute_s: float | None) -> None:
+    """The disk tier reads blocks per rank (no node copy): where auto would share whole
+    blocks, it takes what sharing's fallback takes, AllGather where faster, else rank-local."""
+    stack = _stack((64 * MIB,) * 3)
+    free = math.ceil(_shared_need(stack) / (1 - SHARED_MEMORY_HEADROOM)) + 1
+    kw: dict[str, Any] = dict(shm=free, num_slots="auto", block_compute_s=compute_s)
+    shared = decide(_input(stack, ag=SMALL_AG, **kw)).stacks[0]
+    assert shared.transfer == "node-shared"  # without a budget
+    s = decide(_input(stack, ag=SMALL_AG, host_budget=True, **kw)).stacks[0]
+    assert s.transfer in ("rank-local", "allgather") and "host_budget_gb" in s.reason
+    fast = decide(_input(stack, ag=500e9, host_budget=True, **kw)).stacks[0]
+    assert fast.transfer in ("rank-local", "allgather") and fast.transfer != "node-shared"
+
+
 @pytest.mark.parametrize("short", [1, 64 * MIB])
 def test_too_little_shared_memory_is_rank_local_saying_why(short: int) -> None:
     # headroom: the copy must fit in (1 - SHARED_MEMORY_HEADROOM) of the free bytes
