@@ -110,6 +110,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "under the same allocator cap: resident (where it fits), dlo with no flags, the best "
         "manual dlo setting of a sweep (dlo-best) and diffusers-group",
     )
+    p.add_argument(
+        "--host-budget-gb",
+        type=float,
+        default=0.0,
+        help="the dlo-disk row's host budget (GiB; --methods must name dlo-disk: it writes the "
+        "DiT to --disk-dir and streams the blocks beyond the budget from there)",
+    )
+    p.add_argument(
+        "--disk-dir",
+        default=None,
+        help="the folder on the disk the dlo-disk row measures (default: the system's "
+        "temporary folder; a tmpfs there is memory, and the row says it read buffered)",
+    )
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--markdown", default=None, help="write the markdown table here")
     p.add_argument("--plot", default=None, help="write a PNG plot here (needs matplotlib)")

@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+from dlo.bench.disk_row import markdown_disk
 from dlo.bench.methods import AUTO_METHODS, MANUAL_DLO_METHODS
 from dlo.runtime.measure import (
     GB,
@@ -112,6 +113,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['peak_device_nbytes'] / GB:.2f} | {_pinned_gb(r)} | "
             f"{f(_seconds(r.get('first_forward_ms')), '{:.2f}')} |"
         )
+    lines += markdown_disk(report)
     if report.get("swap"):
         lines += ["", "| swap component | MB | load ms | x H2D limit |", "|---|---|---|---|"]
         for r in report["swap"]:

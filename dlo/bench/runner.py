@@ -44,6 +44,7 @@ from dlo.bench.cost import (
     describe,
     matmul_flops_per_s,
 )
+from dlo.bench.disk_row import OPT_IN_METHODS, bench_disk
 from dlo.bench.flags import int_list
 from dlo.bench.like import markdown_like, run_like
 from dlo.bench.methods import (
@@ -114,9 +115,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     settings = [(s, c) for s in slots for c in chunks]
     sweep = len(settings) > 1
     methods = args.methods.split(",")
-    unknown = sorted(set(methods) - set(METHODS))
+    unknown = sorted(set(methods) - set(METHODS) - set(OPT_IN_METHODS))
     if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; known: {sorted(METHODS)}")
+        raise ValueError(f"--methods: unknown {unknown}; known: {sorted(METHODS + OPT_IN_METHODS)}")
     requested = list(dict.fromkeys(methods))
     if {"dlo-ring", "dlo-rank-local"} & set(methods):
         methods += ["dlo-ring", "dlo-rank-local"]  # the group-of-one ring at any world size
@@ -376,6 +377,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "diffusers-group" in methods:
         _bench_diffusers_group(preset.name, platform, dtype, tokens_list, args, record)
 
+    if "dlo-disk" in methods and world.size == 1:  # [issue 37] opt-in: it writes to disk
+        bench_disk(preset.name, platform, dtype, tokens_list, args, record, lim)
     if "dlo-swap" in methods and world.size == 1 and platform.has_streams:
         report["swap"] = _bench_swap(
             preset.name, platform, dtype, lim["h2d_pinned_alone_GBps"], reps=args.reps
@@ -402,7 +405,7 @@ def _skipped(methods: list[str], world_size: int, gpus: bool) -> list[tuple[str,
             out.append((m, "the copy-engine gather needs CUDA GPUs with peer access"))
         elif m == "fsdp2-offload" and (world_size == 1 or not gpus):
             out.append((m, "needs 2 or more CUDA ranks"))
-        elif m == "dlo-swap" and world_size > 1:
+        elif m in ("dlo-swap", "dlo-disk") and world_size > 1:
             out.append((m, "one rank only"))
         elif m == "dlo-swap" and not gpus:
             out.append((m, "its load times need CUDA streams and events"))

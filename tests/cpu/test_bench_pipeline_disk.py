@@ -57,3 +57,31 @@ def test_bad_host_budgets_are_refused_by_name(bad: str) -> None:
 def test_a_folder_without_files_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no \.safetensors file"):
         pd.dit_file(str(tmp_path))
+
+
+def test_dlo_bench_disk_row_reads_the_blocks_beyond_the_budget(tmp_path: Path) -> None:
+    """``dlo bench --methods dlo-disk``: opt-in (the default methods write nothing), the
+    preset's DiT saved under --disk-dir and removed after, the bytes read per forward
+    against the probed disk, and its disk-limit row in the table."""
+    from dlo.cli import main
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    path, table = tmp_path / "b.json", tmp_path / "b.md"
+    argv = ["bench", "--preset", "tiny", "--tokens", "32", "--warmup", "1", "--reps", "2"]
+    argv += ["--methods", "resident,dlo-disk", "--host-budget-gb", "0.0003"]
+    argv += ["--disk-dir", str(disk), "--json", str(path), "--markdown", str(table)]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    (row,) = [r for r in report["results"] if r["method"] == "dlo-disk"]
+    assert row["num_disk_blocks"] > 0 and row["host_region_nbytes"] <= 0.0003 * (1 << 30)
+    # every forward reads the blocks the budget leaves in the file
+    assert row["disk_nbytes_per_fwd"] > 0 and row["disk_limit_ms"] > 0
+    assert report["limits"]["disk_GBps"] > 0 and "disk_direct" in report["limits"]
+    assert not list(disk.iterdir())  # the saved DiT is gone
+    text = table.read_text()
+    assert "| dlo-disk | 32 |" in text and "| disk-limit | 32 |" in text
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    from dlo.bench.methods import METHODS
+
+    assert "dlo-disk" not in METHODS  # not in `dlo bench`'s default methods
