@@ -225,8 +225,9 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "this rank: its shards padded to whole chunks, a node-shared block's bytes divided by "
         'the ranks sharing it (rounded up); with `host_backing="mapped"` only the tensors the '
         "checkpoint file does not serve",
-        "host_mapped_nbytes": 'block bytes served from the checkpoint file (`"mapped"`; else 0): '
-        "the node's shared page cache, not this rank's memory",
+        "host_mapped_nbytes": 'block bytes served from the checkpoint file (`"mapped"`, and the '
+        "disk tier of `host_budget_gb`: this rank's shards of its blocks; else 0): the node's "
+        "page cache or the disk, not this rank's memory",
         "host_region_nbytes": "size of this rank's private host region holding its shards "
         '(shard bytes plus page alignment per block; 0 with `"mapped"` or when every stack is '
         "node-shared)",

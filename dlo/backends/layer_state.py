@@ -119,7 +119,7 @@ class LayerState:
                 )
                 for b in blocks
             ),
-            "host_mapped_nbytes": sum(b.mapped.mapped_nbytes for b in blocks if b.mapped),
+            "host_mapped_nbytes": sum(b.mapped.shard_mapped_nbytes for b in blocks if b.mapped),
             "host_region_nbytes": region.nbytes if region else 0,
             "host_shared_nbytes": shared.nbytes if shared else 0,
             "host_share_ranks": shared.share_ranks if shared else 1,

@@ -75,6 +75,16 @@ class MappedBlock:
         )
 
     @property
+    def shard_mapped_nbytes(self) -> int:
+        """Bytes of this rank's shard served from the checkpoint file (its 1/N under
+        AllGather; the whole block's file bytes in a group of one)."""
+        return sum(
+            n
+            for i, _, n, _ in shard_copies(self.layout, self.rank)
+            if not isinstance(self.sources[i], torch.Tensor)
+        )
+
+    @property
     def private_nbytes(self) -> int:
         """Bytes of private CPU tensors this block keeps (copied or computed tensors)."""
         return sum(

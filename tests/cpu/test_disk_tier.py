@@ -203,6 +203,7 @@ def test_allgather_ranks_read_their_one_nth_of_each_block_bitwise(
         assert st["num_disk_blocks"] > 0 and st["host_region_nbytes"] <= r["budget"]
         # what the tier holds and reads per rank is its shards: 1/N of each block
         assert st["disk_nbytes"] == r["shards"]
+        assert 0 < st["host_mapped_nbytes"] <= st["disk_nbytes"]  # the file serves 1/N too
         assert st["read_ahead_buffer_nbytes"] == r["largest_shard"]
         assert st["disk_read_nbytes"] >= st["disk_nbytes"]
         # the bytes this rank's files gave: its shards (with O_DIRECT, the aligned ranges
