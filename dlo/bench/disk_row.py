@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dlo.bench.flags import int_list
 from dlo.bench.methods import _build_dit, _clean, _fwd, _inputs, _peak, time_forward
 from dlo.config.offload import OffloadConfig
 from dlo.io.direct import read_bandwidth
@@ -53,7 +54,7 @@ def bench_disk(
             mode="layer",
             transfer="rank-local",
             resident_layers=0,
-            num_slots=int_list_first(args.num_slots),
+            num_slots=int_list("--num-slots", args.num_slots)[0],  # the row runs one setting
             host_budget_gb=args.host_budget_gb,
         )
         dit, backend = load_pipeline(
@@ -95,11 +96,6 @@ def bench_disk(
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         _clean(platform)
-
-
-def int_list_first(text: str) -> int:
-    """The first of ``--num-slots``' values (the disk row runs one setting)."""
-    return int(str(text).split(",")[0])
 
 
 def markdown_disk(report: dict[str, Any]) -> list[str]:

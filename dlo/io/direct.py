@@ -257,8 +257,7 @@ class DirectReads:
     [Note: reads around the page cache]); reads are checked against the checkpoint's
     checksums where it verifies them."""
 
-    def __init__(self, *, direct: bool = True) -> None:
-        self.direct = direct
+    def __init__(self) -> None:
         self._files: dict[Path, DirectFile] = {}
         self._lock = threading.Lock()
 
@@ -269,7 +268,7 @@ class DirectReads:
         with self._lock:
             f = self._files.get(path)
             if f is None:
-                f = DirectFile(path, direct=self.direct, identity=ckpt.identity(path))
+                f = DirectFile(path, identity=ckpt.identity(path))
                 self._files[path] = f
             return f
 

@@ -90,8 +90,7 @@ class ReadAhead:
         platform: pinning and events.
         buffer_nbytes: the largest host shard it reads (a whole padded block on a
             rank-local stack, this rank's 1/N of one under AllGather).
-        pool: the readers the fills spread their ``pread`` s over (None: a pool of its own,
-            :data:`~dlo.host.packer.READERS` threads, shut down at :meth:`close`).
+
         pin: page-lock the buffers where the platform can.
         pin_budget_nbytes: what they may pin (None: unlimited).
         require_pinned: a buffer that cannot be pinned is an error; else it stays pageable.
@@ -105,15 +104,14 @@ class ReadAhead:
         buffer_nbytes: int,
         pin: bool,
         rank: int,
-        pool: ThreadPoolExecutor | None = None,
         pin_budget_nbytes: int | None = None,
         require_pinned: bool = True,
         num_buffers: int = READ_AHEAD_BUFFERS,
     ) -> None:
         self.platform = platform
         self.rank = rank
-        self._own_pool = pool is None
-        self.pool = pool or ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="dlo-read")
+        self.pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="dlo-read")
+        """The readers a fill spreads its reads over, shut down at :meth:`close`."""
         self.region = HostRegion([buffer_nbytes] * num_buffers)
         try:
             if pin and platform.can_pin:
@@ -128,8 +126,7 @@ class ReadAhead:
             self._buffers = [_Buffer(i, platform.new_event()) for i in range(num_buffers)]
         except BaseException:
             self.region.close()
-            if self._own_pool:
-                self.pool.shutdown()
+            self.pool.shutdown()
             raise
         self.stats = ReadAheadStats()
         self._pending: list[MappedBlock] = []
@@ -173,8 +170,8 @@ class ReadAhead:
 
     # ------------------------------------------------------------------ filler thread
     def acquire(self, block: MappedBlock) -> torch.Tensor:
-        """The padded bytes of a requested ``block`` in a buffer, once read; the buffer is
-        the caller's until :meth:`release`.
+        """The host shard bytes of a requested ``block`` in a buffer, once read; the buffer
+        is the caller's until :meth:`release`.
 
         Raises:
             OffloadError: the reader is gone.
@@ -308,6 +305,5 @@ class ReadAhead:
             self._thread = None
             untrack(self)
             self.platform.synchronize()  # no copy still reads a buffer
-            if self._own_pool:
-                self.pool.shutdown(wait=True)
+            self.pool.shutdown(wait=True)
         self.region.close()

@@ -7,6 +7,7 @@ CUDA, ordered on the host here."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import gc
 import json
@@ -36,7 +37,10 @@ from dlo.pipelines.synth import save_folder
 from dlo.platform.env import process_peak_rss_bytes
 from tests.cpu.test_direct_reads import _takes_direct
 from tests.cpu.test_loader import DTYPE, PRESET
+from tests.cpu.test_mapped import checkpoint
 from tests.harness import assert_all_ok, run_ranks
+
+__all__ = ["checkpoint"]  # fixture
 
 MIB = 1 << 20
 
@@ -108,13 +112,6 @@ def _budgeted_vs_resident(rank: int, world: int, ckpt_dir: str, share: float) ->
         "collected": ref() is None,
         "reads_closed": reads is not None and reads.files == [],
     }
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = tmp_path_factory.mktemp("disk-ckpt")
-    path = save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), root, max_shard_nbytes=12 << 20)
-    return str(path.parent)
 
 
 @pytest.mark.parametrize(("world", "share"), [(1, 0.0), (1, 0.5), (2, 0.3), (3, 0.5)])
@@ -340,26 +337,7 @@ def test_a_file_truncated_while_serving_fails_the_forward_and_the_disable_names_
 
 
 # ----------------------------------------------------------------------------- memory
-RSS_PRESET = Preset(
-    name="disk-rss",
-    dim=512,
-    num_heads=4,
-    ffn_dim=2048,
-    num_blocks=24,
-    cross_attention=True,
-    modulation="table",
-    text_dim=64,
-    text_layers=2,
-    text_heads=2,
-    text_ffn=128,
-    vocab=64,
-    text_len=8,
-    latent_channels=8,
-    grid=(4, 4),
-    freq_dim=32,
-    vae_channels=8,
-    vae_upsamples=1,
-)
+RSS_PRESET = dataclasses.replace(PRESET, name="disk-rss", num_blocks=24)
 
 
 def _rss_reference(rank: int, world: int, ckpt_dir: str) -> list[torch.Tensor]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +47,9 @@ class FakeBlock:
 
 @pytest.fixture
 def ahead() -> Any:
-    pool = ThreadPoolExecutor(2)
-    ra = ReadAhead(CpuPlatform(), buffer_nbytes=NBYTES, pin=False, rank=0, pool=pool)
+    ra = ReadAhead(CpuPlatform(), buffer_nbytes=NBYTES, pin=False, rank=0)
     yield ra
     ra.close()
-    pool.shutdown()
 
 
 def _acquire(ra: ReadAhead, block: FakeBlock, timeout_s: float = 5.0) -> torch.Tensor:
