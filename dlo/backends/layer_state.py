@@ -130,7 +130,7 @@ class LayerState:
             "num_staging_buffers": staging.num_buffers if staging else 0,
             "staging_buffer_nbytes": staging.buffer_nbytes if staging else 0,
             "staging_host_wait_ms": staging.host_wait_s * 1e3 if staging else 0.0,
-            **disk_stats(transports, blocks, host.disk_probe if host else None),
+            **disk_stats(transports, blocks, host),
             # [Note: block codecs]: what the encoded blocks hold and move
             "codec": next((b.stack.codec for b in blocks if b.encoded), "none"),
             "codec_bitstream": host.codec.bitstream if host and host.codec else None,
@@ -200,21 +200,20 @@ class LayerState:
 
 
 def disk_stats(
-    transports: Transports | None,
-    blocks: list[LayerBlock],
-    probe: tuple[str, float, bool] | None,
+    transports: Transports | None, blocks: list[LayerBlock], host: LayerHost | None
 ) -> dict[str, Any]:
     """What the disk tier of ``host_budget_gb`` holds and read (see [Note: disk read-ahead]
     in :mod:`dlo.runtime.read_ahead`), and its model: the probe's rate, and a pass over the
     streamed disk blocks at that rate."""
-    disk = [b for b in blocks if b.mapped is not None and b.mapped.reads is not None]
+    disk = [b for b in blocks if b.from_disk]
+    probe = host.disk_probe if host else None
     streamed = sum(b.layout.shard_nbytes for b in disk if not b.resident)
     aheads = list(transports.aheads.values()) if transports else []
     st = ReadAheadStats()
     for a in aheads:
         for k, v in vars(a.stats).items():
             setattr(st, k, getattr(st, k) + v)
-    files = disk[0].mapped.reads.files if disk and disk[0].mapped and disk[0].mapped.reads else []
+    files = host.reads.files if host and host.reads else []
     return {
         "num_disk_blocks": len(disk),
         "disk_nbytes": sum(b.layout.shard_nbytes for b in disk),

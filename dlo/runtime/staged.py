@@ -45,8 +45,8 @@ torch's ``noexcept`` frames: ``std::terminate``, "terminate called without an ac
 exception", exit -6 after output that was correct. So every live transport stops its filler
 from an ``atexit`` handler, while the interpreter is still whole: the filler serves what is
 queued (a fill whose reader pool is already shut down fails at once and is dropped) and
-returns; the join is bounded (:data:`~dlo.runtime.exit_stop.EXIT_JOIN_S`) so a filler stuck on the device cannot
-hold the exit. The staging buffers stay allocated (the process is ending); a load issued
+returns; the join is bounded (:data:`~dlo.runtime.exit_stop.EXIT_JOIN_S`) so a filler
+stuck on the device cannot hold the exit. The staging buffers stay allocated (the process is ending); a load issued
 after the handler, from a later ``atexit`` handler, raises that the staging thread is gone.
 """
 
@@ -152,8 +152,6 @@ class StagedTransport:
             self._turn = 0
             self._readers = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="dlo-read")
         except BaseException:
-            if hasattr(self, "_readers"):
-                self._readers.shutdown(wait=True)
             self.region.close()
             raise
         self._cond = threading.Condition()
