@@ -2,7 +2,8 @@
 
 ``run_ranks(fn, world_size, timeout_s=...)`` starts ``world_size`` processes (forkserver,
 torch preloaded), initializes a process group in each (gloo on CPU, NCCL when ``backend``
-says so, one GPU per rank), calls ``fn(rank, world_size, *args)`` and returns one
+says so, one GPU per rank; gloo with CUDA tensors where ``DLO_SHARE_GPU=1`` puts the ranks on
+fewer GPUs: :func:`gpu`), calls ``fn(rank, world_size, *args)`` and returns one
 :class:`Outcome` per rank: the value returned, or the exception (type name and message), or
 the exit code of a process that died, or ``timed_out``. A process still running at the
 bound is killed, so a hang fails the test instead of stalling CI.
@@ -87,9 +88,14 @@ def _child(
 
     torch.set_num_threads(1)
     kwargs: dict[str, Any] = {}
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        kwargs["device_id"] = torch.device("cuda", rank)
+    if backend == "nccl":  # NCCL, or gloo where ranks share a GPU (DLO_SHARE_GPU=1)
+        from dlo.parallel.groups import gpu_backend
+
+        dev = gpu(rank)
+        torch.cuda.set_device(dev)
+        backend = gpu_backend(dev)
+        if backend == "nccl":
+            kwargs["device_id"] = dev
     dist.init_process_group(
         backend,
         rank=rank,
@@ -137,6 +143,24 @@ def _all_arrive(world: int, bound_s: float = 10.0) -> bool:
         return True
     except Exception:
         return False
+
+
+def gpu(rank: int) -> Any:
+    """The CUDA device of ``rank`` (its own GPU, or a shared one under ``DLO_SHARE_GPU=1``:
+    [Note: ranks sharing a GPU] in :mod:`dlo.platform.sharing`)."""
+    from dlo.platform.device import default_device
+
+    return default_device(rank)
+
+
+def shares_gpu(world: int) -> bool:
+    """Whether ``world`` ranks started by :func:`run_ranks` share GPUs (the one-GPU
+    multi-rank lane: ``DLO_SHARE_GPU=1`` and fewer GPUs than ranks)."""
+    import torch
+
+    from dlo.platform.env import share_gpu
+
+    return share_gpu() and world > torch.cuda.device_count()
 
 
 def run_ranks(

@@ -73,8 +73,10 @@ def allocate_slots(
 
     pool: SlotPool | None = None
     if plan.gathers and gather_engine == "auto" and platform.has_streams:
-        if not platform.peers_accessible():
-            logger.info("no peer access between this node's GPUs: gather_engine='auto' uses NCCL")
+        if platform.sharers > 1 or not platform.peers_accessible():  # [Note: ranks sharing a GPU]
+            logger.info(
+                "ranks share a GPU or lack peer access: gather_engine='auto' uses NCCL/gloo"
+            )
             pool = allocate(False)
         else:
             try:

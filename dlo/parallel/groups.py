@@ -149,8 +149,9 @@ def init(
 ) -> World:
     """Initialize the default process group from torchrun's environment.
 
-    NCCL with one GPU per local rank when CUDA is available, gloo on CPU; nothing (a world of
-    one) when ``WORLD_SIZE`` is 1 or unset. ``par`` (default: data parallel over the world)
+    NCCL with one GPU per local rank when CUDA is available (gloo where ``DLO_SHARE_GPU=1``
+    puts several local ranks on one GPU), gloo on CPU; nothing (a world of one) when
+    ``WORLD_SIZE`` is 1 or unset. ``par`` (default: data parallel over the world)
     is checked against the world size. ``device`` (default: this rank's GPU, else the CPU)
     decides the backend: NCCL for CUDA, gloo for the CPU.
 
@@ -180,19 +181,38 @@ def init(
 
     device = torch.device(device) if device is not None else default_device(env.local_rank)
     kwargs: dict[str, Any] = {}
+    backend = "gloo"
     if device.type == "cuda":
         set_env_default("NCCL_NVLS_ENABLE", "0")
         set_env_default("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the copy engine needs none
         set_env_default("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         torch.cuda.set_device(device)
-        kwargs["device_id"] = device
+        if gpu_backend(device) == "nccl":
+            backend, kwargs["device_id"] = "nccl", device
     dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo",
+        backend,
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
     atexit.register(_destroy_at_exit)
     return current_world()
+
+
+def gpu_backend(device: Any) -> str:
+    """The process-group backend of a job computing on CUDA ``device``: NCCL, or gloo where
+    local ranks share the GPU ([Note: ranks sharing a GPU] in :mod:`dlo.platform.sharing`)."""
+    from dlo.platform.device import CudaPlatform
+
+    platform = CudaPlatform(device)
+    if platform.sharers > 1:
+        logger.warning(
+            "dlo: %d local ranks share %s (DLO_SHARE_GPU=1): collectives run on gloo through "
+            "host memory; a correctness lane, its timings are not speed figures",
+            platform.sharers,
+            platform.device,
+        )
+        return "gloo"
+    return "nccl"
 
 
 def _destroy_at_exit(bound_s: float = 30.0) -> None:

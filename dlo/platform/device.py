@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from dlo.platform import memory_cap
-from dlo.platform.env import host_available_bytes, torchrun_env
+from dlo.platform.env import host_available_bytes
+from dlo.platform.sharing import this_rank_share
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,8 @@ class Platform:
     device: torch.device
     can_pin: bool = False
     has_streams: bool = False
+    sharers: int = 1
+    """Local ranks computing on this device (see :mod:`dlo.platform.sharing`)."""
 
     # streams and events
     def new_stream(self) -> Any:
@@ -223,6 +226,9 @@ class CudaPlatform(Platform):
             raise ValueError(f"device={device} is not a CUDA device")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
+        self.sharers = _sharers(index)
+        """Local ranks computing on this GPU ([Note: ranks sharing a GPU]): each plans with
+        its share of the free memory."""
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(device=self.device)
@@ -302,7 +308,7 @@ class CudaPlatform(Platform):
 
     def free_memory(self) -> int | None:
         free, _total = torch.cuda.mem_get_info(self.device)
-        return int(free)
+        return int(free) // self.sharers
 
     def held_memory(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.device))
@@ -317,7 +323,9 @@ class CudaPlatform(Platform):
         return MemoryNow(
             allocated=int(stats.get("allocated_bytes.all.current", 0)),
             peak=int(stats.get("allocated_bytes.all.peak", 0)),
-            limit=min(int(memory_cap.fraction(self.device) * total), reserved + int(free)),
+            limit=min(
+                int(memory_cap.fraction(self.device) * total), reserved + int(free) // self.sharers
+            ),
         )
 
     @property
@@ -380,12 +388,18 @@ def accelerator_available() -> bool:
 def default_device(local_rank: int | None = None) -> torch.device:
     """The device a process should compute on: its local GPU, else the CPU."""
     if accelerator_available():
-        index = local_rank if local_rank is not None else torchrun_env().local_rank
-        count = torch.cuda.device_count()
-        if index >= count:
-            raise ValueError(f"LOCAL_RANK={index} but only {count} CUDA devices are visible")
-        return torch.device("cuda", index)
+        return torch.device("cuda", this_rank_share(torch.cuda.device_count(), local_rank).index)
     return torch.device("cpu")
+
+
+def _sharers(index: int) -> int:
+    """Local ranks on GPU ``index``: this job's count where this rank computes there, else 1
+    (a device addressed explicitly, outside torchrun's mapping)."""
+    try:
+        share = this_rank_share(torch.cuda.device_count())
+    except ValueError:
+        return 1
+    return share.sharers if share.index == index else 1
 
 
 def warm_up(device: torch.device | str | None = None) -> Callable[[], None]:

@@ -93,6 +93,17 @@ def cpu_share() -> int:
     return max(1, cpus // torchrun_env().local_world_size)
 
 
+def share_gpu() -> bool:
+    """Whether the job asked for several local ranks per GPU (``DLO_SHARE_GPU=1``): the
+    one-GPU multi-rank lane (see [Note: ranks sharing a GPU] in :mod:`dlo.platform.device`)."""
+    raw = (os.environ.get("DLO_SHARE_GPU") or "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"environment variable DLO_SHARE_GPU={raw!r} must be 0 or 1")
+
+
 def host_name() -> str:
     """This machine's name (ranks with the same name share a node)."""
     return socket.gethostname()

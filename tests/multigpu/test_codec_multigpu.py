@@ -14,7 +14,7 @@ import torch
 
 from dlo.host.region import LEDGER
 from tests.cpu.test_codec import Fp8DiT
-from tests.harness import assert_all_ok, run_ranks
+from tests.harness import assert_all_ok, gpu, run_ranks
 from tests.multigpu.test_dlo_nccl import NCCL_ENV, _backend, _steps, warm_then_steady
 from tests.toys import clone, snapshot
 
@@ -34,7 +34,7 @@ DIM = 256
 
 
 def _codec(rank: int, world: int, transfer: str, engine: str) -> dict[str, Any]:
-    dev = torch.device("cuda", rank)
+    dev = gpu(rank)
     model = Fp8DiT(7, dim=DIM)  # bf16 weights, fp32 norms, fp8 weights with fp32 scales
     ref = _steps(clone(model).to(dev), rank, 4, DIM)
     ref_more = _steps(clone(model).to(dev), rank, 3, DIM)
@@ -81,7 +81,7 @@ def test_codec_across_two_gpus_is_bitwise(transfer: str, engine: str) -> None:
 def _quantized(rank: int, world: int) -> dict[str, Any]:
     from tests.cpu.test_subclasses import QDiT, _xs
 
-    dev = torch.device("cuda", rank)
+    dev = gpu(rank)
     xs = [x.to(dev) for x in _xs(rank)]
     with torch.no_grad():
         want = [QDiT("int8", 5).to(dev)(x) for x in xs]

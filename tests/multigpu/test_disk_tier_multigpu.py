@@ -19,12 +19,12 @@ from dlo.models import build_pipeline, make_inputs
 from dlo.pipelines.load import load_pipeline
 from tests.cpu.test_disk_tier import _skeleton, _steps
 from tests.cpu.test_loader import DTYPE, PRESET
-from tests.harness import assert_all_ok, run_ranks
+from tests.harness import assert_all_ok, gpu, run_ranks
 from tests.multigpu.test_dlo_nccl import NCCL_ENV
 
 
 def _disk_gathered(rank: int, world: int, ckpt_dir: str, engine: str) -> dict[str, Any]:
-    dev = torch.device("cuda", rank)
+    dev = gpu(rank)
     ids, latents = make_inputs(PRESET, seed=rank, dtype=DTYPE, device=dev)
     refs = _steps(build_pipeline(PRESET, dtype=DTYPE).to(dev), ids, latents)
     cfg = dlo.OffloadConfig(

@@ -11,13 +11,13 @@ import dlo
 from dlo.backends.hsdp import shard_non_block
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.platform.device import CudaPlatform
-from tests.harness import assert_all_ok, run_ranks
+from tests.harness import assert_all_ok, gpu, run_ranks
 from tests.multigpu.test_dlo_nccl import NCCL_ENV
 from tests.toys import ToyDiT, clone
 
 
 def _hsdp(rank: int, world: int, engine: str) -> dict[str, Any]:
-    dev = torch.device("cuda", rank)
+    dev = gpu(rank)
     par = dlo.ParallelConfig(data_parallel_size=world, hsdp_shard_size=world)
     cfg = dlo.OffloadConfig(
         mode="layer",

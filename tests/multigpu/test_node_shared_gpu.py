@@ -11,7 +11,7 @@ import torch
 
 from dlo.host.region import LEDGER
 from dlo.platform.env import shared_memory_dir
-from tests.harness import assert_all_ok, run_ranks
+from tests.harness import assert_all_ok, gpu, run_ranks
 from tests.multigpu.test_dlo_nccl import (
     NCCL_ENV,
     _backend,
@@ -25,7 +25,7 @@ DIM = 256
 
 
 def _node_shared(rank: int, world: int, delayed: bool) -> dict[str, Any]:
-    dev = torch.device("cuda", rank)
+    dev = gpu(rank)
     model = ToyDiT(7, dim=DIM)
     ref = _steps(clone(model).to(dev), rank, 4, DIM)
     before = {k: v.clone() for k, v in model.state_dict().items()}

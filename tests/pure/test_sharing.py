@@ -1,0 +1,48 @@
+"""Ranks sharing a GPU (the one-GPU multi-rank lane): which GPU a local rank takes, how many
+share it, and the clear errors (see [Note: ranks sharing a GPU] in dlo/platform/sharing.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlo.platform.env import share_gpu
+from dlo.platform.sharing import GpuShare, gpu_share
+
+
+def test_a_gpu_per_rank_shares_nothing() -> None:
+    assert gpu_share(1, 2, 2, share=False) == GpuShare(1, 1)
+    assert gpu_share(1, 2, 8, share=True) == GpuShare(1, 1)  # enough GPUs: the flag is moot
+    assert not gpu_share(0, 1, 1, share=True).shared
+
+
+@pytest.mark.parametrize(
+    ("local_rank", "world", "count", "want"),
+    [
+        (0, 2, 1, GpuShare(0, 2)),
+        (1, 2, 1, GpuShare(0, 2)),
+        (2, 3, 1, GpuShare(0, 3)),
+        (3, 4, 2, GpuShare(1, 2)),
+        (2, 3, 2, GpuShare(0, 2)),
+        (1, 3, 2, GpuShare(1, 1)),
+    ],
+)
+def test_shared_ranks_go_round_robin(
+    local_rank: int, world: int, count: int, want: GpuShare
+) -> None:
+    assert gpu_share(local_rank, world, count, share=True) == want
+
+
+def test_a_rank_beyond_the_gpus_without_the_flag_names_it() -> None:
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 but only 1 CUDA.*DLO_SHARE_GPU=1"):
+        gpu_share(1, 2, 1, share=False)
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        gpu_share(0, 2, 0, share=True)
+
+
+def test_the_flag_is_read_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, want in [("", False), ("0", False), ("1", True), ("true", True), ("No", False)]:
+        monkeypatch.setenv("DLO_SHARE_GPU", raw)
+        assert share_gpu() is want
+    monkeypatch.setenv("DLO_SHARE_GPU", "2")
+    with pytest.raises(ValueError, match="DLO_SHARE_GPU='2'"):
+        share_gpu()
