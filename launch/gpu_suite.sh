@@ -3,7 +3,7 @@
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
 # The `dlo run` rows that exercise a transfer pass --resident-layers 0 (on a GPU the defaults
 # keep a model that fits resident, and nothing would stream); run_1gpu_defaults runs those.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|lane|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|lane|lanetests|lanefail|lanerun|lanecp|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -89,34 +89,46 @@ for s in $steps; do
         [ "$ngpu" -ge 2 ] && step "cp_${kind}_resident" 400 torchrun --nproc-per-node="$ngpu" \
           -m dlo run $cp_args --context-parallel "$kind" --mode none
         [ "$ngpu" -ge 2 ] && step "cp_${kind}_dlo" 500 torchrun --nproc-per-node="$ngpu" \
-          -m dlo run $cp_args --context-parallel "$kind" --transfer allgather --check
+          -m dlo run $cp_args --context-parallel "$kind" --transfer allgather --check \
+          --resident-layers 0
       done ;;
-    lane)  # issue 38 on ONE GPU: every rank on GPU 0, gloo with CUDA tensors between them
+    lane*)  # issue 38 on ONE GPU: every rank on GPU 0, gloo with CUDA tensors between them
       # (DLO_SHARE_GPU=1; dlo/platform/sharing.py). Correctness only: the ranks share one GPU,
-      # so no timing here is a speed figure
+      # so no timing here is a speed figure. lanetests, lanefail, lanerun, lanecp: one device
+      # call each; "lane" runs all four
       lane=(env DLO_SHARE_GPU=1)
-      step lane_tests 560 "${lane[@]}" python3 -m pytest -v -p no:cacheprovider -rs \
-        --durations=0 tests/multigpu
-      run2=("${lane[@]}" torchrun --nproc-per-node=2 -m dlo run --preset "$preset" --steps 3 \
-        --tokens 4096 --check --resident-layers 0)
-      step lane_run_allgather 240 "${run2[@]}" --transfer allgather
-      step lane_run_node_shared 240 "${run2[@]}" --transfer node-shared
-      step lane_run_codec 300 "${run2[@]}" --transfer allgather --codec ans
-      step lane_run_compile 400 "${run2[@]}" --transfer allgather --compile
-      step lane_run_3ranks 300 "${lane[@]}" torchrun --nproc-per-node=3 -m dlo run \
-        --preset "$preset" --steps 3 --tokens 4096 --check --resident-layers 0 \
-        --transfer allgather
-      for like in tiny-wan2.1 tiny-flux; do  # context parallelism beside dlo's gathers
-        rm -rf "/tmp/lane_$like" && python3 -m dlo save-pipeline --like "$like" \
-          --dtype bfloat16 "/tmp/lane_$like" > /dev/null
-        [ "$like" = tiny-flux ] && call=(--height 32 --width 32 --guidance 3.5) \
-          || call=(--height 16 --width 16 --frames 5)
-        for kind in ulysses ring; do
-          step "lane_cp_${kind}_$like" 300 "${lane[@]}" torchrun --nproc-per-node=2 -m dlo run \
-            --pipeline "/tmp/lane_$like" "${call[@]}" --max-sequence-length 16 --steps 2 \
-            --context-parallel "$kind" --transfer allgather --check --json
-        done
-      done ;;
+      case $s in lane|lanetests)
+        step lane_tests 560 "${lane[@]}" python3 -m pytest -v -p no:cacheprovider -rs \
+          --durations=0 tests/multigpu -k "not one_rank_failing and not diverging" ;; esac
+      case $s in lane|lanefail)  # the failure cases wait out their collective timeouts
+        step lane_fail_tests 560 "${lane[@]}" python3 -m pytest -v -p no:cacheprovider -rs \
+          --durations=0 tests/multigpu -k "one_rank_failing or diverging" ;; esac
+      case $s in lane|lanerun)
+        run2=("${lane[@]}" torchrun --nproc-per-node=2 -m dlo run --preset "$preset" --steps 3 \
+          --tokens 4096 --check --resident-layers 0)
+        step lane_run_allgather 150 "${run2[@]}" --transfer allgather
+        step lane_run_node_shared 150 "${run2[@]}" --transfer node-shared
+        step lane_run_codec 200 "${run2[@]}" --transfer allgather --codec ans
+        step lane_run_compile 300 "${run2[@]}" --transfer allgather --compile
+        step lane_run_3ranks 200 "${lane[@]}" torchrun --nproc-per-node=3 -m dlo run \
+          --preset "$preset" --steps 3 --tokens 4096 --check --resident-layers 0 \
+          --transfer allgather ;; esac
+      case $s in lane|lanecp)  # context parallelism beside dlo's gathers (every block streams)
+        for like in tiny-wan2.1 tiny-flux; do
+          rm -rf "/tmp/lane_$like"
+          step "lane_save_$like" 120 python3 -m dlo save-pipeline --like "$like" \
+            --dtype bfloat16 "/tmp/lane_$like"
+          kinds="ulysses"  # ring attention's cuDNN kernel needs a head size that 8 divides:
+          [ "$like" = tiny-flux ] && kinds="ulysses ring"  # tiny-wan2.1's heads are 12 wide
+          [ "$like" = tiny-flux ] && call=(--height 32 --width 32 --guidance 3.5) \
+            || call=(--height 16 --width 16 --frames 5)
+          for kind in $kinds; do
+            step "lane_cp_${kind}_$like" 300 "${lane[@]}" torchrun --nproc-per-node=2 -m dlo \
+              run --pipeline "/tmp/lane_$like" "${call[@]}" --max-sequence-length 16 \
+              --steps 2 --context-parallel "$kind" --transfer allgather --resident-layers 0 \
+              --check --json
+          done
+        done ;; esac ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \
         tests/multigpu/test_dlo_nccl.py -k "copy and not one_rank_failing" ;;
     run)

@@ -33,7 +33,8 @@ def enable_context_parallel(dits: list[Any], kind: str, degree: int, device: tor
     Raises:
         ValueError: what :func:`check_context_parallel` refuses; a DiT has no
             ``enable_parallelism`` (not a diffusers model); Ulysses over a head count that
-            ``degree`` does not divide.
+            ``degree`` does not divide; ring attention on :data:`RING_BACKEND` over heads
+            whose width 8 does not divide (cuDNN refuses them).
     """
     check_context_parallel(kind, degree, device)
     from diffusers import ContextParallelConfig
@@ -53,6 +54,12 @@ def enable_context_parallel(dits: list[Any], kind: str, degree: int, device: tor
                 "ring attention)"
             )
         if kind == "ring" and _default_backend(dit):
+            width = getattr(getattr(dit, "config", None), "attention_head_dim", None)
+            if isinstance(width, int) and width % 8:
+                raise ValueError(
+                    f"--context-parallel=ring: {name}'s attention heads are {width} wide, and "
+                    f"the {RING_BACKEND} backend it runs on needs a width 8 divides (use ulysses)"
+                )
             dit.set_attention_backend(RING_BACKEND)
         config = ContextParallelConfig(**{f"{kind}_degree": degree})
         with _accelerator_count():

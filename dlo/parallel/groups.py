@@ -200,19 +200,19 @@ def init(
 
 def gpu_backend(device: Any) -> str:
     """The process-group backend of a job computing on CUDA ``device``: NCCL, or gloo where
-    local ranks share the GPU ([Note: ranks sharing a GPU] in :mod:`dlo.platform.sharing`)."""
+    the job's local ranks share GPUs ([Note: ranks sharing a GPU] in
+    :mod:`dlo.platform.sharing`; decided for the whole job, so every rank agrees)."""
     from dlo.platform.device import CudaPlatform
 
     platform = CudaPlatform(device)
-    if platform.sharers > 1:
+    if platform.dist_backend == "gloo":
         logger.warning(
-            "dlo: %d local ranks share %s (DLO_SHARE_GPU=1): collectives run on gloo through "
-            "host memory; a correctness lane, its timings are not speed figures",
+            "dlo: local ranks share GPUs (DLO_SHARE_GPU=1; %d on %s): collectives run on gloo "
+            "through host memory; a correctness lane, its timings are not speed figures",
             platform.sharers,
             platform.device,
         )
-        return "gloo"
-    return "nccl"
+    return platform.dist_backend
 
 
 def _destroy_at_exit(bound_s: float = 30.0) -> None:

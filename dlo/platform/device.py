@@ -31,7 +31,7 @@ import torch
 
 from dlo.platform import memory_cap
 from dlo.platform.env import host_available_bytes
-from dlo.platform.sharing import this_rank_share
+from dlo.platform.sharing import job_shares_gpus, this_rank_share
 
 logger = logging.getLogger(__name__)
 
@@ -330,7 +330,8 @@ class CudaPlatform(Platform):
 
     @property
     def dist_backend(self) -> str:
-        return "nccl"
+        """NCCL, or gloo where the job's ranks share GPUs (see :mod:`dlo.platform.sharing`)."""
+        return "gloo" if job_shares_gpus(torch.cuda.device_count()) else "nccl"
 
 
 def _cuda_error_code(err: Any) -> int:

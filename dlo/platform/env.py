@@ -95,7 +95,7 @@ def cpu_share() -> int:
 
 def share_gpu() -> bool:
     """Whether the job asked for several local ranks per GPU (``DLO_SHARE_GPU=1``): the
-    one-GPU multi-rank lane (see [Note: ranks sharing a GPU] in :mod:`dlo.platform.device`)."""
+    one-GPU multi-rank lane (see [Note: ranks sharing a GPU] in :mod:`dlo.platform.sharing`)."""
     raw = (os.environ.get("DLO_SHARE_GPU") or "").strip().lower()
     if raw in ("", "0", "false", "no"):
         return False

@@ -67,6 +67,13 @@ def gpu_share(
     return GpuShare(index, sharers)
 
 
+def job_shares_gpus(device_count: int) -> bool:
+    """Whether local ranks share GPUs in this job: ``DLO_SHARE_GPU=1`` and more local ranks
+    than visible GPUs. Decided for the whole job, never per GPU, so every rank picks the same
+    process-group backend (with 3 ranks on 2 GPUs, the rank alone on its GPU uses gloo too)."""
+    return share_gpu() and torchrun_env().local_world_size > device_count
+
+
 def this_rank_share(device_count: int, local_rank: int | None = None) -> GpuShare:
     """:func:`gpu_share` for this process, from torchrun's environment."""
     env = torchrun_env()

@@ -145,3 +145,16 @@ def test_ulysses_over_a_head_count_it_does_not_divide_is_named() -> None:
 
     with pytest.raises(ValueError, match="has 4 attention heads, which 3 does not divide"):
         enable_context_parallel([_wan(4)], "ulysses", 3, torch.device("cpu"))
+
+
+def test_ring_over_heads_cudnn_cannot_take_is_named() -> None:
+    """cuDNN's attention (ring's backend) needs a head width 8 divides: refused by name
+    before diffusers' hooks go on (the check runs before any device work)."""
+    from dlo.parallel.context import enable_context_parallel
+
+    dit = _wan(2)  # heads 12 wide
+    with pytest.raises(ValueError, match=r"heads are 12 wide.*use ulysses"):
+        enable_context_parallel([dit], "ring", 2, torch.device("cuda"))
+    from dlo.parallel.context import _default_backend
+
+    assert _default_backend(dit)  # its backend left as it was

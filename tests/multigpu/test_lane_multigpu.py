@@ -56,6 +56,7 @@ def _three(rank: int, world: int, transfer: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("transfer", ["allgather", "node-shared"])
 def test_three_ranks_are_bitwise(transfer: str) -> None:
     _need_ranks(3)
@@ -115,6 +116,7 @@ def _compiled(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+@pytest.mark.timeout(460)
 def test_compile_under_allgather_is_bitwise() -> None:
     res = assert_all_ok(run_ranks(_compiled, 2, backend="nccl", timeout_s=400, env=NCCL_ENV))
     for r in res:
