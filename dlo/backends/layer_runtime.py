@@ -73,7 +73,7 @@ def allocate_slots(
 
     pool: SlotPool | None = None
     if plan.gathers and gather_engine == "auto" and platform.has_streams:
-        if platform.sharers > 1 or not platform.peers_accessible():  # [Note: ranks sharing a GPU]
+        if platform.dist_backend == "gloo" or not platform.peers_accessible():  # shared GPUs
             logger.info(
                 "ranks share a GPU or lack peer access: gather_engine='auto' uses NCCL/gloo"
             )

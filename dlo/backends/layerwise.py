@@ -268,10 +268,11 @@ class LayerwiseBackend(OffloadBackend):
                 journal,
                 rank=world.rank,
             )
-            if gathers and cfg.gather_engine == "copy" and not self.platform.has_streams:
-                raise ValueError(
-                    f"gather_engine='copy' needs CUDA GPUs with peer access; this rank runs "
-                    f"on {self.platform.device} (use gather_engine='nccl')"
+            if gathers and cfg.gather_engine == "copy" and self.platform.dist_backend == "gloo":
+                shared = ", shared by ranks (DLO_SHARE_GPU=1)" if self.platform.has_streams else ""
+                raise ValueError(  # symmetric memory: [Note: ranks sharing a GPU]
+                    f"gather_engine='copy' needs a CUDA GPU per rank with peer access; this rank "
+                    f"runs on {self.platform.device}{shared} (use gather_engine='auto' or 'nccl')"
                 )
             layer = self.layer_plan = self._plan_layers(plan, tensors, cfg)
             blocks = [
@@ -353,8 +354,7 @@ class LayerwiseBackend(OffloadBackend):
     # ------------------------------------------------------------------ steps
     def _world_for(self, plan: ResolvedOffloadPlan) -> World:
         """The job's ranks. Under torchrun with no process group, a plan whose stacks exchange
-        (gather, node-shared, or "auto" on an axis of several ranks) initializes it from
-        torchrun's environment (gloo on CPU, NCCL on this rank's GPU); it stays after disable."""
+        (gather, node-shared, "auto" over ranks) calls :func:`dlo.parallel.groups.init`."""
         world = current_world()
         if world.distributed or not plan.exchanges or not torchrun_env().is_distributed:
             return world

@@ -13,9 +13,10 @@ same code as with one GPU per rank; only the bytes between ranks travel through 
 
 What cannot run there: NCCL itself (and so ``nccl_max_ctas``), and timing figures (the
 ranks share one GPU's SMs, copy engines and PCIe link: a step's time is not a speed
-result). ``gather_engine="auto"`` takes the process group's collective (gloo) on a shared
-GPU; the copy-engine gather (``"copy"``) still runs when asked for, its peers' slots then
-being on the same device. Each rank's device budget is its share of the GPU: free memory
+result), and the copy-engine gather: torch's symmetric memory refuses allocations of
+several ranks on one device ("detected allocations from overlapping devices", measured on an
+H100), so ``gather_engine="auto"`` takes the process group's collective (gloo) in such a
+job and ``"copy"`` is refused at enable, by name. Each rank's device budget is its share of the GPU: free memory
 divided by the ranks on that GPU.
 
 Without ``DLO_SHARE_GPU=1``, a local rank beyond the visible GPUs is an error naming the

@@ -15,7 +15,13 @@ import torch
 from dlo.host.region import LEDGER
 from tests.cpu.test_codec import Fp8DiT
 from tests.harness import assert_all_ok, gpu, run_ranks
-from tests.multigpu.test_dlo_nccl import NCCL_ENV, _backend, _steps, warm_then_steady
+from tests.multigpu.test_dlo_nccl import (
+    NCCL_ENV,
+    _backend,
+    _steps,
+    engine_ranks,
+    warm_then_steady,
+)
 from tests.toys import clone, snapshot
 
 
@@ -67,10 +73,8 @@ def _codec(rank: int, world: int, transfer: str, engine: str) -> dict[str, Any]:
     ("transfer", "engine"), [("allgather", "nccl"), ("allgather", "copy"), ("node-shared", "")]
 )
 def test_codec_across_two_gpus_is_bitwise(transfer: str, engine: str) -> None:
-    res = assert_all_ok(
-        run_ranks(_codec, 2, transfer, engine, backend="nccl", timeout_s=300, env=NCCL_ENV)
-    )
-    for rank, r in enumerate(res):
+    outs = engine_ranks(engine, _codec, 2, transfer, engine, timeout_s=300)
+    for rank, r in enumerate(assert_all_ok(outs) if outs is not None else []):
         assert r["same"] and r["restored"], rank
         assert r["transfer"] == transfer and r["decoded"] > 0, (rank, r)
         assert 0 < r["encoded"] < r["raw"], (rank, r)

@@ -19,8 +19,8 @@ from dlo.models import build_pipeline, make_inputs
 from dlo.pipelines.load import load_pipeline
 from tests.cpu.test_disk_tier import _skeleton, _steps
 from tests.cpu.test_loader import DTYPE, PRESET
-from tests.harness import assert_all_ok, gpu, run_ranks
-from tests.multigpu.test_dlo_nccl import NCCL_ENV
+from tests.harness import assert_all_ok, gpu
+from tests.multigpu.test_dlo_nccl import engine_ranks
 
 
 def _disk_gathered(rank: int, world: int, ckpt_dir: str, engine: str) -> dict[str, Any]:
@@ -67,12 +67,8 @@ def _disk_gathered(rank: int, world: int, ckpt_dir: str, engine: str) -> dict[st
 @pytest.mark.parametrize("engine", ["nccl", "copy"])
 def test_disk_tier_under_allgather_on_two_gpus_is_bitwise(tmp_path: Path, engine: str) -> None:
     save_checkpoint(build_pipeline(PRESET, dtype=DTYPE), tmp_path, max_shard_nbytes=12 << 20)
-    res = assert_all_ok(
-        run_ranks(
-            _disk_gathered, 2, str(tmp_path), engine, backend="nccl", timeout_s=300, env=NCCL_ENV
-        )
-    )
-    for rank, r in enumerate(res):
+    outs = engine_ranks(engine, _disk_gathered, 2, str(tmp_path), engine, timeout_s=300)
+    for rank, r in enumerate(assert_all_ok(outs) if outs is not None else []):
         st = r["stats"]
         assert r["same"] and r["restored"], (rank, r)
         assert st["group_size"] == 2 and st["num_disk_blocks"] > 0 and st["disk_read_nbytes"] > 0

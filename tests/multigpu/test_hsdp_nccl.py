@@ -11,8 +11,8 @@ import dlo
 from dlo.backends.hsdp import shard_non_block
 from dlo.backends.layerwise import LayerwiseBackend
 from dlo.platform.device import CudaPlatform
-from tests.harness import assert_all_ok, gpu, run_ranks
-from tests.multigpu.test_dlo_nccl import NCCL_ENV
+from tests.harness import assert_all_ok, gpu
+from tests.multigpu.test_dlo_nccl import engine_ranks
 from tests.toys import ToyDiT, clone
 
 
@@ -49,7 +49,7 @@ def _hsdp(rank: int, world: int, engine: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("engine", ["nccl", "copy"])
 def test_hsdp_1x2_dlo_parity_nccl(engine: str) -> None:
-    res = assert_all_ok(run_ranks(_hsdp, 2, engine, backend="nccl", timeout_s=240, env=NCCL_ENV))
-    for r in res:
+    outs = engine_ranks(engine, _hsdp, 2, engine, timeout_s=240)
+    for r in assert_all_ok(outs) if outs is not None else []:
         assert all(r["same"]) and r["group_size"] == 2 and r["pinned"] > 0
         assert r["engine"] == engine  # the copy engine on the shard axis's group
