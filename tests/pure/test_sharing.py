@@ -46,3 +46,28 @@ def test_the_flag_is_read_strictly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLO_SHARE_GPU", "2")
     with pytest.raises(ValueError, match="DLO_SHARE_GPU='2'"):
         share_gpu()
+
+
+def test_a_shared_job_plans_with_its_share_and_runs_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA platform of a rank in the lane (no GPU needed: nothing here touches one):
+    its device budget is its share of the GPU, and the whole job uses gloo."""
+    import torch
+
+    from dlo.platform.device import CudaPlatform
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("DLO_SHARE_GPU", "1")
+    mine = CudaPlatform(torch.device("cuda", 0))  # ranks 0 and 2 on GPU 0
+    assert mine.sharers == 2 and mine.dist_backend == "gloo"
+    assert CudaPlatform(torch.device("cuda", 1)).sharers == 1  # not this rank's GPU
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # alone on GPU 1, gloo all the same: one backend
+    alone = CudaPlatform(torch.device("cuda", 1))
+    assert alone.sharers == 1 and alone.dist_backend == "gloo"
+    monkeypatch.setenv("DLO_SHARE_GPU", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert CudaPlatform(torch.device("cuda", 1)).dist_backend == "nccl"
