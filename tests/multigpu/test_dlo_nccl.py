@@ -264,12 +264,17 @@ def _restore_cycles(rank: int, world: int, engine: str, cycles: int) -> dict[str
     ref = _steps(ref_model, rank, 2, 64)
     del ref_model
     before = snapshot(model)
-    # one gather first: what the collective library allocates once on the device (gloo's
-    # CUDA path in the one-GPU lane measured 64 KiB kept) is part of the baseline
-    import torch.distributed as dist
+    # one gather first, on the weight group the backend will use (dlo caches it): what the
+    # collective library allocates once per communicator on the device (the one-GPU lane's
+    # gloo kept 64 KiB after every cycle, never more) is part of the baseline
+    from dlo.parallel.groups import weight_group
+    from dlo.runtime.collectives import all_gather_into
 
+    group, _ = weight_group(
+        dlo.ParallelConfig(data_parallel_size=world), "data", rank=rank, timeout_s=30.0
+    )
     warm = torch.zeros(2 * world, device=dev)
-    dist.all_gather_into_tensor(warm, torch.ones(2, device=dev))
+    all_gather_into(warm, torch.ones(2, device=dev), group)
     del warm
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated(dev)
