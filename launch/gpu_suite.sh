@@ -96,7 +96,7 @@ for s in $steps; do
       # (DLO_SHARE_GPU=1; dlo/platform/sharing.py). Correctness only: the ranks share one GPU,
       # so no timing here is a speed figure. lanetests, lanefail, lanerun, lanecp: one device
       # call each; "lane" runs all four
-      lane=(env DLO_SHARE_GPU=1)
+      lane=(env DLO_SHARE_GPU=1 CUDA_VISIBLE_DEVICES=0 PYTHONFAULTHANDLER=1)
       case $s in lane|lanetests)
         step lane_tests 560 "${lane[@]}" python3 -m pytest -v -p no:cacheprovider -rs \
           --durations=0 tests/multigpu -k "not one_rank_failing and not diverging" ;; esac
@@ -122,11 +122,12 @@ for s in $steps; do
           [ "$like" = tiny-flux ] && kinds="ulysses ring"  # tiny-wan2.1's heads are 12 wide
           [ "$like" = tiny-flux ] && call=(--height 32 --width 32 --guidance 3.5) \
             || call=(--height 16 --width 16 --frames 5)
-          for kind in $kinds; do
-            step "lane_cp_${kind}_$like" 300 "${lane[@]}" torchrun --nproc-per-node=2 -m dlo \
-              run --pipeline "/tmp/lane_$like" "${call[@]}" --max-sequence-length 16 \
-              --steps 2 --context-parallel "$kind" --transfer allgather --resident-layers 0 \
-              --check --json
+          for kind in $kinds; do  # resident context parallelism first, then under dlo
+            cp=("${lane[@]}" torchrun --nproc-per-node=2 -m dlo run --pipeline "/tmp/lane_$like" \
+              "${call[@]}" --max-sequence-length 16 --steps 2 --context-parallel "$kind" --json)
+            step "lane_cp_${kind}_${like}_resident" 120 "${cp[@]}" --mode none
+            step "lane_cp_${kind}_$like" 300 "${cp[@]}" --transfer allgather --resident-layers 0 \
+              --check
           done
         done ;; esac ;;
     cetests) [ "$ngpu" -ge 2 ] && step ce_tests 200 python3 -m pytest -q -p no:cacheprovider -rs \

@@ -39,31 +39,38 @@ def enable_context_parallel(dits: list[Any], kind: str, degree: int, device: tor
     check_context_parallel(kind, degree, device)
     from diffusers import ContextParallelConfig
 
+    for dit in dits:  # every DiT checked before any is changed
+        _check_dit(dit, kind, degree)
     for dit in dits:
-        name = type(dit).__name__
-        if not callable(getattr(dit, "enable_parallelism", None)):
-            raise ValueError(
-                f"--context-parallel: {name} has no enable_parallelism (a diffusers model with "
-                "a context-parallel plan is needed)"
-            )
-        heads = getattr(getattr(dit, "config", None), "num_attention_heads", None)
-        if kind == "ulysses" and isinstance(heads, int) and heads % degree:
-            raise ValueError(
-                f"--context-parallel=ulysses over {degree} ranks: {name} has {heads} attention "
-                f"heads, which {degree} does not divide (use a rank count that divides it, or "
-                "ring attention)"
-            )
         if kind == "ring" and _default_backend(dit):
-            width = getattr(getattr(dit, "config", None), "attention_head_dim", None)
-            if isinstance(width, int) and width % 8:
-                raise ValueError(
-                    f"--context-parallel=ring: {name}'s attention heads are {width} wide, and "
-                    f"the {RING_BACKEND} backend it runs on needs a width 8 divides (use ulysses)"
-                )
             dit.set_attention_backend(RING_BACKEND)
         config = ContextParallelConfig(**{f"{kind}_degree": degree})
         with _accelerator_count():
             dit.enable_parallelism(config=config)
+
+
+def _check_dit(dit: Any, kind: str, degree: int) -> None:
+    """What :func:`enable_context_parallel` refuses of one DiT."""
+    name = type(dit).__name__
+    if not callable(getattr(dit, "enable_parallelism", None)):
+        raise ValueError(
+            f"--context-parallel: {name} has no enable_parallelism (a diffusers model with "
+            "a context-parallel plan is needed)"
+        )
+    config = getattr(dit, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if kind == "ulysses" and isinstance(heads, int) and heads % degree:
+        raise ValueError(
+            f"--context-parallel=ulysses over {degree} ranks: {name} has {heads} attention "
+            f"heads, which {degree} does not divide (use a rank count that divides it, or "
+            "ring attention)"
+        )
+    width = getattr(config, "attention_head_dim", None)
+    if kind == "ring" and _default_backend(dit) and isinstance(width, int) and width % 8:
+        raise ValueError(
+            f"--context-parallel=ring: {name}'s attention heads are {width} wide, and the "
+            f"{RING_BACKEND} backend it runs on needs a width 8 divides (use ulysses)"
+        )
 
 
 def check_context_parallel(kind: str, degree: int, device: torch.device) -> None:

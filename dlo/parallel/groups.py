@@ -153,7 +153,8 @@ def init(
     puts several local ranks on one GPU), gloo on CPU; nothing (a world of one) when
     ``WORLD_SIZE`` is 1 or unset. ``par`` (default: data parallel over the world)
     is checked against the world size. ``device`` (default: this rank's GPU, else the CPU)
-    decides the backend: NCCL for CUDA, gloo for the CPU.
+    decides the backend: NCCL for CUDA (gloo where the job's ranks share GPUs), gloo for
+    the CPU.
 
     [Note: the group dlo creates]
     A process group dlo initialized is dlo's to tear down: an ``atexit`` handler destroys
@@ -199,9 +200,13 @@ def init(
 
 
 def gpu_backend(device: Any) -> str:
-    """The process-group backend of a job computing on CUDA ``device``: NCCL, or gloo where
-    the job's local ranks share GPUs ([Note: ranks sharing a GPU] in
-    :mod:`dlo.platform.sharing`; decided for the whole job, so every rank agrees)."""
+    """The process-group backend of a job computing on CUDA ``device``.
+
+    Returns:
+        ``"nccl"``, or ``"gloo"`` where the job's local ranks share GPUs ([Note: ranks
+        sharing a GPU] in :mod:`dlo.platform.sharing`; decided for the whole job, so every
+        rank agrees).
+    """
     from dlo.platform.device import CudaPlatform
 
     platform = CudaPlatform(device)
@@ -209,7 +214,7 @@ def gpu_backend(device: Any) -> str:
         logger.warning(
             "dlo: local ranks share GPUs (DLO_SHARE_GPU=1; %d on %s): collectives run on gloo "
             "through host memory; a correctness lane, its timings are not speed figures",
-            platform.sharers,
+            platform.num_gpu_sharers,
             platform.device,
         )
     return platform.dist_backend

@@ -88,7 +88,7 @@ class Platform:
     device: torch.device
     can_pin: bool = False
     has_streams: bool = False
-    sharers: int = 1
+    num_gpu_sharers: int = 1
     """Local ranks computing on this device (see :mod:`dlo.platform.sharing`)."""
 
     # streams and events
@@ -226,7 +226,7 @@ class CudaPlatform(Platform):
             raise ValueError(f"device={device} is not a CUDA device")
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
-        self.sharers = _sharers(index)
+        self.num_gpu_sharers = _gpu_sharers(index)
         """Local ranks computing on this GPU ([Note: ranks sharing a GPU]): each plans with
         its share of the free memory."""
 
@@ -308,7 +308,7 @@ class CudaPlatform(Platform):
 
     def free_memory(self) -> int | None:
         free, _total = torch.cuda.mem_get_info(self.device)
-        return int(free) // self.sharers
+        return int(free) // self.num_gpu_sharers
 
     def held_memory(self) -> int | None:
         return int(torch.cuda.memory_allocated(self.device))
@@ -324,7 +324,8 @@ class CudaPlatform(Platform):
             allocated=int(stats.get("allocated_bytes.all.current", 0)),
             peak=int(stats.get("allocated_bytes.all.peak", 0)),
             limit=min(
-                int(memory_cap.fraction(self.device) * total), reserved + int(free) // self.sharers
+                int(memory_cap.fraction(self.device) * total),
+                reserved + int(free) // self.num_gpu_sharers,
             ),
         )
 
@@ -393,14 +394,14 @@ def default_device(local_rank: int | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _sharers(index: int) -> int:
+def _gpu_sharers(index: int) -> int:
     """Local ranks on GPU ``index``: this job's count where this rank computes there, else 1
     (a device addressed explicitly, outside torchrun's mapping)."""
     try:
         share = this_rank_share(torch.cuda.device_count())
     except ValueError:
         return 1
-    return share.sharers if share.index == index else 1
+    return share.num_sharers if share.index == index else 1
 
 
 def warm_up(device: torch.device | str | None = None) -> Callable[[], None]:

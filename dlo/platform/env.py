@@ -101,7 +101,9 @@ def share_gpu() -> bool:
         return False
     if raw in ("1", "true", "yes"):
         return True
-    raise ValueError(f"environment variable DLO_SHARE_GPU={raw!r} must be 0 or 1")
+    raise ValueError(
+        f"environment variable DLO_SHARE_GPU={raw!r} must be 0 or 1 (or true/false, yes/no)"
+    )
 
 
 def host_name() -> str:

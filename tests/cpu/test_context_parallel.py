@@ -152,9 +152,9 @@ def test_ring_over_heads_cudnn_cannot_take_is_named() -> None:
     before diffusers' hooks go on (the check runs before any device work)."""
     from dlo.parallel.context import enable_context_parallel
 
-    dit = _wan(2)  # heads 12 wide
+    first, dit = _flux(), _wan(2)  # heads 16 wide (fine), then 12 wide
     with pytest.raises(ValueError, match=r"heads are 12 wide.*use ulysses"):
-        enable_context_parallel([dit], "ring", 2, torch.device("cuda"))
+        enable_context_parallel([first, dit], "ring", 2, torch.device("cuda"))
     from dlo.parallel.context import _default_backend
 
-    assert _default_backend(dit)  # its backend left as it was
+    assert _default_backend(first) and _default_backend(dit)  # neither changed

@@ -110,6 +110,7 @@ def _compiled(rank: int, world: int) -> dict[str, Any]:
         b.disable()
     return {
         "same": all(torch.equal(x, y) for x, y in zip(ref + ref_again, got + again)),
+        "graphs": graphs,
         "recompiled": recompiled,
         "gathered": st["allgather_nbytes"],
         "h2d": st["h2d_nbytes"],
@@ -120,7 +121,7 @@ def _compiled(rank: int, world: int) -> dict[str, Any]:
 def test_compile_under_allgather_is_bitwise() -> None:
     res = assert_all_ok(run_ranks(_compiled, 2, backend="nccl", timeout_s=400, env=NCCL_ENV))
     for r in res:
-        assert r["same"] and r["recompiled"] == 0, r
+        assert r["same"] and r["graphs"] > 0 and r["recompiled"] == 0, r
         assert r["h2d"] * 2 == r["gathered"] > 0, r
 
 
@@ -145,15 +146,15 @@ def _killed(rank: int, world: int, transfer: str, where: str) -> str:
 
 
 def _gpu_used_mib() -> int:
-    """Device memory in use on GPU 0, from the driver (this process holds no context)."""
+    """Device memory in use on every GPU, from the driver (this process holds no context)."""
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     ).stdout
-    return int(out.split()[0])
+    return sum(int(x) for x in out.split())
 
 
 def _alive(pid: int) -> bool:

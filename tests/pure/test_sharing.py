@@ -32,9 +32,10 @@ def test_shared_ranks_go_round_robin(
     assert gpu_share(local_rank, world, count, share=True) == want
 
 
-def test_a_rank_beyond_the_gpus_without_the_flag_names_it() -> None:
-    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 but only 1 CUDA.*DLO_SHARE_GPU=1"):
-        gpu_share(1, 2, 1, share=False)
+def test_more_ranks_than_gpus_without_the_flag_is_named_on_every_rank() -> None:
+    for rank in (0, 1):  # rank 0 too: none goes on to a rendezvous the others never reach
+        with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=2 .* only 1 CUDA.*DLO_SHARE_GPU=1"):
+            gpu_share(rank, 2, 1, share=False)
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         gpu_share(0, 2, 0, share=True)
 
@@ -62,12 +63,32 @@ def test_a_shared_job_plans_with_its_share_and_runs_gloo(monkeypatch: pytest.Mon
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setenv("DLO_SHARE_GPU", "1")
     mine = CudaPlatform(torch.device("cuda", 0))  # ranks 0 and 2 on GPU 0
-    assert mine.sharers == 2 and mine.dist_backend == "gloo"
-    assert CudaPlatform(torch.device("cuda", 1)).sharers == 1  # not this rank's GPU
+    assert mine.num_gpu_sharers == 2 and mine.dist_backend == "gloo"
+    assert CudaPlatform(torch.device("cuda", 1)).num_gpu_sharers == 1  # not this rank's GPU
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")  # alone on GPU 1, gloo all the same: one backend
     alone = CudaPlatform(torch.device("cuda", 1))
-    assert alone.sharers == 1 and alone.dist_backend == "gloo"
+    assert alone.num_gpu_sharers == 1 and alone.dist_backend == "gloo"
     monkeypatch.setenv("DLO_SHARE_GPU", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert CudaPlatform(torch.device("cuda", 1)).dist_backend == "nccl"
+
+
+def test_the_flag_in_a_job_without_local_world_size_is_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from dlo.platform.sharing import job_shares_gpus
+
+    monkeypatch.setenv("DLO_SHARE_GPU", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(
+        ValueError, match="DLO_SHARE_GPU=1 with WORLD_SIZE=2 needs LOCAL_WORLD_SIZE"
+    ):
+        job_shares_gpus(1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert job_shares_gpus(1) and not job_shares_gpus(2)
+    monkeypatch.setenv("DLO_SHARE_GPU", "0")
+    assert not job_shares_gpus(1)
