@@ -5,10 +5,11 @@ targets): ``python -m dlo.bench.pipeline_caches DIR --budget 24 --size 480x832x1
 In one process, in this order:
 
 1. ``resident``, no cache: the DiT's steps with nothing skipped;
-2. ``resident`` with diffusers' FirstBlockCache at each ``--thresholds`` value, every block's
-   calls and runs counted: the smallest threshold whose calls skip at least ``--min-skip`` of
-   the block calls is the one every later row uses, and its outputs are the reference the
-   later rows are compared with bit for bit (the largest threshold where none reaches it);
+2. ``resident`` with diffusers' FirstBlockCache at the ``--thresholds`` values in increasing
+   order, every block's calls and runs counted, until one skips at least ``--min-skip`` of the
+   block calls (the largest doubled up to :data:`EXTEND` times where none does): that one
+   is the threshold every later row uses, and its outputs are the reference the later rows
+   are compared with bit for bit (the largest tried where none reaches it);
 3. ``diffusers-group``: the folder under ``enable_group_offload`` (block level, streams), the
    same cache added after it, under the device cap of ``--budget``;
 4. ``dlo``: ``OffloadConfig(device_budget_gb=B)`` with the same cache enabled on the DiT
@@ -27,7 +28,9 @@ here.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -95,6 +98,29 @@ def thresholds(text: str) -> list[float]:
     if not values or any(v <= 0 for v in values):
         raise ValueError(f"--thresholds={text!r}: expected positive numbers separated by commas")
     return values
+
+
+EXTEND = 3
+"""Doublings of the largest threshold tried where none skips ``--min-skip`` (random weights
+skip little: issue 36's first GPU rows skipped nothing up to 0.4)."""
+
+
+def sweep(
+    values: list[float], min_skip: float, measure: Callable[[float], float], extend: int = EXTEND
+) -> dict[float, float]:
+    """``measure(t)`` (the share of block calls skipped at threshold ``t``) for ``values`` in
+    increasing order until one skips at least ``min_skip`` (no larger one is run: each is a
+    whole pipeline call); where none does, the largest doubled up to ``extend`` times."""
+    skip: dict[float, float] = {}
+    todo = sorted(values)
+    while todo:
+        t = todo.pop(0)
+        skip[t] = measure(t)
+        if skip[t] >= min_skip:
+            break
+        if not todo and extend > 0:
+            todo, extend = [t * 2], extend - 1
+    return skip
 
 
 def cache_blocks(pipe: Any) -> list[torch.nn.Module]:
@@ -186,20 +212,11 @@ def resident_rows(b: Bench, args: argparse.Namespace) -> tuple[list[dict[str, An
     """The resident rows (no cache, then each threshold), and the threshold chosen."""
     ref = resident_reference(args.pipeline, b.dtype, b.device)
     rows = [{**r, "threshold": None} for r in b.rows_of("resident", None, ref, dict)]
-    skip: dict[float, float] = {}
     runs = BlockRuns(ref)
     try:
-        for t in thresholds(args.thresholds):
-            runs.calls = runs.runs = 0
-            enable_cache(ref, t)
-            try:
-                new = b.rows_of("resident-sweep", None, ref, runs.stats, _RUN_COUNTS)
-            finally:
-                disable_cache(ref)
-            for r in new:  # compared with the uncached reference: meaningless here
-                r.pop("bitwise_vs_resident", None), r.pop("output_bitwise_vs_resident", None)
-            rows += [{**r, "threshold": t} for r in per_call(new, _RUN_COUNTS)]
-            skip[t] = 1 - runs.runs / runs.calls if runs.calls else 0.0
+        measure = functools.partial(_skipped_at, b, ref, runs, rows)
+        skip = sweep(thresholds(args.thresholds), args.min_skip, measure)
+        del measure  # it holds the pipeline, which goes below
     finally:
         runs.remove()
     met = [t for t, s in skip.items() if s >= args.min_skip]
@@ -213,6 +230,23 @@ def resident_rows(b: Bench, args: argparse.Namespace) -> tuple[list[dict[str, An
         _clean(b.platform)
     rows += [{**r, "threshold": chosen, "min_skip_met": bool(met)} for r in new]
     return rows, chosen
+
+
+def _skipped_at(
+    b: Bench, pipe: Any, runs: BlockRuns, rows: list[dict[str, Any]], t: float
+) -> float:
+    """One ``resident-sweep`` row per call at threshold ``t`` (appended to ``rows``); the
+    share of block calls the cache skipped."""
+    runs.calls = runs.runs = 0
+    enable_cache(pipe, t)
+    try:
+        new = b.rows_of("resident-sweep", None, pipe, runs.stats, _RUN_COUNTS)
+    finally:
+        disable_cache(pipe)
+    for r in new:  # compared with the uncached reference: meaningless here
+        r.pop("bitwise_vs_resident", None), r.pop("output_bitwise_vs_resident", None)
+    rows += [{**r, "threshold": t} for r in per_call(new, _RUN_COUNTS)]
+    return 1 - runs.runs / runs.calls if runs.calls else 0.0
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

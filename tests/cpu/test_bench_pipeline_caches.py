@@ -26,14 +26,15 @@ def test_cached_rows_bitwise_and_skipped_blocks_not_loaded(folder: Path, tmp_pat
     rows = report["results"]
     assert not [r for r in rows if "failed" in r]
     sweep = {r["threshold"]: r for r in rows if r["method"] == "resident-sweep"}
-    assert sorted(sweep) == [0.05, 0.2, 2.0]  # sorted, each tried
+    chosen = report["threshold"]
+    # in increasing order up to the one chosen: no larger threshold is run
+    assert sorted(sweep) == [t for t in (0.05, 0.2, 2.0) if t <= chosen]
 
     def skipped(t: float) -> float:
         ran = [r for r in rows if r["method"] == "resident-sweep" and r["threshold"] == t]
         return 1 - sum(r["block_runs"] for r in ran) / sum(r["block_calls"] for r in ran)
 
     # the smallest threshold that skips at least half the block calls
-    chosen = report["threshold"]
     assert skipped(chosen) >= 0.5
     assert all(skipped(t) < 0.5 for t in sweep if t < chosen)
     by = {(r["method"], r["size"]): r for r in rows if r["threshold"] == chosen}
@@ -75,3 +76,20 @@ def test_bad_input_named_before_any_work(folder: Path, flag: str, value: str, na
     argv = [str(folder), "--budget", "1", "--size", "32x32", flag, value]
     with pytest.raises(ValueError, match=named):
         pc.run(pc.parse(argv))
+
+
+def test_the_sweep_stops_at_the_first_threshold_that_skips_enough_and_extends_the_largest() -> None:
+    skips = {0.05: 0.0, 0.1: 0.2, 0.2: 0.5, 0.4: 0.9}
+    ran: list[float] = []
+
+    def measure(t: float) -> float:
+        ran.append(t)
+        return skips.get(t, 0.0)
+
+    assert pc.sweep([0.4, 0.05, 0.2, 0.1], 0.5, measure) == {0.05: 0.0, 0.1: 0.2, 0.2: 0.5}
+    assert ran == [0.05, 0.1, 0.2]  # 0.4 never run
+    ran.clear()
+    skips = {0.8: 0.1, 1.6: 0.45}
+    assert list(pc.sweep([0.4], 0.45, measure)) == [0.4, 0.8, 1.6]  # the largest doubled
+    ran.clear()
+    assert list(pc.sweep([0.4], 0.99, measure, extend=2)) == [0.4, 0.8, 1.6]  # at most twice
