@@ -67,18 +67,19 @@ def gpu_share(
     """
     if device_count < 1:
         raise ValueError(f"LOCAL_RANK={local_rank} but no CUDA device is visible")
-    if local_world_size <= device_count:
+    if local_rank < device_count and local_world_size <= device_count:
         return GpuShare(local_rank, 1)
     if not share:
         raise ValueError(
-            f"LOCAL_WORLD_SIZE={local_world_size} ranks on a node but only {device_count} CUDA "
-            "device(s) visible: set DLO_SHARE_GPU=1 to run several ranks per GPU (a "
+            f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE={local_world_size} ranks on a node, but "
+            f"only {device_count} CUDA device(s) visible: set DLO_SHARE_GPU=1 to run several "
+            "ranks per GPU (a "
             "correctness lane whose collectives run on gloo), or, where each rank sees only "
             "its own GPU through CUDA_VISIBLE_DEVICES, let every rank see the node's GPUs "
             "(dlo picks GPU LOCAL_RANK)"
         )
     index = local_rank % device_count
-    return GpuShare(index, len(range(index, local_world_size, device_count)))
+    return GpuShare(index, len(range(index, max(local_world_size, local_rank + 1), device_count)))
 
 
 def job_shares_gpus(device_count: int) -> bool:

@@ -36,6 +36,8 @@ def test_more_ranks_than_gpus_without_the_flag_is_named_on_every_rank() -> None:
     for rank in (0, 1):  # rank 0 too: none goes on to a rendezvous the others never reach
         with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE=2 .* only 1 CUDA.*DLO_SHARE_GPU=1"):
             gpu_share(rank, 2, 1, share=False)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 of LOCAL_WORLD_SIZE=1 .* only 1 CUDA"):
+        gpu_share(1, 1, 1, share=False)  # a rank beyond the GPUs, whatever the world says
     with pytest.raises(ValueError, match="no CUDA device is visible"):
         gpu_share(0, 2, 0, share=True)
 
