@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from dlo.bench.flags import int_list
-from dlo.bench.methods import _build_dit, _clean, _fwd, _inputs, _peak, time_forward
+from dlo.bench.methods import _build_dit, _clean, _peak, time_row
 from dlo.config.offload import OffloadConfig
 from dlo.io.direct import read_bandwidth
 from dlo.io.writer import save_checkpoint
@@ -63,15 +63,9 @@ def bench_disk(
         assert backend is not None
         try:
             for tokens in tokens_list:
-                inp = _inputs(preset, tokens, platform.device, dtype)
                 st0 = backend.stats()
-                platform.reset_peak_memory_stats()
-                t = time_forward(
-                    _fwd(dit, inp),
-                    platform,
-                    warmup=args.warmup,
-                    reps=args.reps,
-                    desc=f"dlo-disk tokens={tokens}",
+                t = time_row(
+                    dit, preset, tokens, platform, dtype, args, f"dlo-disk tokens={tokens}"
                 )
                 st = backend.stats()
                 fwds = t["forwards"]

@@ -117,6 +117,23 @@ def _profile(fn: Callable[[], Any], platform: Platform, folder: str | None, name
         fh.write(prof.key_averages().table(sort_by=sort, row_limit=30))
 
 
+def time_row(
+    dit: nn.Module,
+    preset: str,
+    tokens: int,
+    platform: Platform,
+    dtype: torch.dtype,
+    args: Any,
+    desc: str,
+) -> dict[str, float]:
+    """:func:`time_forward` of ``dit`` on the preset's inputs at ``tokens`` (``args.warmup``
+    and ``args.reps`` forwards), the device's peak reset first: every row its own forwards'
+    peak. The inputs are freed on return."""
+    inp = _inputs(preset, tokens, platform.device, dtype)
+    platform.reset_peak_memory_stats()
+    return time_forward(_fwd(dit, inp), platform, warmup=args.warmup, reps=args.reps, desc=desc)
+
+
 def _fwd(model: nn.Module, inp: tuple[Any, ...]) -> Callable[[], Any]:
     def fn() -> Any:
         with torch.no_grad():

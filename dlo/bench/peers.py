@@ -15,14 +15,7 @@ import torch
 from torch import nn
 
 from dlo.backends.factory import get_offload_backend
-from dlo.bench.methods import (
-    _build_dit,
-    _clean,
-    _fwd,
-    _inputs,
-    _peak,
-    time_forward,
-)
+from dlo.bench.methods import _build_dit, _clean, _peak, time_row
 from dlo.commands.args import compile_blocks
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
@@ -57,22 +50,13 @@ def _bench_diffusers_group(
     enable_s = time.perf_counter() - t0
     compile_blocks(dit, args.compile)  # after the hooks, as diffusers documents
     for tokens in tokens_list:
-        inp = _inputs(preset, tokens, platform.device, dtype)
-        platform.reset_peak_memory_stats()
-        t = time_forward(
-            _fwd(dit, inp),
-            platform,
-            warmup=args.warmup,
-            reps=args.reps,
-            desc=f"diffusers-group tokens={tokens}",
-        )
+        t = time_row(dit, preset, tokens, platform, dtype, args, f"diffusers-group tokens={tokens}")
         record(
             "diffusers-group",
             tokens,
             t,
             {"peak_device_nbytes": _peak(platform), "enable_s": enable_s},
         )
-        del inp
     del dit
     _clean(platform)
 

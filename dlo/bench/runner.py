@@ -60,6 +60,7 @@ from dlo.bench.methods import (
     codec_list,
     manual_codecs,
     time_forward,
+    time_row,
 )
 from dlo.bench.peers import _bench_diffusers_group, _bench_swap, _fsdp2
 from dlo.bench.report import _ratios, markdown, plot, write_json
@@ -197,14 +198,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if "resident" in methods:
         dit = compile_blocks(_build_dit(preset.name, platform.device, dtype), args.compile)
         for tokens in tokens_list:
-            inp = _inputs(preset.name, tokens, platform.device, dtype)
-            fwd = _fwd(dit, inp)
-            platform.reset_peak_memory_stats()  # every row: its own forwards' peak
-            t = time_forward(
-                fwd, platform, warmup=args.warmup, reps=args.reps, desc=f"resident tokens={tokens}"
-            )
+            desc = f"resident tokens={tokens}"
+            t = time_row(dit, preset.name, tokens, platform, dtype, args, desc)
             record("resident", tokens, t, {"peak_device_nbytes": _peak(platform)})
-            del fwd, inp
         del dit  # nothing may keep the resident model alive into the next method's peak
         _clean(platform)
 
@@ -361,15 +357,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         _fsdp2(dit, world.size, platform)
         compile_blocks(dit, args.compile)
         for tokens in tokens_list:
-            inp = _inputs(preset.name, tokens, platform.device, dtype)
-            platform.reset_peak_memory_stats()
-            t = time_forward(
-                _fwd(dit, inp),
-                platform,
-                warmup=args.warmup,
-                reps=args.reps,
-                desc=f"fsdp2-offload tokens={tokens}",
-            )
+            desc = f"fsdp2-offload tokens={tokens}"
+            t = time_row(dit, preset.name, tokens, platform, dtype, args, desc)
             record("fsdp2-offload", tokens, t, {"peak_device_nbytes": _peak(platform)})
         del dit
         _clean(platform)
