@@ -158,9 +158,9 @@ def shares_gpu(world: int) -> bool:
     multi-rank lane: ``DLO_SHARE_GPU=1`` and fewer GPUs than ranks)."""
     import torch
 
-    from dlo.platform.env import share_gpu
+    from dlo.platform.sharing import ranks_share_gpus
 
-    return share_gpu() and world > torch.cuda.device_count()
+    return ranks_share_gpus(world, torch.cuda.device_count())
 
 
 def run_ranks(

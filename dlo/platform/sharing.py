@@ -101,7 +101,13 @@ def job_shares_gpus(device_count: int) -> bool:
             f"DLO_SHARE_GPU=1 with WORLD_SIZE={env.world_size} needs LOCAL_WORLD_SIZE (torchrun "
             "sets it): the ranks of a node that share its GPUs"
         )
-    return env.local_world_size > device_count
+    return ranks_share_gpus(env.local_world_size, device_count)
+
+
+def ranks_share_gpus(local_world_size: int, device_count: int) -> bool:
+    """Whether ``local_world_size`` ranks of a node share its ``device_count`` GPUs:
+    ``DLO_SHARE_GPU=1`` and more ranks than GPUs."""
+    return share_gpu() and local_world_size > device_count
 
 
 def this_rank_share(device_count: int, local_rank: int | None = None) -> GpuShare:
