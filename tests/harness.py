@@ -120,6 +120,12 @@ def _child(
             out.put((rank, "err", type(e).__name__, f"result not picklable: {e}", None))
     out.close()
     out.join_thread()  # the result reaches the parent before this process may exit
+    if not ok and rank == 0:  # as the interpreter's exit would: rank 0, the store's host,
+        # keeps it up until every rank has read the last exchange (a peer still reading the
+        # enable agreement would find the store gone: seen in the one-GPU lane)
+        from dlo.parallel.store import await_readers
+
+        await_readers()
     if ok and _all_arrive(world):
         with contextlib.suppress(Exception):
             dist.destroy_process_group()

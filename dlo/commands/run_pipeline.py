@@ -4,7 +4,7 @@
 Data-parallel ranks (``torchrun``) run the same shapes in lock step with their own request:
 rank r takes prompt ``r mod len(--prompt)`` and seed ``--seed + r``, and writes
 ``--output`` with ``.rankR`` before the suffix, or after a directory's name (rank 0 the path
-itself). With ``--context-parallel ulysses|ring`` (:mod:`dlo.parallel.context`) the ranks
+itself). With ``--context-parallel ulysses|ring`` (:mod:`dlo.pipelines.context_parallel`) the ranks
 instead run one request together (the first prompt, ``--seed``), every DiT split along the
 sequence over all of them, and rank 0 alone writes it. ``--output`` is a directory (a PNG per
 frame) when it is one already, whatever its name, ends in ``/`` or has no suffix; a ``.png``
@@ -161,8 +161,8 @@ def save_output(images: torch.Tensor, path: Path, kind: str) -> list[Path]:
 def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
     """``dlo run --pipeline``: see the module docstring."""
     entered = time.time()
-    from dlo.parallel.context import check_context_parallel, enable_context_parallel
     from dlo.parallel.groups import init, shutdown
+    from dlo.pipelines.context_parallel import check_context_parallel, enable_context_parallel
     from dlo.pipelines.folder import read_index
     from dlo.pipelines.load import load_pipeline
     from dlo.platform.device import default_device, get_platform

@@ -320,7 +320,7 @@ def _share(
     global _await_registered
     if rank == 0 and not _await_registered and not _agent_store():
         _await_registered = True  # once, even after forget_reads() emptied _LAST_READ
-        atexit.register(_await_readers)  # after dlo's group destroy handler: runs before it
+        atexit.register(await_readers)  # after dlo's group destroy handler: runs before it
     _LAST_READ[topic] = (id(store), prefix, world_size)
     return records
 
@@ -339,7 +339,7 @@ def _agent_store() -> bool:
         return False
 
 
-def _await_readers(bound_s: float | None = None) -> None:
+def await_readers(bound_s: float | None = None) -> None:
     """Rank 0 at exit: wait until every rank has read the last exchange of each topic on
     the current store, on a daemon thread joined for at most ``bound_s`` (default
     :data:`DRAIN_BOUND_S`); see [Note: the store outlives the last read]. A store already

@@ -129,7 +129,7 @@ def test_dlo_run_context_parallel_under_torchrun_is_bitwise(tmp_path: Path, name
 
 
 def test_context_parallel_bad_input_is_named() -> None:
-    from dlo.parallel.context import check_context_parallel
+    from dlo.pipelines.context_parallel import check_context_parallel
 
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="--context-parallel='tensor'"):
@@ -141,7 +141,7 @@ def test_context_parallel_bad_input_is_named() -> None:
 
 
 def test_ulysses_over_a_head_count_it_does_not_divide_is_named() -> None:
-    from dlo.parallel.context import enable_context_parallel
+    from dlo.pipelines.context_parallel import enable_context_parallel
 
     with pytest.raises(ValueError, match="has 4 attention heads, which 3 does not divide"):
         enable_context_parallel([_wan(4)], "ulysses", 3, torch.device("cpu"))
@@ -150,11 +150,11 @@ def test_ulysses_over_a_head_count_it_does_not_divide_is_named() -> None:
 def test_ring_over_heads_cudnn_cannot_take_is_named() -> None:
     """cuDNN's attention (ring's backend) needs a head width 8 divides: refused by name
     before diffusers' hooks go on (the check runs before any device work)."""
-    from dlo.parallel.context import enable_context_parallel
+    from dlo.pipelines.context_parallel import enable_context_parallel
 
     first, dit = _flux(), _wan(2)  # heads 16 wide (fine), then 12 wide
     with pytest.raises(ValueError, match=r"heads are 12 wide.*use ulysses"):
         enable_context_parallel([first, dit], "ring", 2, torch.device("cuda"))
-    from dlo.parallel.context import _default_backend
+    from dlo.pipelines.context_parallel import _default_backend
 
     assert _default_backend(first) and _default_backend(dit)  # neither changed

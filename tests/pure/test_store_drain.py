@@ -36,7 +36,7 @@ def test_rank_zero_waits_for_the_last_reader(fake: _CountingStore) -> None:
     late = threading.Timer(0.3, lambda: fake.add("dlo/agreement/0/read", 1))
     late.start()
     t0 = time.monotonic()
-    store_mod._await_readers(bound_s=5.0)
+    store_mod.await_readers(bound_s=5.0)
     waited = time.monotonic() - t0
     late.join()
     assert fake.counts["dlo/agreement/0/read"] == 2
@@ -47,7 +47,7 @@ def test_a_peer_that_never_reads_holds_rank_zero_only_for_the_bound(
     fake: _CountingStore,
 ) -> None:
     t0 = time.monotonic()
-    store_mod._await_readers(bound_s=0.2)
+    store_mod.await_readers(bound_s=0.2)
     assert 0.2 <= time.monotonic() - t0 < 2.0
 
 
@@ -63,7 +63,7 @@ def test_an_unresponsive_store_holds_rank_zero_only_for_the_bound(
     monkeypatch.setattr(store_mod, "_default_store", lambda: st)
     monkeypatch.setattr(store_mod, "_LAST_READ", {"agreement": (id(st), "dlo/agreement/0", 2)})
     t0 = time.monotonic()
-    store_mod._await_readers(bound_s=0.3)
+    store_mod.await_readers(bound_s=0.3)
     assert time.monotonic() - t0 < 2.0
 
 
@@ -74,5 +74,5 @@ def test_a_store_already_gone_ends_the_wait(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(store_mod, "_default_store", gone)
     monkeypatch.setattr(store_mod, "_LAST_READ", {"agreement": (1, "dlo/agreement/0", 2)})
     t0 = time.monotonic()
-    store_mod._await_readers(bound_s=5.0)
+    store_mod.await_readers(bound_s=5.0)
     assert time.monotonic() - t0 < 1.0

@@ -15,6 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from dlo.runtime.gloo_gather import needs_routing, route_gathers
 
 KINDS = ("ulysses", "ring")
 
@@ -41,6 +44,8 @@ def enable_context_parallel(dits: list[Any], kind: str, degree: int, device: tor
 
     for dit in dits:  # every DiT checked before any is changed
         _check_dit(dit, kind, degree)
+    if needs_routing(device, dist.get_backend() if dist.is_initialized() else None):
+        route_gathers()
     for dit in dits:
         if kind == "ring" and _default_backend(dit):
             dit.set_attention_backend(RING_BACKEND)
