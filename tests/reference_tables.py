@@ -243,7 +243,10 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         'thread to enqueue a block\'s copies (`"mapped"` and `host_budget_gb` only)',
         "num_disk_blocks": "blocks that host_budget_gb leaves in their file, read for every use "
         "(see [Note: host budget tiers])",
-        "disk_nbytes": "their padded bytes (read from the file per load)",
+        "disk_nbytes": "their padded bytes (read from the file per load; encoded ones: their "
+        "encoded bytes, read from the encoded checkpoint)",
+        "num_disk_encoded_blocks": "of them, the ones read encoded from an encoded checkpoint "
+        "(codec under host_budget_gb)",
         "disk_direct": "whether every file they are read from was opened with O_DIRECT (False: "
         "buffered reads, pages dropped behind them; None: no disk tier)",
         "disk_read_nbytes": "bytes of disk-tier blocks read into the read-ahead buffers since "

@@ -33,10 +33,13 @@ from dlo.codec.offline import (
     origin_of,
     write_encoded,
 )
+from dlo.codec.on_disk import EncodedOnDisk
 from dlo.errors import OffloadError
 from dlo.host.bounce import Bounce
 from dlo.host.node_share import share_step
-from dlo.journal import atomic
+from dlo.io.checkpoint import Checkpoint
+from dlo.io.direct import DirectReads
+from dlo.journal import Journal, atomic
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
@@ -65,6 +68,8 @@ class HostCodec:
         self.origins: dict[int, Origin] = {}
         """The checkpoint of each block of group size 1 whose tensors alias one (what
         :meth:`save` writes beside)."""
+        self._retained: list[Checkpoint] = []
+        """The encoded checkpoints serving blocks on disk (see :meth:`on_disk`)."""
         self.read_blocks = 0
         """Blocks read from an encoded checkpoint instead of encoded (see [Note: encoded
         checkpoint] in :mod:`dlo.codec.offline`)."""
@@ -155,6 +160,42 @@ class HostCodec:
                 self.origins[index] = origin
         return self.origins.get(index)
 
+    def on_disk(
+        self,
+        index: int,
+        layout: BlockLayout,
+        tensors: Sequence[torch.Tensor],
+        reads: DirectReads,
+        journal: Journal,
+    ) -> EncodedOnDisk:
+        """Block ``index`` served by its encoded checkpoint at every use (see [Note: encoded
+        blocks on disk] in :mod:`dlo.codec.on_disk`); the file stays open until the journal
+        is undone.
+
+        Raises:
+            ValueError: no encoded checkpoint serves the block (named, with why and how to
+                write one).
+        """
+        found = self.files.entry(layout, self._origin(index, layout, tensors), self.bitstream)
+        why = found if isinstance(found, str) else found[0] if isinstance(found[0], str) else ""
+        if why or isinstance(found, str):
+            raise ValueError(
+                f"host_budget_gb leaves block {layout.name!r} on disk, where codec "
+                f"{self.name!r} reads it from an encoded checkpoint, but none serves it "
+                f"({why}): write one with `dlo save-checkpoint --codec {self.name}` or "
+                "backend.save_encoded() after an enable without host_budget_gb, or set "
+                "codec='none'"
+            )
+        enc, f = found
+        assert not isinstance(enc, str)
+        ckpt = f.checkpoint
+        if all(c is not ckpt for c in self._retained):
+            ckpt.retain()
+            self._retained.append(ckpt)
+            journal.record("encoded checkpoint on disk", ckpt.release)
+        reads.file(ckpt, ckpt.entries[layout.name].file)  # opened now: its stamp is the enable's
+        return EncodedOnDisk(layout.name, enc, ckpt, reads, self.decoder)
+
     def layout(self, index: int) -> EncodedLayout:
         """The piece table of block ``index``, encoded and not laid yet."""
         return self._pending[index][0]
@@ -237,7 +278,9 @@ class HostCodec:
                 layouts[index] = enc
         return layouts
 
-    def save(self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard]]) -> list[Path]:
+    def save(
+        self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard | EncodedOnDisk]]
+    ) -> list[Path]:
         """Write ``blocks`` (``(layout, manifest position, host copy)``) as encoded
         checkpoints, one beside each checkpoint they were loaded from (see [Note: encoded
         checkpoint] in :mod:`dlo.codec.offline`).
@@ -250,7 +293,9 @@ class HostCodec:
             for d, items in self._by_directory(blocks).items()
         ]
 
-    def save_targets(self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard]]) -> list[Path]:
+    def save_targets(
+        self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard | EncodedOnDisk]]
+    ) -> list[Path]:
         """The files :meth:`save` would write, writing nothing (every rank can check them:
         each records every block's origin).
 
@@ -260,10 +305,16 @@ class HostCodec:
         return [d / ENCODED_FILE for d in self._by_directory(blocks)]
 
     def _by_directory(
-        self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard]]
+        self, blocks: Sequence[tuple[BlockLayout, int, EncodedShard | EncodedOnDisk]]
     ) -> dict[Path, list[tuple[BlockLayout, Origin, EncodedLayout, torch.Tensor]]]:
         by_dir: dict[Path, list[tuple[BlockLayout, Origin, EncodedLayout, torch.Tensor]]] = {}
         for layout, index, shard in blocks:
+            if not isinstance(shard, EncodedShard):
+                raise ValueError(
+                    f"save_encoded: block {layout.name!r} is served by the encoded checkpoint "
+                    f"on disk ({shard.checkpoint.entries[shard.name].file}), which holds it already: to write a "
+                    "new one, enable without host_budget_gb"
+                )
             origin = self.origins.get(index)
             if origin is not None and origin.directory is not None:
                 item = (layout, origin, shard.layout, shard.data)

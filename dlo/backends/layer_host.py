@@ -10,13 +10,12 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch
-from torch import nn
 
 from dlo import faults
+from dlo.backends.layer_block import LayerBlock
 from dlo.backends.layer_codec import HostCodec
 from dlo.backends.model_hooks import mark_released, refuse_released_forward
 from dlo.codec.blocks import EncodedShard
@@ -24,7 +23,7 @@ from dlo.codec.format import EncodedLayout
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
 from dlo.errors import OffloadError
-from dlo.host.mapped import MappedBlock, largest_file, map_blocks
+from dlo.host.mapped import largest_file, map_blocks
 from dlo.host.node_share import SharedBlock, packer, share_host, sharers
 from dlo.host.packer import pack_block
 from dlo.host.region import HostRegion, PinReport, RegionPins
@@ -34,99 +33,12 @@ from dlo.io.header_checks import CheckpointError
 from dlo.journal import Journal, atomic
 from dlo.parallel.agreement import RankReport
 from dlo.parallel.groups import World, current_world, group_of
-from dlo.plan.layers import BlockPlan, LayerPlan
-from dlo.plan.layout import BlockLayout, module_wrappers
-from dlo.plan.subclasses import Wrapped, retarget_all
-from dlo.plan.topology import BlockStack
+from dlo.plan.layers import LayerPlan
+from dlo.plan.subclasses import retarget_all
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class LayerBlock:
-    """A selected block during install: its plan, its module and the model's tensors."""
-
-    plan: BlockPlan
-    module: nn.Module
-    entries: list[tuple[str, str, torch.Tensor]]
-    """``(name, kind, tensor)`` of the block's tensors, in layout order."""
-    index: int
-    """Position in the manifest."""
-    region: HostRegion | None = None
-    """The host region holding this block: this rank's, or the node-shared copy."""
-    host_index: int = -1
-    """The block's index in ``region``."""
-    original_devices: list[torch.device] = field(default_factory=list)
-    mapped: MappedBlock | None = None
-    """With ``host_backing="mapped"``, or left in its file by ``host_budget_gb``: the
-    block's host backing (no region bytes)."""
-    device_buffer: torch.Tensor | None = None
-    """A resident block's own device buffer (its tensors are views of it)."""
-    restored: bool = False
-    """``disable(restore=True)`` gathered this AllGather block back into ordinary tensors."""
-    encoded: EncodedShard | None = None
-    """With a codec: the block's host copy, encoded (its region bytes)."""
-    wrapped: list[Wrapped] = field(init=False)
-    """Its wrapper-subclass tensors (``entries`` holds their inner tensors; see [Note:
-    tensor subclasses])."""
-    wrapper_devices: list[torch.device] = field(default_factory=list)
-    released: bool = False
-    """The model's originals were released (their bytes are in the host copy)."""
-
-    def __post_init__(self) -> None:
-        self.wrapped = module_wrappers(self.module)
-
-    @property
-    def name(self) -> str:
-        return self.plan.name
-
-    @property
-    def stack(self) -> BlockStack:
-        return self.plan.stack
-
-    @property
-    def resident(self) -> bool:
-        return self.plan.resident
-
-    @property
-    def layout(self) -> BlockLayout:
-        return self.plan.layout
-
-    @property
-    def node_shared(self) -> bool:
-        return self.plan.node_shared
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for _, _, t in self.entries]
-
-    @property
-    def host_writable(self) -> bool:
-        """Its host copy is this rank's own whole block, so in-place writes can go back
-        (not with AllGather, the mapped backing or a node-shared copy)."""
-        return (
-            self.layout.group_size == 1
-            and self.mapped is None
-            and not self.node_shared
-            and self.encoded is None
-        )
-
-    @property
-    def from_disk(self) -> bool:
-        """Left in its file by ``host_budget_gb``: its tensors can alias the file again."""
-        return self.mapped is not None and self.mapped.reads is not None
-
-    @property
-    def shard(self) -> torch.Tensor | MappedBlock | EncodedShard:
-        """What the block's transport loads: its host bytes, encoded or mapped ones."""
-        return self.encoded or self.mapped or self.host_view()
-
-    def host_view(self) -> torch.Tensor:
-        """The block's bytes in its host region."""
-        assert self.region is not None
-        return self.region.view(self.host_index)
 
 
 class LayerHost:
@@ -169,7 +81,8 @@ class LayerHost:
         # closed after every release below is undone: a block laid into the region is
         # rebuilt from it (see [Note: released as encoded] in dlo.backends.layer_codec)
         journal.record("host region", self._close_region)
-        todo = [(i, self.blocks[i]) for i in plan.encoded if not self.blocks[i].node_shared]
+        todo = [(i, self.blocks[i]) for i in plan.encoded if i not in plan.from_file]
+        todo = [(i, b) for i, b in todo if not b.node_shared]
         if todo:  # sizes known once encoded
             shards = [
                 (i, b.name, b.layout, b.tensors, group_rank(b.stack.group_axis)) for i, b in todo
@@ -240,6 +153,10 @@ class LayerHost:
         )
         for b, m in zip(blocks, mapped):
             b.mapped = m
+            if reads is not None and b.stack.codec != "none":  # [Note: encoded blocks on disk]
+                b.encoded = self._codec(journal).on_disk(
+                    b.index, b.layout, b.tensors, reads, journal
+                )
         # the files stay open while blocks are read from them, and until disable has
         # rebuilt the blocks from them (load_pipeline's close is deferred until then)
         for ckpt in {id(c): c for m in mapped for c in m.checkpoints}.values():
@@ -388,7 +305,7 @@ class LayerHost:
     def _raw_copy(self, b: LayerBlock) -> torch.Tensor:
         """``b``'s whole-block host copy as raw bytes: decoded from its encoded copy, or from
         its pieces not laid yet (released as encoded), else its region bytes."""
-        if b.encoded is not None:  # to the host at once where the tensors go back there
+        if isinstance(b.encoded, EncodedShard):  # to the host at once where tensors go back
             host = all(d.type == "cpu" for d in b.original_devices)
             return b.encoded.raw("cpu" if host else self.platform.device, keep=True)
         if self.codec is not None and self.codec.holds(b.index):

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlo.backends.layer_host import LayerBlock, LayerHost
-from dlo.backends.layer_runtime import Transports
+from dlo.backends.layer_block import LayerBlock
+from dlo.backends.layer_host import LayerHost
+from dlo.backends.layer_transports import Transports
 from dlo.backends.replan_setup import ReplanSetup
+from dlo.codec.on_disk import EncodedOnDisk
 from dlo.config.fields import MIB
 from dlo.plan.layers import charged_nbytes
 from dlo.platform.device import Platform
@@ -204,10 +206,16 @@ def disk_stats(
 ) -> dict[str, Any]:
     """What the disk tier of ``host_budget_gb`` holds and read (see [Note: disk read-ahead]
     in :mod:`dlo.runtime.read_ahead`), and its model: the probe's rate, and a pass over the
-    streamed disk blocks at that rate."""
+    streamed disk blocks at that rate (their encoded bytes where an encoded checkpoint serves
+    them: [Note: encoded blocks on disk] in :mod:`dlo.codec.on_disk`)."""
     disk = [b for b in blocks if b.from_disk]
     probe = host.disk_probe if host else None
-    streamed = sum(b.layout.shard_nbytes for b in disk if not b.resident)
+    on_disk = {b.index: b.encoded for b in disk if isinstance(b.encoded, EncodedOnDisk)}
+    read = {
+        b.index: on_disk[b.index].read_nbytes if b.index in on_disk else b.layout.shard_nbytes
+        for b in disk
+    }
+    streamed = sum(read[b.index] for b in disk if not b.resident)
     aheads = list(transports.aheads.values()) if transports else []
     st = ReadAheadStats()
     for a in aheads:
@@ -216,7 +224,8 @@ def disk_stats(
     files = host.reads.files if host and host.reads else []
     return {
         "num_disk_blocks": len(disk),
-        "disk_nbytes": sum(b.layout.shard_nbytes for b in disk),
+        "disk_nbytes": sum(read.values()),
+        "num_disk_encoded_blocks": len(on_disk),
         "disk_direct": all(f.direct for f in files) if files else None,
         "disk_read_nbytes": st.read_nbytes,
         "disk_read_ms": st.read_s * 1e3,

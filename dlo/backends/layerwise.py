@@ -55,16 +55,16 @@ import torch
 from dlo import faults
 from dlo.backends.auto import agree_requests, cap_to_budget, is_automatic, resolve_automatic
 from dlo.backends.base import OffloadBackend, claim_components
-from dlo.backends.layer_host import LayerBlock, LayerHost
+from dlo.backends.layer_block import LayerBlock
+from dlo.backends.layer_host import LayerHost
 from dlo.backends.layer_runtime import (
-    allocate_slots,
-    build_transports,
     install_rings,
     load_resident,
     place_non_block_state,
     restore_gathered,
 )
 from dlo.backends.layer_state import LayerState
+from dlo.backends.layer_transports import allocate_slots, build_transports
 from dlo.backends.model_hooks import check_not_released
 from dlo.backends.replan_setup import replan_setup
 from dlo.config.offload import OffloadConfig

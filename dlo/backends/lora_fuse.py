@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlo.backends.layer_host import LayerBlock
+from dlo.backends.layer_block import LayerBlock
 from dlo.errors import OffloadError
 from dlo.host.shards import copy_back, shard_view
 from dlo.journal import atomic

@@ -20,7 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from dlo.backends.layer_host import LayerBlock
+from dlo.backends.layer_block import LayerBlock
 from dlo.config.offload import OffloadConfig
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry

@@ -273,18 +273,32 @@ class EncodedFiles:
     ) -> tuple[EncodedLayout, Reader] | None:
         """The piece table and the reader of ``layout``'s block from the encoded
         checkpoint beside its tensors (see the note); None: it is encoded at enable."""
-        if layout.group_size != 1 or origin is None or origin.directory is None:
+        found = self.entry(layout, origin, bitstream)
+        if isinstance(found, str):
             return None
-        f = self._open(origin.directory / ENCODED_FILE)
-        if f is None:
-            return None
-        found = f.match(layout, origin, bitstream)
-        if isinstance(found, str):  # logged once per file and reason, at close
-            self._misses.setdefault((f.path, found), []).append(layout.name)
+        enc, f = found
+        if isinstance(enc, str):  # a stale entry: logged once per file and reason, at close
+            self._misses.setdefault((f.path, enc), []).append(layout.name)
             return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=max(2, cpu_share()))
-        return found, functools.partial(f.read, self._pool, layout.name)
+        return enc, functools.partial(f.read, self._pool, layout.name)
+
+    def entry(
+        self, layout: BlockLayout, origin: Origin | None, bitstream: str
+    ) -> tuple[EncodedLayout | str, _EncodedFile] | str:
+        """The piece table of ``layout``'s block and the encoded checkpoint beside its
+        tensors holding it (see the note); where the file's entry does not serve the block,
+        why, with the file; where there is no file to ask, why."""
+        if layout.group_size != 1:
+            return "its stack gathers (encoded checkpoints hold whole blocks)"
+        if origin is None or origin.directory is None:
+            return "its tensors do not all come from one checkpoint directory"
+        path = origin.directory / ENCODED_FILE
+        f = self._open(path)
+        if f is None:
+            return f"there is no readable {path}"
+        return f.match(layout, origin, bitstream), f
 
     def _open(self, path: Path) -> _EncodedFile | None:
         if path not in self._files:

@@ -75,6 +75,11 @@ class MappedBlock:
         )
 
     @property
+    def read_nbytes(self) -> int:
+        """Bytes :meth:`fill` writes: this rank's host shard."""
+        return self.layout.shard_nbytes
+
+    @property
     def shard_mapped_nbytes(self) -> int:
         """Bytes of this rank's shard served from the checkpoint file (its 1/N under
         AllGather; the whole block's file bytes in a group of one)."""

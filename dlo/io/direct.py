@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from dlo.io.checkpoint import Checkpoint
+from dlo.io.checksums import Verified, read_verified
 from dlo.io.header_checks import CheckpointError
 
 DIRECT_ALIGN = 4096
@@ -272,9 +273,13 @@ class DirectReads:
                 self._files[path] = f
             return f
 
-    def read_into(self, ckpt: Checkpoint, name: str, offset: int, out: memoryview) -> None:
+    def read_into(
+        self, ckpt: Checkpoint, name: str, offset: int, out: memoryview, *, every_read: bool = False
+    ) -> None:
         """:meth:`Checkpoint.read_into <dlo.io.checkpoint.Checkpoint.read_into>`, around the
-        page cache."""
+        page cache; ``every_read``: every piece checked against the checkpoint's checksums at
+        every read, not once per checkpoint (bytes a decoder trusts: see [Note: encoded
+        blocks on disk] in :mod:`dlo.codec.on_disk`)."""
         e = ckpt.entries[name]
         assert offset >= 0 and offset + len(out) <= e.nbytes
         f = self.file(ckpt, e.file)
@@ -282,7 +287,12 @@ class DirectReads:
         def pread(at: int, buf: memoryview) -> None:
             f.read_into(e.start + at, buf)
 
-        ckpt.read_checked(name, offset, out, pread)
+        if every_read:
+            assert ckpt.verify_checksum and e.checksums is not None
+            where = str(e.file)
+            read_verified(pread, where, name, e.nbytes, e.checksums, offset, out, Verified())
+        else:
+            ckpt.read_checked(name, offset, out, pread)
 
     @property
     def files(self) -> list[DirectFile]:

@@ -40,6 +40,11 @@ TensorDescription = Sequence[tuple[str, str, Sequence[int], Sequence[int], torch
 """``(name, kind, shape, stride, dtype)`` of every tensor of a block, in layout order."""
 
 
+ENCODED_AXIS = "encoded"
+"""The read-ahead of a codec's disk-tier blocks, whole encoded blocks read from an encoded
+checkpoint (see [Note: encoded blocks on disk] in :mod:`dlo.codec.on_disk`)."""
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """One block of the layer plan."""
@@ -116,13 +121,15 @@ class LayerPlan:
 
     @property
     def read_ahead_sizes(self) -> dict[str, int]:
-        """Per weight axis with disk-tier blocks (``"local"``: whole blocks), the bytes of
-        each of its read-ahead buffers: the largest host shard it reads (see [Note: host
-        budget tiers])."""
+        """Per weight axis with disk-tier blocks (``"local"``: whole blocks; :data:`ENCODED_AXIS`:
+        whole encoded blocks), the bytes of each of its read-ahead buffers: the largest host
+        shard it reads (see [Note: host budget tiers])."""
         out: dict[str, int] = {}
         for i in sorted(self.on_disk):
             b = self.blocks[i]
             axis = b.stack.group_axis if b.layout.group_size > 1 else "local"
+            if b.stack.codec != "none":  # read encoded: a little over the raw bytes at most
+                axis = ENCODED_AXIS
             out[axis] = max(out.get(axis, 0), b.layout.shard_nbytes)
         return out
 
@@ -212,7 +219,7 @@ def check_stacks(
     Raises:
         ValueError: ``host_backing="mapped"`` with an AllGather or node-shared stack; a
             a codec with the mapped backing; ``host_budget_gb`` with the mapped backing, a
-            node-shared stack or a codec (not built yet); node-shared stacks on different
+            node-shared stack or a codec on a stack that gathers; node-shared stacks on different
             weight axes (one host copy per node and axis).
     """
     if host_budget is not None:
@@ -222,13 +229,19 @@ def check_stacks(
                 "region (every block is read from the file's page cache): give one of them"
             )
         for s in stacks:
-            if s.transfer == "node-shared" or s.codec != "none":
-                what = f"codec {s.codec!r}" if s.codec != "none" else f"transfer {s.transfer!r}"
+            if s.transfer == "node-shared":
                 raise ValueError(
                     f"host_budget_gb reads blocks beyond the budget from their file on "
-                    f"rank-local and AllGather stacks with codec 'none' only (for now), but "
-                    f"stack {s.container_path!r} uses {what} (set codec='none' and another "
-                    "transfer, or leave host_budget_gb unset)"
+                    f"rank-local and AllGather stacks only (for now), but stack "
+                    f"{s.container_path!r} uses transfer 'node-shared' (set another transfer, "
+                    "or leave host_budget_gb unset)"
+                )
+            if s.codec != "none" and s.group_size > 1:
+                raise ValueError(
+                    f"host_budget_gb with codec {s.codec!r} reads blocks beyond the budget "
+                    "from an encoded checkpoint, which holds whole blocks, but stack "
+                    f"{s.container_path!r} gathers its blocks over {s.group_size} ranks (use "
+                    "transfer='rank-local', codec='none', or leave host_budget_gb unset)"
                 )
     if host_backing == "mapped":
         for s in stacks:

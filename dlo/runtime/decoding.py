@@ -27,15 +27,15 @@ operation is ordered on the host: the same code path.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
 
 from dlo import faults
 from dlo.codec.blocks import EncodedShard, decode_piece
-from dlo.codec.codecs import Codec
-from dlo.codec.format import check_bitstream
+from dlo.codec.codecs import Codec, get_codec
+from dlo.codec.format import EncodedLayout, check_bitstream
 from dlo.plan.layout import BlockLayout
 from dlo.plan.policy_model import DECODE_STAGING_BUFFERS
 from dlo.platform.device import Platform
@@ -91,6 +91,28 @@ class Decoder:
         self._tails = [StreamTimer(platform) for _ in range(DECODE_STAGING_BUFFERS)]
         self._turn = 0
         self.num_loads = 0
+
+    @classmethod
+    def for_shards(
+        cls,
+        platform: Platform,
+        codec: str,
+        shards: Sequence[tuple[EncodedLayout, int]],
+        *,
+        rank: int = 0,
+    ) -> Decoder:
+        """The decoder of ``shards`` (each one's piece table and its layout's chunk count),
+        on a decode stream of its own, sized for the largest of them."""
+        stream = platform.new_stream()
+        return cls(
+            platform,
+            get_codec(platform, codec, stream),
+            decode_stream=stream,
+            max_nbytes=max(enc.nbytes for enc, _ in shards),
+            max_pieces=max(n for _, n in shards),
+            piece_sizes={p.raw_nbytes for enc, _ in shards for p in enc.pieces if not p.stored},
+            rank=rank,
+        )
 
     def decode_ms(self) -> float:
         """Device time spent decoding, over every load so far (0 on the CPU platform)."""

@@ -38,12 +38,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from dlo.errors import OffloadError
-from dlo.host.mapped import MappedBlock
 from dlo.host.packer import READERS
 from dlo.host.region import HostRegion, pin_buffers
 from dlo.plan.host_tiers import READ_AHEAD_BUFFERS
@@ -57,13 +56,30 @@ logger = logging.getLogger(__name__)
 FREE, READING, READY, IN_USE = "free", "reading", "ready", "in use"
 
 
+class DiskShard(Protocol):
+    """What the read-ahead reads: a disk-tier block's host shard (raw,
+    :class:`~dlo.host.mapped.MappedBlock`; or encoded,
+    :class:`~dlo.codec.on_disk.EncodedOnDisk`)."""
+
+    name: str
+
+    @property
+    def read_nbytes(self) -> int:
+        """The bytes :meth:`fill` writes."""
+        ...
+
+    def fill(self, dst: torch.Tensor, *, pool: ThreadPoolExecutor | None = None) -> None:
+        """Read the shard into ``dst`` (``read_nbytes`` bytes), spread over ``pool``."""
+        ...
+
+
 @dataclass(eq=False)
 class _Buffer:
     index: int
     done: Any
     """The event recorded after the copy that last read this buffer."""
     state: str = FREE
-    block: MappedBlock | None = None
+    block: DiskShard | None = None
     error: BaseException | None = None
 
 
@@ -129,11 +145,11 @@ class ReadAhead:
             self.pool.shutdown()
             raise
         self.stats = ReadAheadStats()
-        self._pending: list[MappedBlock] = []
+        self._pending: list[DiskShard] = []
         """Blocks whose load was requested and not yet acquired, in request order."""
-        self._hinted: list[MappedBlock] = []
+        self._hinted: list[DiskShard] = []
         """The blocks the ring predicts it requests next, in order."""
-        self._urgent: MappedBlock | None = None
+        self._urgent: DiskShard | None = None
         """The block the filler waits for: read before anything else."""
         self._cond = threading.Condition()
         self._stop = False
@@ -156,20 +172,20 @@ class ReadAhead:
         return len(self._buffers)
 
     # ------------------------------------------------------------------ compute thread
-    def requested(self, block: MappedBlock) -> None:
+    def requested(self, block: DiskShard) -> None:
         """A load of ``block`` was requested: the filler acquires it in this order."""
         with self._cond:
             self._pending.append(block)
             self._cond.notify_all()
 
-    def upcoming(self, blocks: list[MappedBlock]) -> None:
+    def upcoming(self, blocks: list[DiskShard]) -> None:
         """The blocks the ring predicts it requests next, in order."""
         with self._cond:
             self._hinted = list(blocks)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ filler thread
-    def acquire(self, block: MappedBlock) -> torch.Tensor:
+    def acquire(self, block: DiskShard) -> torch.Tensor:
         """The host shard bytes of a requested ``block`` in a buffer, once read; the buffer
         is the caller's until :meth:`release`.
 
@@ -202,9 +218,9 @@ class ReadAhead:
                 self._cond.notify_all()
                 raise error
             buf.state = IN_USE
-        return self.region.view(buf.index)[: block.layout.shard_nbytes]
+        return self.region.view(buf.index)[: block.read_nbytes]
 
-    def release(self, block: MappedBlock, copy_stream: Any) -> None:
+    def release(self, block: DiskShard, copy_stream: Any) -> None:
         """The copy out of ``block``'s buffer is enqueued on ``copy_stream``: the buffer may be
         filled again once it completed."""
         with self._cond:
@@ -214,10 +230,10 @@ class ReadAhead:
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ reader thread
-    def _holding(self, block: MappedBlock) -> _Buffer | None:
+    def _holding(self, block: DiskShard) -> _Buffer | None:
         return next((b for b in self._buffers if b.block is block and b.state != FREE), None)
 
-    def _wanted(self) -> list[MappedBlock]:
+    def _wanted(self) -> list[DiskShard]:
         first = [self._urgent] if self._urgent is not None else []
         seen = set(map(id, first))
         out = list(first)
@@ -227,7 +243,7 @@ class ReadAhead:
                 out.append(b)
         return out
 
-    def _next(self) -> tuple[MappedBlock, _Buffer] | None:
+    def _next(self) -> tuple[DiskShard, _Buffer] | None:
         """The next block to read and the buffer it goes to (the caller holds the lock)."""
         wanted = self._wanted()
         want = next((b for b in wanted if self._holding(b) is None), None)
@@ -264,7 +280,7 @@ class ReadAhead:
                 try:
                     buf.done.synchronize()  # the copy that last read this buffer completed
                     with nvtx_range("dlo::disk"):
-                        view = self.region.view(buf.index)[: block.layout.shard_nbytes]
+                        view = self.region.view(buf.index)[: block.read_nbytes]
                         block.fill(view, pool=self.pool)
                 except BaseException as e:  # the acquire of this block raises it
                     logger.debug("dlo read-ahead of %s failed: %r", block.name, e)
@@ -272,7 +288,7 @@ class ReadAhead:
                 with self._cond:
                     self.stats.read_s += time.perf_counter() - t0
                     if error is None:
-                        self.stats.read_nbytes += block.layout.shard_nbytes
+                        self.stats.read_nbytes += block.read_nbytes
                         self.stats.num_reads += 1
                         buf.state = READY
                     elif block is self._urgent or any(b is block for b in self._pending):

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from dlo.codec.blocks import EncodedShard
+from dlo.codec.on_disk import EncodedOnDisk
 from dlo.errors import OffloadError
 from dlo.host.mapped import MappedBlock
 from dlo.plan.layout import BlockLayout
@@ -184,13 +185,22 @@ class BlockTransport:
         """The shards the ring predicts it loads next: the disk tier's are read ahead (see
         [Note: disk read-ahead] in :mod:`dlo.runtime.read_ahead`)."""
         if self.ahead is not None:
-            mine = [s for s in shards if isinstance(s, MappedBlock) and s.reads is not None]
-            self.ahead.upcoming([s for s in mine if s.layout.group_size == self.group_size])
+            self.ahead.upcoming([s for s in shards if self._from_disk(s)])
+
+    def _from_disk(self, shard: Any) -> bool:
+        """``shard`` is this transport's disk tier's: read ahead, loaded from its buffer."""
+        if isinstance(shard, EncodedOnDisk):  # [Note: encoded blocks on disk]
+            return self.decoder is not None
+        return (
+            isinstance(shard, MappedBlock)
+            and shard.reads is not None
+            and shard.layout.group_size == self.group_size
+        )
 
     def load(
         self,
         layout: BlockLayout,
-        shard: torch.Tensor | EncodedShard | MappedBlock,
+        shard: torch.Tensor | EncodedShard | MappedBlock | EncodedOnDisk,
         slot: torch.Tensor,
         *,
         free_event: Any,
@@ -206,7 +216,7 @@ class BlockTransport:
         Raises:
             OffloadError: the disk read of the shard failed (naming the block).
         """
-        if not isinstance(shard, MappedBlock):
+        if not isinstance(shard, (MappedBlock, EncodedOnDisk)):
             self._load(layout, shard, slot, free_event, ready_event, index, slot_index)
             return
         assert self.ahead is not None, "a disk-tier shard needs the transport's reader"
@@ -217,8 +227,9 @@ class BlockTransport:
             raise OffloadError(
                 f"reading from disk failed: {e!r}", rank=self.ahead.rank, block=shard.name
             ) from e
+        data = shard.shard(buf) if isinstance(shard, EncodedOnDisk) else buf
         try:
-            self._load(layout, buf, slot, free_event, ready_event, index, slot_index)
+            self._load(layout, data, slot, free_event, ready_event, index, slot_index)
         finally:
             self.ahead.release(shard, self.copy_stream)  # after the copies that read it
 

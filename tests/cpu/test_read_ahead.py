@@ -20,18 +20,13 @@ NBYTES = 4096
 
 
 @dataclass(eq=False)
-class _Layout:
-    shard_nbytes: int = NBYTES
-
-
-@dataclass(eq=False)
 class FakeBlock:
-    """What the reader needs of a :class:`~dlo.host.mapped.MappedBlock`: a name, a layout,
-    and a fill (here: the block's byte value, or a scripted failure)."""
+    """What the reader needs of a disk shard (:class:`~dlo.runtime.read_ahead.DiskShard`): a
+    name, its bytes and a fill (here: the block's byte value, or a scripted failure)."""
 
     name: str
     value: int
-    layout: _Layout = field(default_factory=_Layout)
+    read_nbytes: int = NBYTES
     fail: list[BaseException] = field(default_factory=list)
     fills: int = 0
     gate: threading.Event | None = None

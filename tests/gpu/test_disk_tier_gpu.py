@@ -71,3 +71,37 @@ def test_pipeline_folder_from_disk_is_bitwise_on_the_gpu(
     (r,) = json.loads(out[out.index("[") :])
     assert r["parity"] is True and r["num_disk_blocks"] > 0 and r["disk_read_nbytes"] > 0, r
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_encoded_disk_blocks_are_bitwise_on_the_gpu(tmp_path: Path, share: float) -> None:
+    """[Note: encoded blocks on disk]: the encoded checkpoint's bytes read at every use, every
+    piece checked, decoded by nvCOMP on the decode stream; bitwise against resident."""
+    pytest.importorskip("nvidia.nvcomp", reason="codec='ans' on CUDA needs nvidia-nvcomp-cu13")
+    resident = build_pipeline(PRESET, dtype=DTYPE)
+    path = save_checkpoint(resident, tmp_path, max_shard_nbytes=12 << 20)
+    ids, latents = make_inputs(PRESET, seed=0, dtype=DTYPE, device="cuda")
+    refs = _steps(resident.to("cuda"), ids, latents)
+    del resident
+    cfg = dict(mode="layer", components=("dit", "encoder"), resident_layers=0, chunk_mb=4)
+    pipe, backend = load_pipeline(
+        _skeleton, str(path.parent), dlo.OffloadConfig(**cfg, codec="ans"), None, "cuda"
+    )
+    assert backend is not None
+    raw = sum(b.layout.shard_nbytes for b in backend._blocks)  # type: ignore[attr-defined]
+    backend.save_encoded()  # type: ignore[attr-defined]
+    backend.disable()
+    budget = dlo.OffloadConfig(**cfg, codec="ans", host_budget_gb=share * raw / (1 << 30))
+    pipe, backend = load_pipeline(_skeleton, str(path.parent), budget, None, "cuda")
+    assert backend is not None
+    outs = _steps(pipe, ids, latents)
+    torch.cuda.synchronize()
+    st = backend.stats()
+    backend.disable()
+    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    assert st["num_disk_encoded_blocks"] == st["num_disk_blocks"] > 0
+    assert st["codec_bitstream"] == "nvcomp-ans-f2" and st["encoded_h2d_nbytes"] > 0
+    assert 0 < st["disk_nbytes"] <= st["disk_read_nbytes"]
+    assert st["host_pinned_nbytes"] >= 2 * st["read_ahead_buffer_nbytes"] > 0
+    assert st["host_region_nbytes"] <= share * raw
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)

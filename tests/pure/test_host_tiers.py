@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlo.plan.host_tiers import choose_on_disk
-from dlo.plan.layers import check_stacks, plan_layers
+from dlo.plan.layers import ENCODED_AXIS, check_stacks, plan_layers
 from dlo.plan.topology import BlockStack
 
 
@@ -90,7 +90,7 @@ def test_the_layer_plan_gives_disk_blocks_no_region_bytes() -> None:
 @pytest.mark.parametrize(
     ("stack", "what"),
     [
-        (_stack(codec="ans"), "codec 'ans'"),
+        (_stack(codec="ans", transfer="allgather", size=2), "codec 'ans'.*gathers"),
         (_stack(transfer="node-shared"), "transfer 'node-shared'"),
     ],
 )
@@ -101,6 +101,16 @@ def test_what_the_disk_tier_does_not_serve_yet_is_refused_by_name(
         check_stacks([stack], host_backing="region", host_budget=0)
     with pytest.raises(ValueError, match=r"host_budget_gb.*host_backing='mapped'"):
         check_stacks([_stack()], host_backing="mapped", host_budget=0)
+
+
+def test_a_codec_s_disk_blocks_are_read_by_their_own_reader() -> None:
+    """[Note: encoded blocks on disk]: a rank-local stack with a codec is served under a
+    budget, its disk blocks read whole and encoded by the ENCODED_AXIS reader."""
+    t = {f"blocks.{i}": [("w", "param", (64, 64), (64, 1), torch.float32)] for i in range(4)}
+    kw: dict[str, Any] = dict(chunk_nbytes=1 << 20, num_slots=2, host_budget_nbytes=32768)
+    plan = plan_layers([_stack(codec="ans")], t, **kw)
+    assert plan.on_disk == {0, 1} and plan.read_ahead_sizes == {ENCODED_AXIS: 16384}
+    assert plan_layers([_stack()], t, **kw).read_ahead_sizes == {"local": 16384}
 
 
 def test_the_read_ahead_buffers_are_pinned_out_of_the_pin_budget_first() -> None:

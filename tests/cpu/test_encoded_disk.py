@@ -1,0 +1,98 @@
+"""The disk tier with a codec ([Note: encoded blocks on disk] in dlo.codec.on_disk): blocks
+beyond ``host_budget_gb`` are read encoded from the encoded checkpoint at every use, every
+piece checked against its checksums at every read, and decoded by the ring's decoder; a
+block no encoded checkpoint serves is refused by name. CPU platform (the reference codec;
+its ratio on random weights says nothing about real ones: only that fewer bytes are read)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import dlo
+from dlo.codec.on_disk import EncodedOnDisk
+from dlo.host.region import LEDGER
+from dlo.models import make_inputs
+from tests.cpu.test_codec_offline import DTYPE, _Counted, _load, _ref, _saved, ckpt
+
+__all__ = ["ckpt"]  # fixture
+
+
+def _raw_block_nbytes(backend: Any) -> int:
+    return sum(b.layout.shard_nbytes for b in backend._blocks)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_blocks_beyond_the_budget_are_read_encoded_bitwise(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, share: float
+) -> None:
+    ref = _ref()
+    path, n = _saved(ckpt)
+    counted = _Counted(monkeypatch)
+    _, probe, _ = _load(ckpt)
+    raw = _raw_block_nbytes(probe)
+    probe.disable()
+    counted.names.clear()
+    budget = share * raw
+    pipe, backend, out = _load(ckpt, host_budget_gb=budget / (1 << 30))
+    st = backend.stats()
+    on_disk = [b for b in backend._blocks if isinstance(b.encoded, EncodedOnDisk)]
+    assert torch.equal(out, ref)
+    assert on_disk and st["num_disk_encoded_blocks"] == st["num_disk_blocks"] == len(on_disk)
+    assert (len(on_disk) == n) == (share == 0.0)
+    disk_encoded = sum(b.encoded.read_nbytes for b in on_disk)
+    disk_raw = sum(b.layout.shard_nbytes for b in on_disk)
+    assert st["disk_nbytes"] == disk_encoded < disk_raw  # the disk gives the encoded bytes
+    assert st["disk_read_nbytes"] >= disk_encoded and st["num_disk_reads"] >= len(on_disk)
+    assert st["host_region_nbytes"] <= budget  # the budget counts raw bytes; kept are encoded
+    # no disk block was encoded at enable (it would be held in memory): each is read from the
+    # file; the kept ones were read from it once, into the region
+    assert not {b.name for b in on_disk} & set(counted.names) and counted.names == []
+    read0 = st["disk_read_nbytes"]
+    ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
+    assert torch.equal(pipe.generate(ids, lat, 2), ref)
+    assert backend.stats()["disk_read_nbytes"] > read0  # read again: nothing kept
+    backend.disable()
+    assert torch.equal(pipe.generate(ids, lat, 2), ref)  # the tensors alias the file again
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    assert path.exists()
+
+
+def test_without_an_encoded_checkpoint_the_budget_is_refused_by_name(ckpt: Path) -> None:
+    with pytest.raises(ValueError, match=r"no readable .*dlo save-checkpoint --codec ans") as e:
+        _load(ckpt, host_budget_gb=0.0)
+    assert "host_budget_gb leaves block" in str(e.value)
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_an_encoded_byte_corrupted_while_serving_fails_the_forward(ckpt: Path) -> None:
+    """Every read is checked: a byte changed after a forward read it once (its size and
+    modification time put back, so only the checksum can tell) fails the next forward,
+    naming the block; nvCOMP would decode it without a word."""
+    path, _ = _saved(ckpt)
+    pipe, backend, _ = _load(ckpt, host_budget_gb=0.0)  # its forward read every block once
+    st = os.stat(path)
+    raw = bytearray(path.read_bytes())
+    raw[-100] ^= 0x40  # in the last block's encoded bytes
+    with open(path, "r+b") as f:  # in place: the same inode
+        f.write(bytes(raw))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
+    with pytest.raises(dlo.OffloadError, match="checksum") as e:
+        pipe.generate(ids, lat, 2)
+    assert "reading from disk failed" in str(e.value)
+    backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_save_encoded_under_a_budget_names_the_file_that_holds_the_blocks(ckpt: Path) -> None:
+    path, _ = _saved(ckpt)
+    _, backend, _ = _load(ckpt, host_budget_gb=0.0)
+    with pytest.raises(ValueError, match="holds it already"):
+        backend.save_encoded()
+    backend.disable()
+    assert path.exists()
