@@ -45,6 +45,8 @@ METHODS = ("resident", "dlo-disk")
 H2D_PROBE_NBYTES = 256 << 20
 _COUNTS = (
     "num_disk_blocks",
+    "num_disk_encoded_blocks",
+    "encoded_h2d_nbytes",
     "disk_nbytes",
     "host_region_nbytes",
     "host_pinned_nbytes",
@@ -60,7 +62,13 @@ _COUNTS = (
     "num_resident_blocks",
     "enable_peak_rss_nbytes",
 )
-_CUMULATIVE = ("disk_read_nbytes", "disk_read_ms", "h2d_nbytes", "num_read_ahead_waits")
+_CUMULATIVE = (
+    "disk_read_nbytes",
+    "disk_read_ms",
+    "h2d_nbytes",
+    "encoded_h2d_nbytes",
+    "num_read_ahead_waits",
+)
 """Counts since enable: each row gets its own call's share."""
 
 
@@ -73,6 +81,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=None, help="device budget (GiB) of dlo rows")
     p.add_argument("--probe-gb", type=float, default=2.0, help="GB the disk probe reads")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
+    p.add_argument(
+        "--codec",
+        choices=("none", "ans"),
+        default="none",
+        help="the dlo rows' codec; 'ans' reads the disk blocks encoded from the encoded "
+        "checkpoints beside the folder's weights (write them first: dlo run --pipeline DIR "
+        "--codec ans --save-encoded)",
+    )
     add_call_arguments(p)
     return p.parse_args(argv)
 
@@ -101,6 +117,7 @@ def disk_rows(b: Bench, args: argparse.Namespace, host_gb: float) -> list[dict[s
     """The folder loaded by dlo under a host budget of ``host_gb``, its calls, disabled."""
     cfg = OffloadConfig(
         host_budget_gb=host_gb,
+        codec=args.codec,
         **(
             {"device_budget_gb": args.budget} if args.budget is not None else {"resident_layers": 0}
         ),
@@ -119,7 +136,10 @@ def disk_rows(b: Bench, args: argparse.Namespace, host_gb: float) -> list[dict[s
         if backend is not None:
             backend.disable()
         _clean(b.platform)
-    return [{**r, "host_budget_gb": host_gb, "load_s": load_s} for r in per_call(rows, _CUMULATIVE)]
+    return [
+        {**r, "host_budget_gb": host_gb, "codec": args.codec, "load_s": load_s}
+        for r in per_call(rows, _CUMULATIVE)
+    ]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

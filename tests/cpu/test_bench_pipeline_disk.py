@@ -5,13 +5,16 @@ the table; bad input refused by name."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from dlo.bench import pipeline_disk as pd
+from dlo.cli import main
 from dlo.host.region import LEDGER
 from tests.cpu.test_bench_pipeline_budgets import folder
+from tests.cpu.test_pipeline_folders import _call_flags
 
 __all__ = ["folder"]  # fixture
 
@@ -45,6 +48,38 @@ def test_disk_rows_are_bitwise_and_read_what_the_budget_leaves(
     table = table_path.read_text()
     assert "Disk probe:" in table and "| disk-limit |" in table
     assert "max(compute" in table
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_codec_rows_read_the_encoded_checkpoint(folder: Path, tmp_path: Path) -> None:
+    """``--codec ans``: the disk blocks are read encoded from the encoded checkpoints that
+    ``dlo run --save-encoded`` wrote beside the folder's weights; fewer bytes than raw (the
+    reference codec on random weights: a proxy, not a ratio), bitwise."""
+    own = tmp_path / "folder"
+    shutil.copytree(folder, own)
+    call = [
+        *_call_flags("tiny-flux"),
+        "--steps",
+        "1",
+        "--resident-layers",
+        "0",
+        "--dtype",
+        "float32",
+    ]
+    assert main(["run", "--pipeline", str(own), "--codec", "ans", "--save-encoded", *call]) == 0
+    report_path = tmp_path / "r.json"
+    rows = {}
+    for codec in ("none", "ans"):
+        argv = [str(own), "--host-budgets", "0", "--size", "32x32", "--steps", "2"]
+        argv += ["--dtype", "float32", "--probe-gb", "0.001"]
+        assert pd.main([*argv, "--codec", codec, "--json", str(report_path)]) == 0
+        results = json.loads(report_path.read_text())["results"]
+        (rows[codec],) = [r for r in results if r["method"] == "dlo-disk"]
+    raw, enc = rows["none"], rows["ans"]
+    assert enc["bitwise_vs_resident"] is True and enc["codec"] == "ans", enc
+    assert enc["num_disk_encoded_blocks"] == enc["num_disk_blocks"] == raw["num_disk_blocks"] > 0
+    assert 0 < enc["disk_read_nbytes"] < raw["disk_read_nbytes"]
+    assert enc["encoded_h2d_nbytes"] > 0 and raw["num_disk_encoded_blocks"] == 0
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
