@@ -346,7 +346,7 @@ class LayerHost:
                 "the node-shared host copy"
                 if b.node_shared
                 else "the encoded host copy"
-                if b.encoded
+                if isinstance(b.encoded, EncodedShard)
                 else "the checkpoint",
             )
             return

@@ -29,6 +29,7 @@ from dlo.backends.model_hooks import (
     refuse_released_forward,
 )
 from dlo.backends.replan_setup import ReplanSetup, install_replanners
+from dlo.codec.on_disk import EncodedOnDisk
 from dlo.hooks.dispatch import ModelHook
 from dlo.hooks.foreign import foreign_offloader, is_dtensor
 from dlo.hooks.registry import HookRegistry
@@ -167,6 +168,9 @@ def install_rings(
         fuser=BlockFuse(platform, scheduler, blocks, rank=rank),
     )
     shared_names = {b.name for b in blocks if b.node_shared}
+    # state_dict() of a block read encoded from disk serves its raw checkpoint's bytes, as
+    # on the raw disk tier ([Note: encoded blocks on disk])
+    raw_of = {b.name: b.mapped for b in blocks if isinstance(b.encoded, EncodedOnDisk)}
     ring_hooks = {}
     for ring in scheduler.rings:
         for sb in ring.blocks:
@@ -177,7 +181,7 @@ def install_rings(
                 sb.module,
                 sb.name,
                 sb.layout,
-                sb.shard,
+                raw_of.get(sb.name) or sb.shard,
                 sb.tensors,
                 rank=rank,
                 copy=sb.name in shared_names,

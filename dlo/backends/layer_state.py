@@ -11,6 +11,7 @@ from dlo.backends.layer_block import LayerBlock
 from dlo.backends.layer_host import LayerHost
 from dlo.backends.layer_transports import Transports
 from dlo.backends.replan_setup import ReplanSetup
+from dlo.codec.blocks import EncodedShard
 from dlo.codec.on_disk import EncodedOnDisk
 from dlo.config.fields import MIB
 from dlo.plan.layers import charged_nbytes
@@ -84,7 +85,7 @@ class LayerState:
         transports, counters = self.transports, self.counters
         staging = transports.staging if transports else None
         blocks = self.blocks
-        encoded = [b.encoded for b in blocks if b.encoded is not None]
+        encoded = [b.encoded for b in blocks if isinstance(b.encoded, EncodedShard)]  # host
         encoded_nbytes = sum(e.layout.nbytes for e in encoded)
         encoded_raw_nbytes = sum(e.layout.raw_nbytes for e in encoded)
         decoders = transports.decoders if transports else []

@@ -116,7 +116,7 @@ def build_transports(
     stacks = list(dict.fromkeys(b.stack for b in blocks))
     budgets = plan.read_ahead_pin_budgets()
     for axis, nbytes in plan.read_ahead_sizes.items():  # [Note: disk read-ahead]
-        if axis == ENCODED_AXIS:  # the largest encoded block read, a little over its raw bytes
+        if axis == ENCODED_AXIS:  # the largest encoded block read (never over its raw bytes)
             nbytes = max(
                 b.encoded.read_nbytes for b in blocks if isinstance(b.encoded, EncodedOnDisk)
             )

@@ -435,7 +435,7 @@ class LayerwiseBackend(OffloadBackend):
         Returns:
             The files written (or that would be).
         Raises:
-            ValueError: not enabled, no codec, or no encoded block comes from a checkpoint.
+            ValueError: not enabled, no codec, no encoded block from a checkpoint, or one on disk.
         """
         host = self._state.host
         if not self.is_enabled() or host is None or host.codec is None:

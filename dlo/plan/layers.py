@@ -128,7 +128,7 @@ class LayerPlan:
         for i in sorted(self.on_disk):
             b = self.blocks[i]
             axis = b.stack.group_axis if b.layout.group_size > 1 else "local"
-            if b.stack.codec != "none":  # read encoded: a little over the raw bytes at most
+            if b.stack.codec != "none":  # read encoded: never over the raw bytes (check_layout)
                 axis = ENCODED_AXIS
             out[axis] = max(out.get(axis, 0), b.layout.shard_nbytes)
         return out

@@ -132,6 +132,15 @@ def _choose_transfer(s: StackSpec, inp: PolicyInput) -> StackChoice:
     choice = _choice(s, transfer, reason, rl_ms, ag_ms)
     if transfer == "node-shared" and inp.host_budget:  # the disk tier has no node copy
         return _without_sharing(choice, s, "host_budget_gb reads blocks per rank")
+    if transfer == "allgather" and inp.host_budget and s.codec not in ("none", "auto"):
+        # encoded checkpoints hold whole blocks ([Note: encoded blocks on disk])
+        return _choice(
+            s,
+            "rank-local",
+            f"auto: host_budget_gb with codec {s.codec!r} reads whole encoded blocks",
+            rl_ms,
+            ag_ms,
+        )
     return choice
 
 

@@ -16,10 +16,14 @@ import torch
 import dlo
 from dlo.codec.on_disk import EncodedOnDisk
 from dlo.host.region import LEDGER
-from dlo.models import make_inputs
+from dlo.models import build_pipeline, make_inputs
 from tests.cpu.test_codec_offline import DTYPE, _Counted, _load, _ref, _saved, ckpt
 
 __all__ = ["ckpt"]  # fixture
+
+
+def _resident_state() -> dict[str, torch.Tensor]:
+    return build_pipeline("tiny", dtype=DTYPE).state_dict()
 
 
 def _raw_block_nbytes(backend: Any) -> int:
@@ -52,6 +56,12 @@ def test_blocks_beyond_the_budget_are_read_encoded_bitwise(
     # no disk block was encoded at enable (it would be held in memory): each is read from the
     # file; the kept ones were read from it once, into the region
     assert not {b.name for b in on_disk} & set(counted.names) and counted.names == []
+    # state_dict() serves the raw checkpoint's bytes of a block read encoded
+    sd = pipe.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in _resident_state().items())
+    # the host's encoded bytes are the kept blocks' only; the disk's are counted apart
+    kept = [b.encoded for b in backend._blocks if b.encoded is not None and b not in on_disk]
+    assert st["host_encoded_nbytes"] == sum(e.layout.nbytes for e in kept)
     read0 = st["disk_read_nbytes"]
     ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
     assert torch.equal(pipe.generate(ids, lat, 2), ref)

@@ -204,6 +204,17 @@ def test_a_host_budget_never_takes_node_shared(compute_s: float | None) -> None:
     assert fast.transfer in ("rank-local", "allgather") and fast.transfer != "node-shared"
 
 
+def test_a_host_budget_with_a_codec_never_takes_allgather() -> None:
+    """Encoded checkpoints hold whole blocks ([Note: encoded blocks on disk]): where auto
+    would gather, a codec under a budget reads whole encoded blocks per rank instead."""
+    stack = _stack((64 * MIB,) * 3)
+    assert decide(_input(stack, ag=500e9, host_budget=True)).stacks[0].transfer == "allgather"
+    coded = dataclasses.replace(stack, codec="ans")
+    s = decide(_input(coded, ag=500e9, host_budget=True)).stacks[0]
+    assert (s.transfer, s.group_size) == ("rank-local", 1) and "codec 'ans'" in s.reason
+    assert decide(_input(coded, ag=500e9)).stacks[0].transfer == "allgather"  # no budget
+
+
 @pytest.mark.parametrize("short", [1, 64 * MIB])
 def test_too_little_shared_memory_is_rank_local_saying_why(short: int) -> None:
     # headroom: the copy must fit in (1 - SHARED_MEMORY_HEADROOM) of the free bytes
