@@ -15,7 +15,10 @@ the checkpoint file; nothing to gain), and so do AllGather slices (the region ho
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import fcntl
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,7 @@ from dlo.codec.format import EncodedLayout, Piece, check_bitstream, check_layout
 from dlo.codec.offline import (
     ENCODED_FILE,
     EncodedFiles,
+    EncodedSpool,
     Origin,
     Reader,
     origin_of,
@@ -39,10 +43,13 @@ from dlo.host.bounce import Bounce
 from dlo.host.node_share import share_step
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.direct import DirectReads
+from dlo.io.files import CheckpointWriteError
 from dlo.journal import Journal, atomic
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
+
+logger = logging.getLogger(__name__)
 
 Block = tuple[int, str, BlockLayout, Sequence[torch.Tensor], int]
 """``(manifest position, name, layout, the model's tensors, this rank's place in its weight
@@ -161,31 +168,88 @@ class HostCodec:
         return self.origins.get(index)
 
     def on_disk(
-        self,
-        index: int,
-        layout: BlockLayout,
-        tensors: Sequence[torch.Tensor],
-        reads: DirectReads,
-        journal: Journal,
-    ) -> EncodedOnDisk:
-        """Block ``index`` served by its encoded checkpoint at every use (see [Note: encoded
-        blocks on disk] in :mod:`dlo.codec.on_disk`); the file stays open until the journal
-        is undone.
+        self, blocks: Sequence[Block], reads: DirectReads, journal: Journal
+    ) -> list[EncodedOnDisk]:
+        """``blocks`` (group size 1) served by their encoded checkpoint at every use (see
+        [Note: encoded blocks on disk] in :mod:`dlo.codec.on_disk`); the files stay open
+        until the journal is undone. Blocks it does not serve yet are encoded into it first,
+        one at a time (:meth:`_encode_into`).
 
         Raises:
-            ValueError: no encoded checkpoint serves the block (named, with why and how to
-                write one).
+            ValueError: a block's tensors are not all in one checkpoint directory (no
+                encoded checkpoint can serve it), or the file cannot be written (named).
         """
-        found = self.files.entry(layout, self._origin(index, layout, tensors), self.bitstream)
-        why = found if isinstance(found, str) else found[0] if isinstance(found[0], str) else ""
-        if why or isinstance(found, str):
-            raise ValueError(
-                f"host_budget_gb leaves block {layout.name!r} on disk, where codec "
-                f"{self.name!r} reads it from an encoded checkpoint, but none serves it "
-                f"({why}): write one with `dlo save-checkpoint --codec {self.name}` or "
-                "backend.save_encoded() after an enable without host_budget_gb, or set "
-                "codec='none'"
+        missing: dict[Path, list[Block]] = {}
+        for block in blocks:
+            index, name, layout, tensors, _ = block
+            origin = self._origin(index, layout, tensors)
+            if origin is None or origin.directory is None:
+                raise ValueError(
+                    f"host_budget_gb leaves block {name!r} on disk, where codec {self.name!r} "
+                    "reads it from the encoded checkpoint beside its weights, but its tensors "
+                    "are not all in one checkpoint directory: load the model with "
+                    "dlo.load_pipeline (not copy=True, no dtype cast), or set codec='none'"
+                )
+            if not isinstance(self._served(layout, origin), EncodedLayout):
+                missing.setdefault(origin.directory / ENCODED_FILE, []).append(block)
+        for path, todo in missing.items():
+            self._encode_into(path, todo)
+        return [self._serve(b, reads, journal) for b in blocks]
+
+    def _served(self, layout: BlockLayout, origin: Origin | None) -> EncodedLayout | str:
+        found = self.files.entry(layout, origin, self.bitstream)
+        return found if isinstance(found, str) else found[0]
+
+    def _encode_into(self, path: Path, todo: Sequence[Block]) -> None:
+        """Encode ``todo`` into the encoded checkpoint at ``path``, which keeps the blocks it
+        held: one block in memory at a time, the file rewritten once (under a lock on its
+        directory: ranks sharing the folder encode it once, the others read it)."""
+        with _locked(path.parent):
+            self.files.forget(path)  # another rank may have written it meanwhile
+            todo = [
+                b
+                for b in todo
+                if not isinstance(self._served(b[2], self.origins[b[0]]), EncodedLayout)
+            ]
+            if not todo:
+                return
+            logger.warning(
+                "dlo: encoding %d block(s) that host_budget_gb leaves on disk into %s (once: "
+                "later enables read them)",
+                len(todo),
+                path,
             )
+            spool = EncodedSpool(path)
+            try:
+                self.files.copy_into(spool, skip={b[1] for b in todo})
+                for index, name, layout, tensors, _ in todo:
+                    raw = pack_raw(layout, tensors, self._bounces[0])
+                    enc, datas = encode_packed(
+                        self.platform, self.codec, name, layout, raw, self._bounces[1]
+                    )
+                    data = torch.empty(enc.nbytes, dtype=torch.uint8)
+                    write_pieces(data, enc, datas)
+                    spool.add(layout, self.origins[index], enc, data)
+                    del data, datas
+                self.files.forget(path)
+                spool.finish(self.bitstream)
+            except CheckpointWriteError as e:
+                raise ValueError(
+                    f"host_budget_gb with codec {self.name!r} encodes the blocks it leaves on "
+                    f"disk into {path}, which could not be written ({e}): write it where the "
+                    f"weights are writable (dlo run --pipeline DIR --codec {self.name} "
+                    "--save-encoded, without a budget), or set codec='none'"
+                ) from e
+            finally:
+                spool.close()
+                for bounce in self._bounces:
+                    bounce.close()
+
+    def _serve(self, block: Block, reads: DirectReads, journal: Journal) -> EncodedOnDisk:
+        index, name, layout, _, _ = block
+        found = self.files.entry(layout, self.origins.get(index), self.bitstream)
+        if isinstance(found, str) or isinstance(found[0], str):  # encoded just now: a bug
+            raise OffloadError(f"the encoded checkpoint does not serve block {name!r}: {found}")
         enc, f = found
         assert not isinstance(enc, str)
         ckpt = f.checkpoint
@@ -193,8 +257,8 @@ class HostCodec:
             ckpt.retain()
             self._retained.append(ckpt)
             journal.record("encoded checkpoint on disk", ckpt.release)
-        reads.file(ckpt, ckpt.entries[layout.name].file)  # opened now: its stamp is the enable's
-        return EncodedOnDisk(layout.name, enc, ckpt, reads, self.decoder)
+        reads.file(ckpt, ckpt.entries[name].file)  # opened now: its stamp is the enable's
+        return EncodedOnDisk(name, enc, ckpt, reads, self.decoder)
 
     def layout(self, index: int) -> EncodedLayout:
         """The piece table of block ``index``, encoded and not laid yet."""
@@ -336,3 +400,15 @@ class HostCodec:
         self.decoder.close()
         for b in self._bounces:
             b.close()
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    """An exclusive lock on ``directory`` (``flock`` on its descriptor: nothing is created
+    in it), held by one process of the node at a time."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

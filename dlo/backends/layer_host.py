@@ -153,10 +153,13 @@ class LayerHost:
         )
         for b, m in zip(blocks, mapped):
             b.mapped = m
-            if reads is not None and b.stack.codec != "none":  # [Note: encoded blocks on disk]
-                b.encoded = self._codec(journal).on_disk(
-                    b.index, b.layout, b.tensors, reads, journal
-                )
+        coded = [b for b in blocks if b.stack.codec != "none"]  # [Note: encoded blocks on disk]
+        if reads is not None and coded:
+            served = self._codec(journal).on_disk(
+                [(b.index, b.name, b.layout, b.tensors, 0) for b in coded], reads, journal
+            )
+            for b, e in zip(coded, served):
+                b.encoded = e
         # the files stay open while blocks are read from them, and until disable has
         # rebuilt the blocks from them (load_pipeline's close is deferred until then)
         for ckpt in {id(c): c for m in mapped for c in m.checkpoints}.values():

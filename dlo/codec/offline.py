@@ -47,7 +47,8 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,10 +60,12 @@ from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
 from dlo.io.buffers import bytes_of, flat_uint8
 from dlo.io.checkpoint import ENCODED_FILE, Checkpoint
-from dlo.io.files import OWN_FILE_MODE
+from dlo.io.checksums import METADATA_KEY as CHECKSUMS_KEY
+from dlo.io.checksums import digests, metadata_value
+from dlo.io.files import OWN_FILE_MODE, staged
 from dlo.io.header_checks import CheckpointError, loads_json
 from dlo.io.sources import derived_source, mapped_source
-from dlo.io.writer import write_file
+from dlo.io.writer import header_bytes, write_file
 from dlo.plan.layout import BlockLayout, build_manifest
 from dlo.platform.env import cpu_share
 
@@ -147,6 +150,21 @@ def _sources(origin: Origin) -> list[list[str]]:
     return [list(s) for s in origin.sources]
 
 
+def _entry(layout: BlockLayout, origin: Origin, enc: EncodedLayout) -> dict[str, Any]:
+    """A block's entry in the file's record (see the note)."""
+    return {
+        "layout": build_manifest([layout]).digest,
+        "sources": _sources(origin),
+        "pieces": [[p.raw_offset, p.raw_nbytes, p.offset, p.nbytes, p.stored] for p in enc.pieces],
+    }
+
+
+def _record(bitstream: str, entries: dict[str, Any]) -> str:
+    return json.dumps(
+        {"version": VERSION, "bitstream": bitstream, "blocks": entries}, separators=(",", ":")
+    )
+
+
 def write_encoded(
     path: Path,
     bitstream: str,
@@ -154,28 +172,77 @@ def write_encoded(
 ) -> Path:
     """Write ``blocks`` (``(layout, origin, piece table, encoded bytes)``) as an encoded
     checkpoint at ``path`` (see the note), with dlo's checksums."""
-    record = {
-        "version": VERSION,
-        "bitstream": bitstream,
-        "blocks": {
-            layout.name: {
-                "layout": build_manifest([layout]).digest,
-                "sources": _sources(origin),
-                "pieces": [
-                    [p.raw_offset, p.raw_nbytes, p.offset, p.nbytes, p.stored] for p in enc.pieces
-                ],
-            }
-            for layout, origin, enc, _ in blocks
-        },
-    }
     write_file(
         path,
         [(layout.name, data) for layout, _, _, data in blocks],
         checksums=True,
-        metadata={METADATA_KEY: json.dumps(record, separators=(",", ":"))},
+        metadata={
+            METADATA_KEY: _record(bitstream, {b.name: _entry(b, o, e) for b, o, e, _ in blocks})
+        },
         mode=OWN_FILE_MODE,  # read back only if no other user can write it
     )
     return path
+
+
+class EncodedSpool:
+    """An encoded checkpoint written one block at a time (a model larger than the host's
+    memory): each block's encoded bytes go to an anonymous temporary file beside ``path``
+    as they come, hashed on the way; :meth:`finish` writes the header once every size is
+    known and copies the bytes after it, through a private file renamed into place (see
+    [Note: writing files] in :mod:`dlo.io.files`). Holds one block at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # never named: nothing is left behind, however the process ends
+        self._data = tempfile.TemporaryFile(dir=path.parent)  # noqa: SIM115 (closed by finish/close)
+        self._names: list[tuple[str, int]] = []
+        self._sums: dict[str, list[str]] = {}
+        self._entries: dict[str, Any] = {}
+
+    def add(
+        self, layout: BlockLayout, origin: Origin, enc: EncodedLayout, data: torch.Tensor
+    ) -> None:
+        """Block ``layout``'s encoded bytes ``data`` (its piece table ``enc``)."""
+        assert data.numel() == enc.nbytes
+        self.add_entry(layout.name, _entry(layout, origin, enc), data)
+
+    def add_entry(self, name: str, entry: dict[str, Any], data: torch.Tensor) -> None:
+        """Block ``name``'s entry of the record and its encoded bytes ``data`` (copied from
+        another encoded checkpoint: :meth:`EncodedFiles.copy_into`)."""
+        buf = bytes_of(data)
+        assert name not in self._entries
+        self._sums[name] = digests(buf)
+        self._data.write(buf)
+        self._names.append((name, len(buf)))
+        self._entries[name] = entry
+
+    def finish(self, bitstream: str) -> Path:
+        """Write the file (see the class doc); the spool is closed."""
+        metadata = {
+            "format": "pt",
+            METADATA_KEY: _record(bitstream, self._entries),
+            CHECKSUMS_KEY: metadata_value(self._sums),
+        }
+        head = header_bytes([(n, torch.uint8, [k]) for n, k in self._names], metadata)
+
+        def chunks() -> Iterator[bytes]:
+            yield head
+            self._data.seek(0)
+            while chunk := self._data.read(_COPY_NBYTES):
+                yield chunk
+
+        try:
+            with staged() as files:
+                files.write(self.path, chunks(), OWN_FILE_MODE)
+        finally:
+            self.close()
+        return self.path
+
+    def close(self) -> None:
+        self._data.close()
+
+
+_COPY_NBYTES = 8 << 20
 
 
 class _EncodedFile:
@@ -299,6 +366,29 @@ class EncodedFiles:
         if f is None:
             return f"there is no readable {path}"
         return f.match(layout, origin, bitstream), f
+
+    def copy_into(self, spool: EncodedSpool, skip: set[str]) -> None:
+        """Every entry of the encoded checkpoint at ``spool.path`` not named in ``skip`` into
+        ``spool``, its bytes read verified, one block at a time (the file a spool replaces
+        keeps what it served)."""
+        f = self._open(spool.path)
+        if f is None:
+            return
+        pool = self._pool or ThreadPoolExecutor(max_workers=max(2, cpu_share()))
+        self._pool = pool
+        for name, entry in f.blocks.items():
+            e = f.checkpoint.entries.get(name)
+            if name in skip or e is None or e.dtype != torch.uint8:
+                continue
+            data = torch.empty(e.nbytes, dtype=torch.uint8)
+            f.read(pool, name, data)
+            spool.add_entry(name, entry, data)
+
+    def forget(self, path: Path) -> None:
+        """Read ``path`` again at its next use (it was rewritten)."""
+        f = self._files.pop(path, None)
+        if f is not None:
+            f.checkpoint.close()
 
     def _open(self, path: Path) -> _EncodedFile | None:
         if path not in self._files:

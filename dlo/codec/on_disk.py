@@ -20,9 +20,14 @@ against the file's checksums, at every read (the loader's checkpoints check each
 once), and a mismatch fails the forward naming the file and the block. Hashing runs on the
 readers' threads beside the disk (one thread hashes about 2 GB/s).
 
-A block no encoded checkpoint serves (none written, or written for other bytes, layout or
-bitstream) is refused by name at enable, with how to write one: encoding it at every use
-would cost more than the disk saves, and encoding it once would hold it in memory.
+A block no encoded checkpoint serves yet (none written, or written for other bytes, layout
+or bitstream) is encoded once, at enable, into the encoded checkpoint beside its weights,
+which keeps the entries it had (:class:`~dlo.codec.offline.EncodedSpool`: one block in
+memory at a time, so a model larger than the host's memory is encoded where it runs; the
+file is rewritten once, under a lock on its directory, so ranks sharing the folder encode
+it once and the others read it). Later enables read it. A block whose tensors are not all
+in one checkpoint directory cannot be served, and is refused by name; so is a folder that
+cannot be written.
 Resident blocks on the disk tier are read the same way, once. At disable the block's tensors
 alias its raw checkpoint again, as on the raw disk tier.
 """

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -57,21 +58,9 @@ def _write(
             if advance is not None:
                 advance(t.numel() * t.element_size())
         metadata[METADATA_KEY] = metadata_value(hashed)
-    header: dict[str, object] = {"__metadata__": metadata}
-    offset = 0
-    for name, t in tensors:
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": DTYPE_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw = header_bytes([(n, t.dtype, list(t.shape)) for n, t in tensors], metadata)
 
     def chunks() -> Iterator[bytes | memoryview]:
-        yield struct.pack("<Q", len(raw))
         yield raw
         for _name, t in tensors:
             if t.numel():
@@ -80,6 +69,31 @@ def _write(
                     advance(t.numel() * t.element_size())
 
     files.write(path, chunks(), mode)
+
+
+def header_bytes(
+    tensors: Sequence[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]
+) -> bytes:
+    """A safetensors file's first bytes, its header's length then its header, for
+    ``(name, dtype, shape)`` stored one after the other in that order (the header padded to
+    8 bytes, as safetensors pads it)."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape in tensors:
+        nbytes = math.prod(shape) * _itemsize(dtype)
+        header[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def save_checkpoint(

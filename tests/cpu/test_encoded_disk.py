@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import dlo
+from dlo.codec.offline import ENCODED_FILE
 from dlo.codec.on_disk import EncodedOnDisk
 from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
@@ -72,11 +73,40 @@ def test_blocks_beyond_the_budget_are_read_encoded_bitwise(
     assert path.exists()
 
 
-def test_without_an_encoded_checkpoint_the_budget_is_refused_by_name(ckpt: Path) -> None:
-    with pytest.raises(ValueError, match=r"no readable .*dlo save-checkpoint --codec ans") as e:
-        _load(ckpt, host_budget_gb=0.0)
-    assert "host_budget_gb leaves block" in str(e.value)
+def test_the_first_budgeted_enable_encodes_the_disk_blocks_into_the_file_once(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No encoded checkpoint yet: the blocks the budget leaves on disk are encoded at enable,
+    one at a time, into the encoded checkpoint (a model larger than the host's memory can be
+    encoded where it runs), then read from it; a smaller budget later encodes only the
+    blocks the file lacks and keeps the others."""
+    ref = _ref()
+    counted = _Counted(monkeypatch)
+    _, probe, _ = _load(ckpt)
+    half = 0.5 * _raw_block_nbytes(probe) / (1 << 30)
+    probe.disable()
+    counted.names.clear()
+    path = ckpt.parent / ENCODED_FILE
+    assert not path.exists()
+    _, backend, out = _load(ckpt, host_budget_gb=half)
+    first = {b.name for b in backend._blocks if isinstance(b.encoded, EncodedOnDisk)}
+    kept = {b.name for b in backend._blocks if b.encoded is not None} - first
+    assert torch.equal(out, ref) and path.exists() and first and kept
+    # the disk blocks encoded into the file, the kept ones into the region: each once
+    assert sorted(counted.names) == sorted(first | kept)
+    backend.disable()
+    counted.names.clear()
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)
+    every = {b.name for b in backend._blocks if isinstance(b.encoded, EncodedOnDisk)}
+    assert torch.equal(out, ref) and every == first | kept
+    assert sorted(counted.names) == sorted(kept)  # only what the file lacked
+    backend.disable()
+    counted.names.clear()
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)
+    assert torch.equal(out, ref) and counted.names == []  # read, nothing encoded
+    backend.disable()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    assert [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")] == []  # no temp
 
 
 def test_an_encoded_byte_corrupted_while_serving_fails_the_forward(ckpt: Path) -> None:
