@@ -19,6 +19,7 @@ from dlo.codec.on_disk import EncodedOnDisk
 from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
 from tests.cpu.test_codec_offline import DTYPE, _Counted, _load, _ref, _saved, ckpt
+from tests.harness import assert_all_ok, run_ranks
 
 __all__ = ["ckpt"]  # fixture
 
@@ -136,3 +137,37 @@ def test_save_encoded_under_a_budget_names_the_file_that_holds_the_blocks(ckpt: 
         backend.save_encoded()
     backend.disable()
     assert path.exists()
+
+
+def _rank_encodes(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    import dlo.backends.layer_codec as layer_codec
+    from dlo.pipelines.load import load_pipeline
+    from tests.cpu.test_codec_offline import _cfg, _factory
+
+    encoded: list[str] = []
+    real = layer_codec.encode_packed
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        encoded.append(args[2])
+        return real(*args, **kw)
+
+    layer_codec.encode_packed = counting  # type: ignore[assignment]
+    par = dlo.ParallelConfig(data_parallel_size=world)
+    pipe, backend = load_pipeline(_factory(), Path(ckpt_dir), _cfg(host_budget_gb=0.0), par, "cpu")
+    assert backend is not None
+    ids, lat = make_inputs("tiny", seed=1, dtype=DTYPE)
+    out = pipe.generate(ids, lat, 2)
+    n = backend.stats()["num_disk_encoded_blocks"]
+    backend.disable()
+    return {"out": out, "encoded": encoded, "disk": n}
+
+
+def test_ranks_sharing_the_folder_encode_it_once(ckpt: Path) -> None:
+    """Rank-local ranks of one node, the same folder, no encoded checkpoint: one rank
+    encodes the disk blocks into the file under the folder's lock, the other reads them."""
+    ref = _ref()
+    outs = assert_all_ok(run_ranks(_rank_encodes, 2, str(ckpt), timeout_s=300))
+    assert all(torch.equal(o["out"], ref) and o["disk"] > 0 for o in outs)
+    counts = sorted(len(o["encoded"]) for o in outs)
+    assert counts == [0, outs[0]["disk"]], counts
+    assert (ckpt.parent / ENCODED_FILE).exists()
