@@ -276,6 +276,36 @@ class HostCodec:
         if not self._pending:
             self.files.close()
 
+    def reencode(
+        self,
+        index: int,
+        name: str,
+        layout: BlockLayout,
+        tensors: Sequence[torch.Tensor],
+        dst: torch.Tensor,
+    ) -> EncodedShard:
+        """Block ``index`` encoded again from ``tensors`` (a LoRA fuse rewrote them: see [Note:
+        fusing while streaming] in :mod:`dlo.backends.lora_fuse`), into ``dst`` (its bytes in
+        the host region) where it fits, else into host memory of its own (pageable: the pin
+        budget is spent). Its bytes are no longer its checkpoint's: its origin is dropped, so
+        :meth:`save` never writes them under the checkpoint's fingerprints."""
+        try:
+            raw = pack_raw(layout, tensors, self._bounces[0])
+            enc, datas = encode_packed(
+                self.platform, self.codec, name, layout, raw, self._bounces[1]
+            )
+            self.origins.pop(index, None)
+            out = (
+                dst[: enc.nbytes]
+                if enc.nbytes <= dst.numel()
+                else torch.empty(enc.nbytes, dtype=torch.uint8)
+            )
+            write_pieces(out, enc, datas)
+            return self.shard(enc, out)
+        finally:
+            for bounce in self._bounces:
+                bounce.close()
+
     def shard(self, layout: EncodedLayout, data: torch.Tensor) -> EncodedShard:
         """The host copy of an encoded block whose pieces ``data`` holds (laid here, or by
         another sharer of a node-shared copy)."""

@@ -112,7 +112,7 @@ def load_resident(
 def install_rings(
     platform: Platform,
     pipeline: Any,
-    blocks: list[LayerBlock],
+    host: LayerHost,
     transports: Transports,
     pool: SlotPool,
     *,
@@ -125,6 +125,7 @@ def install_rings(
     refusals on the model; block 0 of each ring preloaded; the DiTs' rings of ``replan``
     re-planned, their pins loaded."""
     scheduler = RingScheduler(platform, pool, rank=rank)
+    blocks = host.blocks
 
     def unbind() -> None:
         platform.synchronize()
@@ -165,7 +166,9 @@ def install_rings(
         platform.device,
         busy=scheduler.guard.busy,
         rank=rank,
-        fuser=BlockFuse(platform, scheduler, blocks, rank=rank),
+        fuser=BlockFuse(
+            platform, scheduler, blocks, rank=rank, codec=host.codec, decoders=transports.decoders
+        ),
     )
     shared_names = {b.name for b in blocks if b.node_shared}
     # state_dict() of a block read encoded from disk serves its raw checkpoint's bytes, as

@@ -415,7 +415,7 @@ class LayerwiseBackend(OffloadBackend):
         state.scheduler = install_rings(
             pf,
             pipeline,
-            host.blocks,
+            host,
             transports,
             pool,
             owner=f"dlo.layer#{id(self):x}",

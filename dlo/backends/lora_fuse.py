@@ -11,27 +11,35 @@ bound again. So at most one streamed block is on the device beside the slots, an
 is PEFT's own, on the device, as on the resident model: the same bits.
 
 Only blocks whose host copy is their own whole block can be rewritten (group size 1, the
-host region, no codec, not node-shared: ``host_writable``); a fuse that would reach another
-block is refused before anything changes, naming it (an encoded block would have to be
-encoded again, the mapped backing is the read-only checkpoint, a gathered block is 1/N per
-rank). Tensors outside blocks are ordinary device tensors: the merge writes them in place and
+host region, not node-shared); a fuse that would reach another block is refused before
+anything changes, naming it (the mapped backing and the disk tier are the read-only
+checkpoint, a gathered block is 1/N per rank). An encoded block is encoded again from its
+merged tensors (:meth:`~dlo.backends.layer_codec.HostCodec.reencode`): into its region
+bytes where it fits, else into host memory of its own; the decoders are fitted to it
+(piece sizes prepared, staging grown) before the next forward; its origin is dropped, so
+``save_encoded`` never writes fused bytes under the checkpoint's fingerprints, and the next
+enable encodes it anew (the restored tensors no longer alias the checkpoint: the encoded
+checkpoint's entry is stale for them). Tensors outside blocks are ordinary device tensors: the merge writes them in place and
 disable gives them back with their values.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from dlo.backends.layer_block import LayerBlock
+from dlo.backends.layer_codec import HostCodec
+from dlo.codec.blocks import EncodedShard
 from dlo.errors import OffloadError
 from dlo.host.shards import copy_back, shard_view
 from dlo.journal import atomic
 from dlo.platform.device import Platform
+from dlo.runtime.decoding import Decoder
 from dlo.runtime.ring import RingScheduler
 from dlo.runtime.streamed import LOADED, StreamedBlock
 
@@ -50,8 +58,12 @@ class BlockFuse:
         blocks: list[LayerBlock],
         *,
         rank: int,
+        codec: HostCodec | None = None,
+        decoders: Sequence[Decoder] = (),
     ) -> None:
         self.platform, self.scheduler, self.rank = platform, scheduler, rank
+        self.codec, self.decoders = codec, decoders
+        """What encodes a rewritten encoded block again, and the decoders that load it."""
         streamed = [sb for ring in scheduler.rings for sb in ring.blocks]
         self.blocks: dict[int, StreamedBlock | LayerBlock] = {
             **{id(b.module): b for b in blocks if b.resident},
@@ -88,7 +100,7 @@ class BlockFuse:
         touched = [o for t, o in tuners if method == "fuse_lora" or getattr(t, "merged", False)]
         for owner in {id(o): o for o in touched}.values():
             layer = self.layer[id(owner.module)]
-            if not owner.host_writable or layer.region is None:
+            if not self._rewritable(layer):
                 raise OffloadError(
                     f"{method}() would rewrite block {owner.name!r}, whose host copy is "
                     f"{_why(layer)}: fuse before enabling (backend.disable(), fuse, enable "
@@ -101,6 +113,14 @@ class BlockFuse:
             return fuse()
         finally:
             self._close()
+
+    def _rewritable(self, b: LayerBlock) -> bool:
+        """``b``'s host copy is its own whole block in the host region: raw, or encoded with
+        the codec at hand to encode it again."""
+        own = b.layout.group_size == 1 and b.mapped is None and not b.node_shared
+        if b.encoded is not None:
+            return own and isinstance(b.encoded, EncodedShard) and self.codec is not None
+        return own and b.region is not None
 
     def merge(self, tuner: nn.Module, method: str, *args: Any, **kwargs: Any) -> Any:
         """PEFT's ``method`` of ``tuner`` on real tensors: its block opened first."""
@@ -148,7 +168,12 @@ class BlockFuse:
             if owner.own is not None:
                 real = list(owner.own_views)
             else:
-                raw = owner.shard.to(self.platform.device)
+                shard = owner.shard
+                raw = (
+                    shard.raw(self.platform.device)
+                    if isinstance(shard, EncodedShard)
+                    else shard.to(self.platform.device)
+                )
                 real = [shard_view(raw, s) for s in owner.layout.tensors]
             for t, r in zip(owner.tensors, real):
                 t.data = r
@@ -168,7 +193,10 @@ class BlockFuse:
             if isinstance(owner, StreamedBlock) and owner.state == LOADED and owner.slot:
                 self.scheduler.evict(owner.slot)  # a stale copy: the next load reads anew
             layer = self.layer[id(owner.module)]
-            copy_back(layer.host_view(), list(zip(owner.layout.tensors, owner.tensors)))
+            if layer.encoded is not None:  # encoded again from the merged tensors
+                self._reencode(layer, owner)
+            else:
+                copy_back(layer.host_view(), list(zip(owner.layout.tensors, owner.tensors)))
             if isinstance(owner, LayerBlock) or owner.own is not None:
                 for t, kept in zip(owner.tensors, self.before):  # PEFT may rebind .data
                     if t.data.data_ptr() != kept.data_ptr():
@@ -178,6 +206,19 @@ class BlockFuse:
                 for t, ph in zip(owner.tensors, owner.placeholders):
                     t.data = ph
             self.platform.synchronize()
+
+    def _reencode(self, b: LayerBlock, owner: StreamedBlock | LayerBlock) -> None:
+        """``b``'s host copy encoded again from ``owner``'s merged tensors; the transport's
+        decoders fitted to it; the ring reads the new copy from its next load."""
+        assert self.codec is not None and b.region is not None
+        shard = self.codec.reencode(
+            b.index, b.name, b.layout, owner.tensors, b.region.view(b.host_index)
+        )
+        for decoder in self.decoders:
+            decoder.fit(shard.layout)
+        b.encoded = shard
+        if isinstance(owner, StreamedBlock):
+            owner.shard = shard
 
 
 def unguard(tuners: Iterable[nn.Module]) -> None:
@@ -201,5 +242,5 @@ def _why(b: LayerBlock) -> str:
     if b.node_shared:
         return "the node's shared copy"
     if b.encoded is not None:
-        return "encoded (a codec: it would have to be encoded again)"
+        return "encoded on disk (host_budget_gb's disk tier reads the encoded checkpoint)"
     return "not kept (no host region)"

@@ -114,6 +114,20 @@ class Decoder:
             rank=rank,
         )
 
+    def fit(self, layout: EncodedLayout) -> None:
+        """Make room for a block encoded again between forwards (a LoRA fuse: see [Note:
+        fusing while streaming] in :mod:`dlo.backends.lora_fuse`): its piece sizes prepared,
+        the staging buffers grown if it is larger than any before. The device is idle."""
+        for p in layout.pieces:
+            if not p.stored:
+                self.codec.prepare(p.raw_nbytes)
+        if layout.nbytes > self._staging[0].numel():
+            where = self._staging[0].device
+            self._staging = [
+                torch.empty(layout.nbytes, dtype=torch.uint8, device=where)
+                for _ in range(DECODE_STAGING_BUFFERS)
+            ]
+
     def decode_ms(self) -> float:
         """Device time spent decoding, over every load so far (0 on the CPU platform)."""
         for row in self._timers:

@@ -6,6 +6,8 @@ a failed adapter call leaves the placeholders and the model as they were."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -379,18 +381,49 @@ def test_fuse_and_unfuse_while_enabled_give_the_resident_bits(
         assert st["num_resident_blocks"] == resident and st["num_streamed_blocks"] > 0
 
 
-def test_fusing_an_encoded_block_is_refused_and_changes_nothing(
-    folder: Path, loras: list[Path]
+@pytest.mark.parametrize("resident", [0, 2, "pins"])
+def test_fusing_encoded_blocks_encodes_them_again_bitwise(
+    folder: Path, loras: list[Path], resident: Any
 ) -> None:
+    """With a codec the fuse encodes each rewritten block again ([Note: fusing while
+    streaming]): the resident bits after each fuse and unfuse and after disable."""
+    cfg = (
+        dlo.OffloadConfig(device_budget_gb=0.0012, codec="ans")
+        if resident == "pins"
+        else dlo.OffloadConfig(mode="layer", resident_layers=resident, num_slots=2, codec="ans")
+    )
+    st = fuse_and_compare(folder, loras, "cpu", cfg, "after")
+    assert st["codec"] == "ans" and st["host_encoded_nbytes"] > 0
+
+
+def test_a_fused_encoded_block_is_never_saved_as_the_checkpoint_s(
+    folder: Path, loras: list[Path], tmp_path: Path
+) -> None:
+    """A fused block's bytes are no longer its checkpoint's: save_encoded after the fuse
+    leaves it out, and the next enable without the adapter encodes it anew from the
+    checkpoint (the resident bits without the LoRA), never serving the fused bytes."""
+    own = tmp_path / "folder"
+    shutil.copytree(folder, own)
     cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
-    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
+    plain = flux_call(resident_reference(str(own), torch.float32, torch.device("cpu")))
+    pipe, backend = dlo.load_pipeline(own, cfg, device="cpu")
     assert backend is not None
     try:
+        backend.save_encoded()  # every block, as loaded
         pipe.load_lora_weights(loras[0], adapter_name="a0")
-        want = flux_call(pipe)
-        with pytest.raises(dlo.OffloadError, match=r"encoded.*fuse before enabling"):
-            pipe.fuse_lora()
-        assert torch.equal(flux_call(pipe), want)
-        assert not any(getattr(m, "merged", False) for m in pipe.transformer.modules())
+        pipe.fuse_lora(lora_scale=0.7)
+        fused = [
+            b.name for b in backend._blocks if b.index not in backend._state.host.codec.origins
+        ]
+        assert fused
+        with contextlib.suppress(ValueError):  # every encoded block fused: nothing to save
+            backend.save_encoded()
     finally:
         backend.disable()
+    pipe, backend = dlo.load_pipeline(own, cfg, device="cpu")
+    assert backend is not None
+    try:
+        assert torch.equal(flux_call(pipe), plain)
+    finally:
+        backend.disable()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)

@@ -35,3 +35,15 @@ def test_fuse_and_unfuse_while_enabled_bitwise_on_the_gpu(
     stats = fuse_and_compare(folder, loras, "cuda", cfg, when)
     assert stats["num_streamed_blocks"] > 0 and stats["num_resident_blocks"] == 1
     torch.cuda.synchronize()
+
+
+def test_fusing_encoded_blocks_encodes_them_again_on_the_gpu(
+    folder: Path, loras: list[Path]
+) -> None:
+    """nvCOMP encodes each rewritten block again; the decoders are fitted to it (piece
+    sizes prepared, staging grown where it grew) before the next forward."""
+    pytest.importorskip("nvidia.nvcomp", reason="codec='ans' on CUDA needs nvidia-nvcomp-cu13")
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=1, num_slots=2, codec="ans")
+    stats = fuse_and_compare(folder, loras, "cuda", cfg, "after")
+    assert stats["codec_bitstream"] == "nvcomp-ans-f2" and stats["host_encoded_nbytes"] > 0
+    torch.cuda.synchronize()
