@@ -184,7 +184,7 @@ def install_rings(
                 sb.module,
                 sb.name,
                 sb.layout,
-                raw_of.get(sb.name) or sb.shard,
+                raw_of.get(sb.name) or functools.partial(getattr, sb, "shard"),
                 sb.tensors,
                 rank=rank,
                 copy=sb.name in shared_names,

@@ -100,7 +100,7 @@ def install_state_dict_hooks(
     module: nn.Module,
     name: str,
     layout: BlockLayout,
-    shard: torch.Tensor | MappedBlock | EncodedShard,
+    shard: torch.Tensor | MappedBlock | EncodedShard | Callable[[], Any],
     tensors: Sequence[torch.Tensor],
     *,
     rank: int,
@@ -139,16 +139,18 @@ def install_state_dict_hooks(
             )
         named = named_tensors(mod)
         raw: torch.Tensor | None = None  # an encoded block, decoded once per call
+        # as it is now: a LoRA fuse encodes an encoded block again into a new host copy
+        host = shard() if callable(shard) else shard
 
         def host_tensor(i: int) -> torch.Tensor:
             nonlocal raw
-            if isinstance(shard, MappedBlock):
-                t = shard.tensor(i)
-            elif isinstance(shard, EncodedShard):
-                raw = shard.raw() if raw is None else raw
+            if isinstance(host, MappedBlock):
+                t = host.tensor(i)
+            elif isinstance(host, EncodedShard):
+                raw = host.raw() if raw is None else raw
                 t = shard_view(raw, layout.tensors[i])  # private memory already
             else:
-                t = shard_view(shard, layout.tensors[i])
+                t = shard_view(host, layout.tensors[i])
             return t.clone() if copy else t
 
         for local, t in named:

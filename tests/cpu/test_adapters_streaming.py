@@ -396,6 +396,26 @@ def test_fusing_encoded_blocks_encodes_them_again_bitwise(
     assert st["codec"] == "ans" and st["host_encoded_nbytes"] > 0
 
 
+def test_state_dict_after_fusing_encoded_blocks_is_the_fused_weights(
+    folder: Path, loras: list[Path]
+) -> None:
+    """state_dict() decodes the block's host copy as it is now: after a fuse encoded it
+    again, the new piece table over the new bytes (never the enable's table)."""
+    ref = resident_reference(str(folder), torch.float32, torch.device("cpu"))
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
+    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
+    assert backend is not None
+    try:
+        for p in (ref, pipe):
+            p.load_lora_weights(loras[0], adapter_name="a0")
+            p.fuse_lora(lora_scale=0.7)
+        want, got = ref.transformer.state_dict(), pipe.transformer.state_dict()
+        assert sorted(want) == sorted(got)
+        assert all(torch.equal(want[k], got[k]) for k in want)
+    finally:
+        backend.disable()
+
+
 def test_a_fused_encoded_block_is_never_saved_as_the_checkpoint_s(
     folder: Path, loras: list[Path], tmp_path: Path
 ) -> None:
