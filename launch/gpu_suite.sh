@@ -3,7 +3,7 @@
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
 # The `dlo run` rows that exercise a transfer pass --resident-layers 0 (on a GPU the defaults
 # keep a model that fits resident, and nothing would stream); run_1gpu_defaults runs those.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|lane|lanetests|lanefail|lanerun|lanecp|cetests|run|bench1|bench2|profile|ctas|ckpt|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|lane|lanetests|lanefail|lanerun|lanecp|cetests|run|bench1|bench2|profile|ctas|ckpt|encdisk|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -165,6 +165,18 @@ for s in $steps; do
           --preset "$preset" --methods dlo-allgather --tokens 4096,16384 --nccl-max-ctas "$c" \
           --json "$out/ctas$c.json"
       done ;;
+    encdisk)  # issue 37 + 36: the disk tier read encoded, a LoRA fuse encoding blocks again
+      step encdisk_tests 300 python3 -m pytest -v -p no:cacheprovider -rs \
+        tests/gpu/test_disk_tier_gpu.py tests/gpu/test_adapters_gpu.py -k encoded
+      # Wan2.1-14B (random bf16: a proxy for speed, never for the codec's ratio), 8 GiB host:
+      # the first enable encodes the disk blocks into the folder's encoded checkpoint, then
+      # the rows read them (DLO_SUITE_WAN: a folder saved already, else written to /tmp)
+      wan=${DLO_SUITE_WAN:-/tmp/dlo_wan}
+      [ -d "$wan" ] || step encdisk_save 200 python3 -m dlo save-pipeline --like wan2.1-t2v-14b \
+        --dtype bfloat16 "$wan"
+      step encdisk_bench 560 python3 -m dlo.bench.pipeline_disk "$wan" --host-budgets 8 \
+        --size 480x832x1 --steps 2 --codec ans --probe-gb 1 \
+        --json "$out/encdisk.json" --markdown "$out/encdisk.md" ;;
     ckpt)  # issue 10: checkpoint straight to per-rank shards vs the plain path (wan14b-like)
       ck=${DLO_SUITE_CKPT_PRESET:-wan14b-like}
       step ckpt_save 300 python3 -m dlo save-checkpoint --preset "$ck" --out /tmp/dlo_ckpt \
