@@ -219,8 +219,9 @@ class HostCodec:
                 len(todo),
                 path,
             )
-            spool = EncodedSpool(path)
+            spool: EncodedSpool | None = None
             try:
+                spool = EncodedSpool(path)
                 self.files.copy_into(spool, skip={b[1] for b in todo})
                 for index, name, layout, tensors, _ in todo:
                     raw = pack_raw(layout, tensors, self._bounces[0])
@@ -233,7 +234,7 @@ class HostCodec:
                     del data, datas
                 self.files.forget(path)
                 spool.finish(self.bitstream)
-            except CheckpointWriteError as e:
+            except (CheckpointWriteError, OSError) as e:  # read-only folder, full disk
                 raise ValueError(
                     f"host_budget_gb with codec {self.name!r} encodes the blocks it leaves on "
                     f"disk into {path}, which could not be written ({e}): write it where the "
@@ -241,9 +242,9 @@ class HostCodec:
                     "--save-encoded, without a budget), or set codec='none'"
                 ) from e
             finally:
-                spool.close()
-                for bounce in self._bounces:
-                    bounce.close()
+                if spool is not None:
+                    spool.close()
+                self.release_bounces()
 
     def _serve(self, block: Block, reads: DirectReads, journal: Journal) -> EncodedOnDisk:
         index, name, layout, _, _ = block
@@ -277,34 +278,41 @@ class HostCodec:
             self.files.close()
 
     def reencode(
-        self,
-        index: int,
-        name: str,
-        layout: BlockLayout,
-        tensors: Sequence[torch.Tensor],
-        dst: torch.Tensor,
-    ) -> EncodedShard:
+        self, index: int, name: str, layout: BlockLayout, tensors: Sequence[torch.Tensor]
+    ) -> tuple[EncodedLayout, list[torch.Tensor]]:
         """Block ``index`` encoded again from ``tensors`` (a LoRA fuse rewrote them: see [Note:
-        fusing while streaming] in :mod:`dlo.backends.lora_fuse`), into ``dst`` (its bytes in
-        the host region) where it fits, else into host memory of its own (pageable: the pin
-        budget is spent). Its bytes are no longer its checkpoint's: its origin is dropped, so
-        :meth:`save` never writes them under the checkpoint's fingerprints."""
-        try:
-            raw = pack_raw(layout, tensors, self._bounces[0])
-            enc, datas = encode_packed(
-                self.platform, self.codec, name, layout, raw, self._bounces[1]
+        fusing while streaming] in :mod:`dlo.backends.lora_fuse`): its piece table and
+        pieces, for :meth:`place`. Its bytes are no longer its checkpoint's: its origin is
+        dropped, so :meth:`save` never writes them under the checkpoint's fingerprints. The
+        bounce buffers stay for the next block (:meth:`release_bounces`)."""
+        raw = pack_raw(layout, tensors, self._bounces[0])
+        enc, datas = encode_packed(self.platform, self.codec, name, layout, raw, self._bounces[1])
+        self.origins.pop(index, None)
+        return enc, datas
+
+    def place(
+        self, name: str, enc: EncodedLayout, datas: list[torch.Tensor], dst: torch.Tensor
+    ) -> EncodedShard:
+        """:meth:`reencode`'s block laid into ``dst`` (its bytes in the host region) where it
+        fits, else into host memory of its own (pageable: the pin budget is spent)."""
+        if enc.nbytes <= dst.numel():
+            out = dst[: enc.nbytes]
+        else:
+            logger.warning(
+                "dlo: block %s encoded again takes %d bytes, more than its %d in the host "
+                "region: it moves to pageable memory of its own (its loads are slower)",
+                name,
+                enc.nbytes,
+                dst.numel(),
             )
-            self.origins.pop(index, None)
-            out = (
-                dst[: enc.nbytes]
-                if enc.nbytes <= dst.numel()
-                else torch.empty(enc.nbytes, dtype=torch.uint8)
-            )
-            write_pieces(out, enc, datas)
-            return self.shard(enc, out)
-        finally:
-            for bounce in self._bounces:
-                bounce.close()
+            out = torch.empty(enc.nbytes, dtype=torch.uint8)
+        write_pieces(out, enc, datas)
+        return self.shard(enc, out)
+
+    def release_bounces(self) -> None:
+        """Free the bounce buffers of an encode pass."""
+        for bounce in self._bounces:
+            bounce.close()
 
     def shard(self, layout: EncodedLayout, data: torch.Tensor) -> EncodedShard:
         """The host copy of an encoded block whose pieces ``data`` holds (laid here, or by
@@ -435,10 +443,18 @@ class HostCodec:
 @contextlib.contextmanager
 def _locked(directory: Path) -> Iterator[None]:
     """An exclusive lock on ``directory`` (``flock`` on its descriptor: nothing is created
-    in it), held by one process of the node at a time."""
+    in it), held by one process of the node at a time (a node's: ``flock`` does not reach
+    across the nodes of a network filesystem)."""
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a filesystem without flock (NFS directories, some Lustre)
+            logger.warning(
+                "dlo: %s cannot be locked (%s): ranks sharing it may each encode its blocks",
+                directory,
+                e.strerror or e,
+            )
         yield
     finally:
         os.close(fd)  # releases the lock

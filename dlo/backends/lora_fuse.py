@@ -112,7 +112,11 @@ class BlockFuse:
         try:
             return fuse()
         finally:
-            self._close()
+            try:
+                self._close()
+            finally:
+                if self.codec is not None:
+                    self.codec.release_bounces()  # kept across the blocks encoded again
 
     def _rewritable(self, b: LayerBlock) -> bool:
         """``b``'s host copy is its own whole block in the host region: raw, or encoded with
@@ -211,11 +215,10 @@ class BlockFuse:
         """``b``'s host copy encoded again from ``owner``'s merged tensors; the transport's
         decoders fitted to it; the ring reads the new copy from its next load."""
         assert self.codec is not None and b.region is not None
-        shard = self.codec.reencode(
-            b.index, b.name, b.layout, owner.tensors, b.region.view(b.host_index)
-        )
-        for decoder in self.decoders:
-            decoder.fit(shard.layout)
+        enc, datas = self.codec.reencode(b.index, b.name, b.layout, owner.tensors)
+        for decoder in self.decoders:  # before the host copy changes: a failure leaves it
+            decoder.fit(enc)
+        shard = self.codec.place(b.name, enc, datas, b.region.view(b.host_index))
         b.encoded = shard
         if isinstance(owner, StreamedBlock):
             owner.shard = shard

@@ -381,7 +381,13 @@ class EncodedFiles:
             if name in skip or e is None or e.dtype != torch.uint8:
                 continue
             data = torch.empty(e.nbytes, dtype=torch.uint8)
-            f.read(pool, name, data)
+            try:
+                f.read(pool, name, data)
+            except CheckpointError as err:
+                raise CheckpointError(
+                    f"{spool.path} is corrupted ({err}): delete it, and the next enable "
+                    "writes it anew"
+                ) from err
             spool.add_entry(name, entry, data)
 
     def forget(self, path: Path) -> None:

@@ -24,8 +24,11 @@ A block no encoded checkpoint serves yet (none written, or written for other byt
 or bitstream) is encoded once, at enable, into the encoded checkpoint beside its weights,
 which keeps the entries it had (:class:`~dlo.codec.offline.EncodedSpool`: one block in
 memory at a time, so a model larger than the host's memory is encoded where it runs; the
-file is rewritten once, under a lock on its directory, so ranks sharing the folder encode
-it once and the others read it). Later enables read it. A block whose tensors are not all
+file is rewritten once, under a ``flock`` on its directory, so the ranks of a node sharing
+the folder encode it once and the others read it; the lock does not reach across the nodes
+of a network filesystem, and where the filesystem has none each rank encodes, with a
+warning). The write needs free space for the new file twice over (the spool, then the
+file) beside the old one. Later enables read it. A block whose tensors are not all
 in one checkpoint directory cannot be served, and is refused by name; so is a folder that
 cannot be written.
 Resident blocks on the disk tier are read the same way, once. At disable the block's tensors

@@ -416,6 +416,43 @@ def test_state_dict_after_fusing_encoded_blocks_is_the_fused_weights(
         backend.disable()
 
 
+def test_a_fuse_failing_to_fit_the_decoders_leaves_the_host_copy_whole(
+    folder: Path, loras: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decoders are fitted to a block encoded again before its host copy changes: a
+    failure there (a device out of memory growing the staging) leaves the old piece table
+    over the old bytes, never the old table over new bytes."""
+    from dlo.backends.layer_codec import HostCodec
+    from dlo.runtime.decoding import Decoder
+
+    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
+    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
+    assert backend is not None
+    placed: list[str] = []
+    real_place = HostCodec.place
+
+    def place(self: Any, name: str, *args: Any) -> Any:
+        placed.append(name)
+        return real_place(self, name, *args)
+
+    def fit(self: Any, layout: Any) -> None:
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    try:
+        pipe.load_lora_weights(loras[0], adapter_name="a0")
+        coded = [b for b in backend._blocks if b.encoded is not None]
+        before = [b.encoded.raw() for b in coded]
+        monkeypatch.setattr(HostCodec, "place", place)
+        monkeypatch.setattr(Decoder, "fit", fit)
+        with pytest.raises(RuntimeError, match="injected"):
+            pipe.fuse_lora(lora_scale=0.7)
+        monkeypatch.undo()
+        assert placed == []  # nothing written into a host copy
+        assert all(torch.equal(b.encoded.raw(), r) for b, r in zip(coded, before))
+    finally:
+        backend.disable()
+
+
 def test_a_fused_encoded_block_is_never_saved_as_the_checkpoint_s(
     folder: Path, loras: list[Path], tmp_path: Path
 ) -> None:

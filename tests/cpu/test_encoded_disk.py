@@ -171,3 +171,18 @@ def test_ranks_sharing_the_folder_encode_it_once(ckpt: Path) -> None:
     counts = sorted(len(o["encoded"]) for o in outs)
     assert counts == [0, outs[0]["disk"]], counts
     assert (ckpt.parent / ENCODED_FILE).exists()
+
+
+def test_a_folder_that_cannot_take_the_file_is_named(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dlo.codec.offline as offline
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise PermissionError(13, "Permission denied", str(ckpt.parent))
+
+    monkeypatch.setattr(offline.tempfile, "TemporaryFile", refuse)
+    with pytest.raises(ValueError, match=r"could not be written .*Permission denied"):
+        _load(ckpt, host_budget_gb=0.0)
+    assert not (ckpt.parent / ENCODED_FILE).exists()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
