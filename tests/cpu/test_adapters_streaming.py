@@ -1,7 +1,8 @@
 """LoRA adapters loaded, switched, deleted and unloaded while dlo streams a pipeline's blocks
 ([Note: adapters while streaming] in :mod:`dlo.backends.lora`): 10 requests over 3 adapters
 bit for bit against the resident pipeline with the same adapters, with and without the
-codec; the refusals that stand (fuse, inside a forward, where blocks gather) change nothing;
+codec; fuse and unfuse while enabled, encoded blocks encoded again; the refusals that stand
+(inside a forward, where blocks gather) change nothing;
 a failed adapter call leaves the placeholders and the model as they were."""
 
 from __future__ import annotations

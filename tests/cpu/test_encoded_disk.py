@@ -1,7 +1,8 @@
 """The disk tier with a codec ([Note: encoded blocks on disk] in dlo.codec.on_disk): blocks
 beyond ``host_budget_gb`` are read encoded from the encoded checkpoint at every use, every
-piece checked against its checksums at every read, and decoded by the ring's decoder; a
-block no encoded checkpoint serves is refused by name. CPU platform (the reference codec;
+piece checked against its checksums at every read, and decoded by the ring's decoder; the
+blocks no encoded checkpoint serves yet are encoded into it at enable, one at a time. CPU
+platform (the reference codec;
 its ratio on random weights says nothing about real ones: only that fewer bytes are read)."""
 
 from __future__ import annotations

@@ -322,22 +322,22 @@ def test_lora_applied_before_enable_gives_the_resident_bits(
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
-def test_lora_fusing_encoded_blocks_is_refused_and_the_methods_go_back_at_disable(
+def test_lora_fusing_encoded_blocks_and_the_methods_go_back_at_disable(
     root: Path, lora: Path
 ) -> None:
     """Fusing rewrites the blocks' host copies (tests/cpu/test_adapters_streaming.py); an
-    encoded one would have to be encoded again: refused by name before anything changes,
+    encoded one is encoded again: the resident pipeline's bits with the same fused LoRA,
     and after disable the pipeline's methods are its own again."""
+    folder = _folder(root, "tiny-flux")
+    ref = resident_reference(str(folder), torch.float32, torch.device("cpu"))
     cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
-    pipe, backend = dlo.load_pipeline(_folder(root, "tiny-flux"), cfg, device="cpu")
+    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
     assert backend is not None
     try:
-        pipe.load_lora_weights(lora, adapter_name="a")
-        want = _flux_call(pipe)
-        for call in (pipe.fuse_lora, pipe.transformer.fuse_lora):
-            with pytest.raises(dlo.OffloadError, match=r"fuse_lora\(\) would rewrite block"):
-                call()
-        assert torch.equal(_flux_call(pipe), want)
+        for p in (ref, pipe):
+            p.load_lora_weights(lora, adapter_name="a")
+            p.fuse_lora()
+        assert torch.equal(_flux_call(pipe), _flux_call(ref))
     finally:
         backend.disable()
     assert "load_lora_weights" not in vars(pipe) and "fuse_lora" not in vars(pipe.transformer)
