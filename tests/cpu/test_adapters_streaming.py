@@ -397,19 +397,30 @@ def test_fusing_encoded_blocks_encodes_them_again_bitwise(
     assert st["codec"] == "ans" and st["host_encoded_nbytes"] > 0
 
 
-def test_state_dict_after_fusing_encoded_blocks_is_the_fused_weights(
-    folder: Path, loras: list[Path]
-) -> None:
-    """state_dict() decodes the block's host copy as it is now: after a fuse encoded it
-    again, the new piece table over the new bytes (never the enable's table)."""
+def fused_encoded(folder: Path, lora: Path) -> tuple[Any, Any, Any]:
+    """A resident pipeline and one streaming encoded blocks (``codec="ans"``), each with
+    ``lora`` loaded and fused (the streaming one while enabled): ``(ref, pipe, backend)``."""
     ref = resident_reference(str(folder), torch.float32, torch.device("cpu"))
     cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
     pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
     assert backend is not None
     try:
         for p in (ref, pipe):
-            p.load_lora_weights(loras[0], adapter_name="a0")
+            p.load_lora_weights(lora, adapter_name="a0")
             p.fuse_lora(lora_scale=0.7)
+    except BaseException:
+        backend.disable()
+        raise
+    return ref, pipe, backend
+
+
+def test_state_dict_after_fusing_encoded_blocks_is_the_fused_weights(
+    folder: Path, loras: list[Path]
+) -> None:
+    """state_dict() decodes the block's host copy as it is now: after a fuse encoded it
+    again, the new piece table over the new bytes (never the enable's table)."""
+    ref, pipe, backend = fused_encoded(folder, loras[0])
+    try:
         want, got = ref.transformer.state_dict(), pipe.transformer.state_dict()
         assert sorted(want) == sorted(got)
         assert all(torch.equal(want[k], got[k]) for k in want)

@@ -328,15 +328,10 @@ def test_lora_fusing_encoded_blocks_and_the_methods_go_back_at_disable(
     """Fusing rewrites the blocks' host copies (tests/cpu/test_adapters_streaming.py); an
     encoded one is encoded again: the resident pipeline's bits with the same fused LoRA,
     and after disable the pipeline's methods are its own again."""
-    folder = _folder(root, "tiny-flux")
-    ref = resident_reference(str(folder), torch.float32, torch.device("cpu"))
-    cfg = dlo.OffloadConfig(mode="layer", resident_layers=0, codec="ans")
-    pipe, backend = dlo.load_pipeline(folder, cfg, device="cpu")
-    assert backend is not None
+    from tests.cpu.test_adapters_streaming import fused_encoded
+
+    ref, pipe, backend = fused_encoded(_folder(root, "tiny-flux"), lora)
     try:
-        for p in (ref, pipe):
-            p.load_lora_weights(lora, adapter_name="a")
-            p.fuse_lora()
         assert torch.equal(_flux_call(pipe), _flux_call(ref))
     finally:
         backend.disable()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,21 @@ from dlo.pipelines.load import load_pipeline
 from tests.cpu.test_disk_tier import _skeleton, _steps
 from tests.cpu.test_loader import DTYPE, PRESET
 from tests.cpu.test_pipeline_folders import _call_flags, _folder
+
+
+def _bitwise_stats(
+    ckpt: str, cfg: dlo.OffloadConfig, ids: torch.Tensor, latents: torch.Tensor, refs: list[Any]
+) -> dict[str, Any]:
+    """The preset loaded from ``ckpt`` under ``cfg`` on the GPU, its steps bitwise against
+    ``refs``; its stats, disabled."""
+    pipe, backend = load_pipeline(_skeleton, ckpt, cfg, None, "cuda")
+    assert backend is not None
+    outs = _steps(pipe, ids, latents)
+    torch.cuda.synchronize()
+    st = backend.stats()
+    backend.disable()
+    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    return st
 
 
 @pytest.mark.parametrize(("share", "slots"), [(0.0, 2), (0.5, 3)])
@@ -42,13 +58,7 @@ def test_disk_blocks_are_bitwise_on_the_gpu(tmp_path: Path, share: float, slots:
         chunk_mb=4,
         host_budget_gb=share * blocks / (1 << 30),
     )
-    pipe, backend = load_pipeline(_skeleton, str(path.parent), cfg, None, "cuda")
-    assert backend is not None
-    outs = _steps(pipe, ids, latents)
-    torch.cuda.synchronize()
-    st = backend.stats()
-    backend.disable()
-    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    st = _bitwise_stats(str(path.parent), cfg, ids, latents, refs)
     assert st["num_disk_blocks"] > 0 and st["disk_read_nbytes"] >= st["disk_nbytes"]
     # the read-ahead buffers are page-locked (the copies run from pinned memory)
     assert st["host_pinned_nbytes"] >= 2 * st["read_ahead_buffer_nbytes"] > 0
@@ -87,7 +97,7 @@ def test_encoded_disk_blocks_are_bitwise_on_the_gpu(
     refs = _steps(resident.to("cuda"), ids, latents)
     del resident
     cfg = dict(mode="layer", components=("dit", "encoder"), resident_layers=0, chunk_mb=4)
-    pipe, backend = load_pipeline(
+    _, backend = load_pipeline(
         _skeleton, str(path.parent), dlo.OffloadConfig(**cfg, codec="ans"), None, "cuda"
     )
     assert backend is not None
@@ -96,13 +106,7 @@ def test_encoded_disk_blocks_are_bitwise_on_the_gpu(
         backend.save_encoded()  # type: ignore[attr-defined]
     backend.disable()
     budget = dlo.OffloadConfig(**cfg, codec="ans", host_budget_gb=share * raw / (1 << 30))
-    pipe, backend = load_pipeline(_skeleton, str(path.parent), budget, None, "cuda")
-    assert backend is not None
-    outs = _steps(pipe, ids, latents)
-    torch.cuda.synchronize()
-    st = backend.stats()
-    backend.disable()
-    assert all(torch.equal(a, b) for a, b in zip(outs, refs))
+    st = _bitwise_stats(str(path.parent), budget, ids, latents, refs)
     assert st["num_disk_encoded_blocks"] == st["num_disk_blocks"] > 0
     assert st["codec_bitstream"] == "nvcomp-ans-f2" and st["encoded_h2d_nbytes"] > 0
     assert 0 < st["disk_nbytes"] <= st["disk_read_nbytes"]
