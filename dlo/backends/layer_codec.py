@@ -15,10 +15,8 @@ the checkpoint file; nothing to gain), and so do AllGather slices (the region ho
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
-import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,7 +41,7 @@ from dlo.host.bounce import Bounce
 from dlo.host.node_share import share_step
 from dlo.io.checkpoint import Checkpoint
 from dlo.io.direct import DirectReads
-from dlo.io.files import CheckpointWriteError
+from dlo.io.files import CheckpointWriteError, locked_dir
 from dlo.journal import Journal, atomic
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
@@ -204,7 +202,7 @@ class HostCodec:
         """Encode ``todo`` into the encoded checkpoint at ``path``, which keeps the blocks it
         held: one block in memory at a time, the file rewritten once (under a lock on its
         directory: ranks sharing the folder encode it once, the others read it)."""
-        with _locked(path.parent):
+        with locked_dir(path.parent):
             self.files.forget(path)  # another rank may have written it meanwhile
             todo = [
                 b
@@ -438,23 +436,3 @@ class HostCodec:
         self.decoder.close()
         for b in self._bounces:
             b.close()
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on ``directory`` (``flock`` on its descriptor: nothing is created
-    in it), held by one process of the node at a time (a node's: ``flock`` does not reach
-    across the nodes of a network filesystem)."""
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:  # a filesystem without flock (NFS directories, some Lustre)
-            logger.warning(
-                "dlo: %s cannot be locked (%s): ranks sharing it may each encode its blocks",
-                directory,
-                e.strerror or e,
-            )
-        yield
-    finally:
-        os.close(fd)  # releases the lock

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import logging
 import os
 import secrets
 import stat
@@ -56,6 +58,8 @@ OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _EFFECTIVE_IDS = os.access in os.supports_effective_ids
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointWriteError(CheckpointError):
@@ -207,3 +211,23 @@ def _create(path: Path, mode: int) -> tuple[Path, int]:
         with contextlib.suppress(FileExistsError):
             return tmp, os.open(tmp, flags, mode)
     raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
+
+
+@contextlib.contextmanager
+def locked_dir(directory: Path) -> Iterator[None]:
+    """An exclusive lock on ``directory`` (``flock`` on its descriptor: nothing is created
+    in it), held by one process of the node at a time (a node's: ``flock`` does not reach
+    across the nodes of a network filesystem)."""
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a filesystem without flock (NFS directories, some Lustre)
+            logger.warning(
+                "dlo: %s cannot be locked (%s): processes sharing it may each write its files",
+                directory,
+                e.strerror or e,
+            )
+        yield
+    finally:
+        os.close(fd)  # releases the lock
