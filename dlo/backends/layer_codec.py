@@ -166,12 +166,17 @@ class HostCodec:
         return self.origins.get(index)
 
     def on_disk(
-        self, blocks: Sequence[Block], reads: DirectReads, journal: Journal
+        self,
+        blocks: Sequence[Block],
+        reads: DirectReads,
+        journal: Journal,
+        kept: Sequence[Block] = (),
     ) -> list[EncodedOnDisk]:
         """``blocks`` (group size 1) served by their encoded checkpoint at every use (see
         [Note: encoded blocks on disk] in :mod:`dlo.codec.on_disk`); the files stay open
         until the journal is undone. Blocks it does not serve yet are encoded into it first,
-        one at a time (:meth:`_encode_into`).
+        one at a time (:meth:`_encode_into`), and so are the ``kept`` ones (the host region's
+        encoded blocks) that come from a checkpoint: later enables read them too.
 
         Raises:
             ValueError: a block's tensors are not all in one checkpoint directory (no
@@ -190,6 +195,11 @@ class HostCodec:
                 )
             if not isinstance(self._served(layout, origin), EncodedLayout):
                 missing.setdefault(origin.directory / ENCODED_FILE, []).append(block)
+        for block in kept:  # written beside the disk blocks, where those are written
+            origin = self._origin(block[0], block[2], block[3])
+            path = origin.directory / ENCODED_FILE if origin and origin.directory else None
+            if path in missing and not isinstance(self._served(block[2], origin), EncodedLayout):
+                missing[path].append(block)
         for path, todo in missing.items():
             self._encode_into(path, todo)
         return [self._serve(b, reads, journal) for b in blocks]

@@ -155,8 +155,12 @@ class LayerHost:
             b.mapped = m
         coded = [b for b in blocks if b.stack.codec != "none"]  # [Note: encoded blocks on disk]
         if reads is not None and coded:
+            kept = [self.blocks[i] for i in plan.encoded if i not in plan.on_disk]
             served = self._codec(journal).on_disk(
-                [(b.index, b.name, b.layout, b.tensors, 0) for b in coded], reads, journal
+                [(b.index, b.name, b.layout, b.tensors, 0) for b in coded],
+                reads,
+                journal,
+                kept=[(b.index, b.name, b.layout, b.tensors, 0) for b in kept if not b.node_shared],
             )
             for b, e in zip(coded, served):
                 b.encoded = e

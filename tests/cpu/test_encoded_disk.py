@@ -19,7 +19,15 @@ from dlo.codec.offline import ENCODED_FILE
 from dlo.codec.on_disk import EncodedOnDisk
 from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
-from tests.cpu.test_codec_offline import DTYPE, _Counted, _load, _ref, _saved, ckpt
+from tests.cpu.test_codec_offline import (
+    DTYPE,
+    _Counted,
+    _load,
+    _ref,
+    _rewrite_record,
+    _saved,
+    ckpt,
+)
 from tests.harness import assert_all_ok, run_ranks
 
 __all__ = ["ckpt"]  # fixture
@@ -81,7 +89,8 @@ def test_the_first_budgeted_enable_encodes_the_disk_blocks_into_the_file_once(
     """No encoded checkpoint yet: the blocks the budget leaves on disk are encoded at enable,
     one at a time, into the encoded checkpoint (a model larger than the host's memory can be
     encoded where it runs), then read from it; a smaller budget later encodes only the
-    blocks the file lacks and keeps the others."""
+    blocks the file lacks and keeps the others; the blocks kept in memory are written into
+    it beside them, so later enables read those too."""
     ref = _ref()
     counted = _Counted(monkeypatch)
     _, probe, _ = _load(ckpt)
@@ -94,18 +103,22 @@ def test_the_first_budgeted_enable_encodes_the_disk_blocks_into_the_file_once(
     first = {b.name for b in backend._blocks if isinstance(b.encoded, EncodedOnDisk)}
     kept = {b.name for b in backend._blocks if b.encoded is not None} - first
     assert torch.equal(out, ref) and path.exists() and first and kept
-    # the disk blocks encoded into the file, the kept ones into the region: each once
+    # the disk blocks and the kept ones encoded into the file, each once; the kept ones
+    # then read from it into the region
     assert sorted(counted.names) == sorted(first | kept)
+    assert backend.stats()["encoded_read_blocks"] == len(kept)
     backend.disable()
     counted.names.clear()
     _, backend, out = _load(ckpt, host_budget_gb=0.0)
     every = {b.name for b in backend._blocks if isinstance(b.encoded, EncodedOnDisk)}
     assert torch.equal(out, ref) and every == first | kept
-    assert sorted(counted.names) == sorted(kept)  # only what the file lacked
+    assert counted.names == []  # the file serves every block: read, nothing encoded
     backend.disable()
-    counted.names.clear()
+    # a file lacking a block (an entry dropped): only that one is encoded, the rest kept
+    lost = sorted(every)[0]
+    _rewrite_record(path, lambda record: record["blocks"].pop(lost))
     _, backend, out = _load(ckpt, host_budget_gb=0.0)
-    assert torch.equal(out, ref) and counted.names == []  # read, nothing encoded
+    assert torch.equal(out, ref) and counted.names == [lost]
     backend.disable()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     assert [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")] == []  # no temp
