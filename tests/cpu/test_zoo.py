@@ -77,11 +77,11 @@ def _check(case: Case, model: nn.Module, target: Any, cfg: dlo.OffloadConfig) ->
     Stats are taken after two forwards (the warm-up: a stack that does not run in the first
     forward fixes the learned order only when the second begins) and after two more."""
     ref = copy.deepcopy(model)
-    ref_before = snapshot(ref)
+    held = dict(_named_tensors(ref))  # held: a rebound tensor's id is never reused meanwhile
     want = _forwards(case, ref, 4)
     # tensors the model rebinds itself in forward (OmniGen's rope.inv_freq): compared by
     # value against the resident copy, not by identity against the state before enable
-    rebound = _rebound(ref_before, ref)
+    rebound = _rebound(held, ref)
     before = snapshot(model)
     backend = dlo.enable_offload(target, cfg, device="cpu")
     assert backend is not None
@@ -106,9 +106,11 @@ def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
-def _rebound(before: dict[str, Any], model: nn.Module) -> set[str]:
-    after = snapshot(model)
-    return {k for k in before if k not in after or before[k][0] != after[k][0]}
+def _rebound(held: dict[str, torch.Tensor], model: nn.Module) -> set[str]:
+    """The names whose tensor is no longer the object ``held`` (the objects themselves, not
+    their ids: a freed tensor's id may be reused by its replacement)."""
+    after = dict(_named_tensors(model))
+    return {k for k, t in held.items() if after.get(k) is not t}
 
 
 class _Without(nn.Module):
