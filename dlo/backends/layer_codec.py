@@ -29,7 +29,6 @@ from dlo.codec.format import EncodedLayout, Piece, check_bitstream, check_layout
 from dlo.codec.offline import (
     ENCODED_FILE,
     EncodedFiles,
-    EncodedSpool,
     Origin,
     Reader,
     origin_of,
@@ -40,9 +39,7 @@ from dlo.errors import OffloadError
 from dlo.host.bounce import Bounce
 from dlo.host.node_share import share_step
 from dlo.io.checkpoint import Checkpoint
-from dlo.io.direct import DirectReads
-from dlo.io.files import CheckpointWriteError, locked_dir
-from dlo.journal import Journal, atomic
+from dlo.journal import atomic
 from dlo.plan.layout import BlockLayout
 from dlo.platform.device import Platform
 from dlo.platform.progress import progress
@@ -63,7 +60,7 @@ class HostCodec:
         stream = platform.new_stream()  # the codec's, so the decoder's copies are ordered
         self.codec = get_codec(platform, name, stream)
         self.decoder = BlockDecoder(platform, self.codec, stream)
-        self._bounces = (Bounce(platform), Bounce(platform))
+        self.bounces = (Bounce(platform), Bounce(platform))
         """The encode pass's (see [Note: bounce buffer]): released at its end, or by
         :meth:`forget` if an interrupt came before that."""
         self._pending: dict[int, tuple[EncodedLayout, list[torch.Tensor] | Reader]] = {}
@@ -73,8 +70,9 @@ class HostCodec:
         self.origins: dict[int, Origin] = {}
         """The checkpoint of each block of group size 1 whose tensors alias one (what
         :meth:`save` writes beside)."""
-        self._retained: list[Checkpoint] = []
-        """The encoded checkpoints serving blocks on disk (see :meth:`on_disk`)."""
+        self.retained: list[Checkpoint] = []
+        """The encoded checkpoints serving blocks on disk (see
+        :mod:`dlo.backends.layer_codec_disk`)."""
         self.read_blocks = 0
         """Blocks read from an encoded checkpoint instead of encoded (see [Note: encoded
         checkpoint] in :mod:`dlo.codec.offline`)."""
@@ -94,7 +92,7 @@ class HostCodec:
         todo: list[Block] = []
         for block in blocks:
             index, _, layout, tensors, _ = block
-            origin = self._origin(index, layout, tensors)
+            origin = self.origin(index, layout, tensors)
             found = self.files.find(layout, origin, self.bitstream)
             if found is None:
                 todo.append(block)
@@ -109,7 +107,7 @@ class HostCodec:
         """Encode ``todo`` in order: block k + 1 is packed on a thread into one bounce buffer
         while block k is encoded from the other (see [Note: bounce buffer])."""
         nbytes = max(b[2].shard_nbytes for b in todo)
-        bounces = self._bounces
+        bounces = self.bounces
 
         def pack(k: int) -> torch.Tensor:
             _, _, layout, tensors, group_rank = todo[k]
@@ -154,7 +152,7 @@ class HostCodec:
         write_pieces(buffer, enc, datas)
         return self.shard(enc, buffer).raw(device)
 
-    def _origin(
+    def origin(
         self, index: int, layout: BlockLayout, tensors: Sequence[torch.Tensor]
     ) -> Origin | None:
         """Block ``index``'s origin (group size 1 only), found once: its fingerprints stat
@@ -164,110 +162,6 @@ class HostCodec:
             if origin is not None:
                 self.origins[index] = origin
         return self.origins.get(index)
-
-    def on_disk(
-        self,
-        blocks: Sequence[Block],
-        reads: DirectReads,
-        journal: Journal,
-        kept: Sequence[Block] = (),
-    ) -> list[EncodedOnDisk]:
-        """``blocks`` (group size 1) served by their encoded checkpoint at every use (see
-        [Note: encoded blocks on disk] in :mod:`dlo.codec.on_disk`); the files stay open
-        until the journal is undone. Blocks it does not serve yet are encoded into it first,
-        one at a time (:meth:`_encode_into`), and so are the ``kept`` ones (the host region's
-        encoded blocks) that come from a checkpoint: later enables read them too.
-
-        Raises:
-            ValueError: a block's tensors are not all in one checkpoint directory (no
-                encoded checkpoint can serve it), or the file cannot be written (named).
-        """
-        missing: dict[Path, list[Block]] = {}
-        for block in blocks:
-            index, name, layout, tensors, _ = block
-            origin = self._origin(index, layout, tensors)
-            if origin is None or origin.directory is None:
-                raise ValueError(
-                    f"host_budget_gb leaves block {name!r} on disk, where codec {self.name!r} "
-                    "reads it from the encoded checkpoint beside its weights, but its tensors "
-                    "are not all in one checkpoint directory: load the model with "
-                    "dlo.load_pipeline (not copy=True, no dtype cast), or set codec='none'"
-                )
-            if not isinstance(self._served(layout, origin), EncodedLayout):
-                missing.setdefault(origin.directory / ENCODED_FILE, []).append(block)
-        for block in kept:  # written beside the disk blocks, where those are written
-            origin = self._origin(block[0], block[2], block[3])
-            path = origin.directory / ENCODED_FILE if origin and origin.directory else None
-            if path in missing and not isinstance(self._served(block[2], origin), EncodedLayout):
-                missing[path].append(block)
-        for path, todo in missing.items():
-            self._encode_into(path, todo)
-        return [self._serve(b, reads, journal) for b in blocks]
-
-    def _served(self, layout: BlockLayout, origin: Origin | None) -> EncodedLayout | str:
-        found = self.files.entry(layout, origin, self.bitstream)
-        return found if isinstance(found, str) else found[0]
-
-    def _encode_into(self, path: Path, todo: Sequence[Block]) -> None:
-        """Encode ``todo`` into the encoded checkpoint at ``path``, which keeps the blocks it
-        held: one block in memory at a time, the file rewritten once (under a lock on its
-        directory: ranks sharing the folder encode it once, the others read it)."""
-        with locked_dir(path.parent):
-            self.files.forget(path)  # another rank may have written it meanwhile
-            todo = [
-                b
-                for b in todo
-                if not isinstance(self._served(b[2], self.origins[b[0]]), EncodedLayout)
-            ]
-            if not todo:
-                return
-            logger.warning(
-                "dlo: encoding %d block(s) that host_budget_gb leaves on disk into %s (once: "
-                "later enables read them)",
-                len(todo),
-                path,
-            )
-            spool: EncodedSpool | None = None
-            try:
-                spool = EncodedSpool(path)
-                self.files.copy_into(spool, skip={b[1] for b in todo})
-                for index, name, layout, tensors, _ in todo:
-                    raw = pack_raw(layout, tensors, self._bounces[0])
-                    enc, datas = encode_packed(
-                        self.platform, self.codec, name, layout, raw, self._bounces[1]
-                    )
-                    data = torch.empty(enc.nbytes, dtype=torch.uint8)
-                    write_pieces(data, enc, datas)
-                    spool.add(layout, self.origins[index], enc, data)
-                    del data, datas
-                self.files.forget(path)
-                spool.finish(self.bitstream)
-            except (CheckpointWriteError, OSError) as e:  # read-only folder, full disk
-                raise ValueError(
-                    f"host_budget_gb with codec {self.name!r} encodes the blocks it leaves on "
-                    f"disk into {path}, which could not be written ({e}): write it where the "
-                    f"weights are writable (dlo run --pipeline DIR --codec {self.name} "
-                    "--save-encoded, without a budget), or set codec='none'"
-                ) from e
-            finally:
-                if spool is not None:
-                    spool.close()
-                self.release_bounces()
-
-    def _serve(self, block: Block, reads: DirectReads, journal: Journal) -> EncodedOnDisk:
-        index, name, layout, _, _ = block
-        found = self.files.entry(layout, self.origins.get(index), self.bitstream)
-        if isinstance(found, str) or isinstance(found[0], str):  # encoded just now: a bug
-            raise OffloadError(f"the encoded checkpoint does not serve block {name!r}: {found}")
-        enc, f = found
-        assert not isinstance(enc, str)
-        ckpt = f.checkpoint
-        if all(c is not ckpt for c in self._retained):
-            ckpt.retain()
-            self._retained.append(ckpt)
-            journal.record("encoded checkpoint on disk", ckpt.release)
-        reads.file(ckpt, ckpt.entries[name].file)  # opened now: its stamp is the enable's
-        return EncodedOnDisk(name, enc, ckpt, reads, self.decoder)
 
     def layout(self, index: int) -> EncodedLayout:
         """The piece table of block ``index``, encoded and not laid yet."""
@@ -293,8 +187,8 @@ class HostCodec:
         pieces, for :meth:`place`. Its bytes are no longer its checkpoint's: its origin is
         dropped, so :meth:`save` never writes them under the checkpoint's fingerprints. The
         bounce buffers stay for the next block (:meth:`release_bounces`)."""
-        raw = pack_raw(layout, tensors, self._bounces[0])
-        enc, datas = encode_packed(self.platform, self.codec, name, layout, raw, self._bounces[1])
+        raw = pack_raw(layout, tensors, self.bounces[0])
+        enc, datas = encode_packed(self.platform, self.codec, name, layout, raw, self.bounces[1])
         self.origins.pop(index, None)
         return enc, datas
 
@@ -319,7 +213,7 @@ class HostCodec:
 
     def release_bounces(self) -> None:
         """Free the bounce buffers of an encode pass."""
-        for bounce in self._bounces:
+        for bounce in self.bounces:
             bounce.close()
 
     def shard(self, layout: EncodedLayout, data: torch.Tensor) -> EncodedShard:
@@ -348,7 +242,7 @@ class HostCodec:
 
         for blocks in packs.values():  # every block's origin, for save(): all sharers' too
             for index, _, layout, tensors, _ in blocks:
-                self._origin(index, layout, tensors)
+                self.origin(index, layout, tensors)
 
         def encode_mine() -> list[tuple[int, EncodedLayout]]:
             self.encode(packs[rank])
@@ -444,5 +338,5 @@ class HostCodec:
         self._pending.clear()
         self.files.close()
         self.decoder.close()
-        for b in self._bounces:
+        for b in self.bounces:
             b.close()

@@ -17,6 +17,7 @@ import torch
 from dlo import faults
 from dlo.backends.layer_block import LayerBlock
 from dlo.backends.layer_codec import HostCodec
+from dlo.backends.layer_codec_disk import file_nbytes, serve_on_disk
 from dlo.backends.model_hooks import mark_released, refuse_released_forward
 from dlo.codec.blocks import EncodedShard
 from dlo.codec.format import EncodedLayout
@@ -70,11 +71,16 @@ class LayerHost:
         """The disk tier's file, its read rate (bytes/s) and whether it was O_DIRECT."""
 
     # ------------------------------------------------------------------ private region
-    def prepare(self, plan: LayerPlan, journal: Journal, group_rank: Callable[[str], int]) -> None:
+    def prepare(
+        self, plan: LayerPlan, journal: Journal, group_rank: Callable[[str], int]
+    ) -> LayerPlan:
         """Fill this rank's region with its slices of every block that is not node-shared
         (``group_rank(axis)``: this rank's place in the weight group of an axis). With
         group size 1 the region then holds every byte of a block, so the originals are
-        released at once; with the mapped backing nothing is packed."""
+        released at once; with the mapped backing nothing is packed. Returns the plan as
+        laid: with a codec under ``host_budget_gb``, its disk tier chosen by the encoded
+        bytes (:meth:`_tier_encoded`)."""
+        plan = self._tier_encoded(plan, journal)
         if plan.from_file:
             self._map_blocks(plan, journal, group_rank)
         sizes = plan.region_nbytes
@@ -126,6 +132,22 @@ class LayerHost:
                 self._pins.filled(i)
             if b.layout.group_size == 1 and not b.released:
                 self.release(b, journal)
+        return plan
+
+    def _tier_encoded(self, plan: LayerPlan, journal: Journal) -> LayerPlan:
+        """With a codec on blocks ``host_budget_gb`` leaves on disk, the tiers chosen anew by
+        the bytes the budget really holds: the encoded copies' (about 0.69x the raw ones for
+        bf16), from the encoded checkpoint beside the weights, written first where it lacks
+        some (see [Note: host budget tiers] in :mod:`dlo.plan.host_tiers`)."""
+        coded = [
+            b
+            for b in (self.blocks[i] for i in plan.encoded)
+            if not b.resident and b.layout.group_size == 1 and not b.node_shared
+        ]
+        if plan.mapped or not any(b.index in plan.on_disk for b in coded):
+            return plan
+        blocks = [(b.index, b.name, b.layout, b.tensors, 0) for b in coded]
+        return plan.tiered(file_nbytes(self._codec(journal), blocks))
 
     def _close_region(self) -> None:
         if self.region is not None:
@@ -156,7 +178,8 @@ class LayerHost:
         coded = [b for b in blocks if b.stack.codec != "none"]  # [Note: encoded blocks on disk]
         if reads is not None and coded:
             kept = [self.blocks[i] for i in plan.encoded if i not in plan.on_disk]
-            served = self._codec(journal).on_disk(
+            served = serve_on_disk(
+                self._codec(journal),
                 [(b.index, b.name, b.layout, b.tensors, 0) for b in coded],
                 reads,
                 journal,

@@ -296,7 +296,7 @@ class LayerwiseBackend(OffloadBackend):
             t_print = time.perf_counter()  # every block still whole: none packed yet
             report.weights = exchanged_prints(blocks, par, world.rank) if exchanges else ()
             state.print_time_s = (t_fill := time.perf_counter()) - t_print
-            host.prepare(
+            layer = self.layer_plan = host.prepare(
                 layer,
                 journal,
                 group_rank=lambda axis: (

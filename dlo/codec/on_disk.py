@@ -32,6 +32,10 @@ warning). The write needs free space for the new file twice over (the spool, the
 file) beside the old one. Later enables read it. A block whose tensors are not all
 in one checkpoint directory cannot be served, and is refused by name; so is a folder that
 cannot be written.
+The budget holds the kept blocks' encoded copies, so the tiers are chosen by their encoded
+bytes: where a first choice by raw bytes leaves a coded block on disk, the file is completed
+with every streamed coded block first and the choice made again
+(:func:`dlo.backends.layer_codec_disk.file_nbytes`).
 Resident blocks on the disk tier are read the same way, once. At disable the block's tensors
 alias its raw checkpoint again, as on the raw disk tier.
 """

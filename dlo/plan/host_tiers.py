@@ -3,9 +3,12 @@ their file for every use. Pure.
 
 [Note: host budget tiers]
 ``OffloadConfig.host_budget_gb`` caps the bytes of this rank's host copy of the blocks (its
-private region). A block that does not fit stays in the checkpoint or pipeline folder it was
-loaded from and is read into page-locked staging for each use, ahead of the ring (see [Note:
-disk read-ahead] in :mod:`dlo.runtime.read_ahead`). Which blocks keep their host copy:
+private region: each block's bytes rounded up to the pages it gets there; an encoded copy's
+bytes where a codec's encoded checkpoint tells them, see [Note: encoded blocks on disk] in
+:mod:`dlo.codec.on_disk`). A block that does not fit stays in the checkpoint or pipeline
+folder it was loaded from and is read into page-locked staging for each use, ahead of the
+ring (see [Note: disk read-ahead] in :mod:`dlo.runtime.read_ahead`). Which blocks keep their
+host copy:
 
 * everything, when it all fits;
 * else resident blocks never: they cross the link once, at enable, so their one read from the

@@ -27,14 +27,23 @@ layout, a slot size or a budget: they execute this plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from dlo.plan.host_tiers import READ_AHEAD_BUFFERS, choose_on_disk
-from dlo.plan.layout import ALIGN, BlockLayout, Manifest, build_manifest, plan_block_layout
+from dlo.plan.layout import (
+    ALIGN,
+    BlockLayout,
+    Manifest,
+    build_manifest,
+    plan_block_layout,
+    round_up,
+)
 from dlo.plan.topology import BlockStack
+from dlo.platform.env import page_size
 
 TensorDescription = Sequence[tuple[str, str, Sequence[int], Sequence[int], torch.dtype]]
 """``(name, kind, shape, stride, dtype)`` of every tensor of a block, in layout order."""
@@ -83,6 +92,25 @@ class LayerPlan:
     on_disk: frozenset[int] = frozenset()
     """Positions of the blocks that ``host_budget_gb`` leaves in their file: read for every
     use (see [Note: host budget tiers])."""
+
+    def tiered(self, host_nbytes: Mapping[int, int]) -> LayerPlan:
+        """The plan with its disk tier chosen under the host budget, counting
+        ``host_nbytes[i]`` for block ``i``'s host copy where given (an encoded copy's bytes)
+        and its raw shard elsewhere, each rounded up to the pages the host region gives it
+        (see [Note: host budget tiers])."""
+        if self.host_budget_nbytes is None:
+            return self
+        page = page_size()
+        on_disk = choose_on_disk(
+            [
+                round_up(host_nbytes.get(i, b.layout.shard_nbytes), page)
+                for i, b in enumerate(self.blocks)
+            ],
+            [b.stack.component for b in self.blocks],
+            [b.resident for b in self.blocks],
+            self.host_budget_nbytes,
+        )
+        return dataclasses.replace(self, on_disk=on_disk)
 
     @property
     def from_file(self) -> list[int]:
@@ -328,14 +356,4 @@ def plan_layers(
         ),
         mapped=host_backing == "mapped",
         host_budget_nbytes=host_budget_nbytes,
-        on_disk=(
-            choose_on_disk(
-                [b.layout.shard_nbytes for b in blocks],
-                [b.stack.component for b in blocks],
-                [b.resident for b in blocks],
-                host_budget_nbytes,
-            )
-            if host_budget_nbytes is not None
-            else frozenset()
-        ),
-    )
+    ).tiered({})

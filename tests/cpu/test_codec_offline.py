@@ -19,6 +19,7 @@ import torch
 
 import dlo
 import dlo.backends.layer_codec as layer_codec
+import dlo.backends.layer_codec_disk as layer_codec_disk
 import dlo.io.checksums
 from dlo.cli import main
 from dlo.codec.offline import ENCODED_FILE, METADATA_KEY
@@ -60,6 +61,7 @@ class _Counted:
             return real(*args, **kw)
 
         monkeypatch.setattr(layer_codec, "encode_packed", encode_packed)
+        monkeypatch.setattr(layer_codec_disk, "encode_packed", encode_packed)  # into the file
 
 
 def _load(path: Path, seed: int = 0, **kw: Any) -> tuple[Any, Any, torch.Tensor]:

@@ -19,6 +19,8 @@ from dlo.codec.offline import ENCODED_FILE
 from dlo.codec.on_disk import EncodedOnDisk
 from dlo.host.region import LEDGER
 from dlo.models import build_pipeline, make_inputs
+from dlo.plan.layout import round_up
+from dlo.platform.env import page_size
 from tests.cpu.test_codec_offline import (
     DTYPE,
     _Counted,
@@ -63,7 +65,7 @@ def test_blocks_beyond_the_budget_are_read_encoded_bitwise(
     disk_raw = sum(b.layout.shard_nbytes for b in on_disk)
     assert st["disk_nbytes"] == disk_encoded < disk_raw  # the disk gives the encoded bytes
     assert st["disk_read_nbytes"] >= disk_encoded and st["num_disk_reads"] >= len(on_disk)
-    assert st["host_region_nbytes"] <= budget  # the budget counts raw bytes; kept are encoded
+    assert st["host_region_nbytes"] <= budget  # the budget holds the kept blocks' encoded bytes
     # no disk block was encoded at enable (it would be held in memory): each is read from the
     # file; the kept ones were read from it once, into the region
     assert not {b.name for b in on_disk} & set(counted.names) and counted.names == []
@@ -81,6 +83,34 @@ def test_blocks_beyond_the_budget_are_read_encoded_bitwise(
     assert torch.equal(pipe.generate(ids, lat, 2), ref)  # the tensors alias the file again
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     assert path.exists()
+
+
+@pytest.mark.parametrize("written", [True, False], ids=["file-written", "no-file-yet"])
+def test_the_budget_holds_encoded_copies(ckpt: Path, written: bool) -> None:
+    """The tiers count what the budget holds: a kept block's encoded copy, not its raw
+    bytes. A budget of every block's encoded bytes keeps them all in memory (raw bytes would
+    leave some on disk), one byte less leaves one on disk; with no encoded checkpoint yet,
+    the enable writes it first and chooses by it too."""
+    ref = _ref()
+    path, _ = _saved(ckpt)
+    _, backend, _ = _load(ckpt, host_budget_gb=0.0)
+    coded = [b for b in backend._blocks if b.encoded is not None]
+    page = page_size()  # what the host region gives each block
+    encoded = sum(round_up(b.encoded.read_nbytes, page) for b in coded)
+    raw = sum(round_up(b.layout.shard_nbytes, page) for b in coded)
+    backend.disable()
+    assert encoded < raw  # the reference codec on random weights: fewer bytes
+    for budget, disk in ((encoded, 0), (encoded - 1, 1)):
+        if not written:
+            path.unlink()
+        _, backend, out = _load(ckpt, host_budget_gb=budget / (1 << 30))
+        st = backend.stats()
+        assert torch.equal(out, ref)
+        assert st["host_region_nbytes"] <= budget
+        assert (st["num_disk_blocks"] == 0) == (disk == 0), st["num_disk_blocks"]
+        backend.disable()
+    assert path.exists()
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
 
 
 def test_the_first_budgeted_enable_encodes_the_disk_blocks_into_the_file_once(
@@ -155,17 +185,19 @@ def test_save_encoded_under_a_budget_names_the_file_that_holds_the_blocks(ckpt: 
 
 def _rank_encodes(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     import dlo.backends.layer_codec as layer_codec
+    import dlo.backends.layer_codec_disk as layer_codec_disk
     from dlo.pipelines.load import load_pipeline
     from tests.cpu.test_codec_offline import _cfg, _factory
 
     encoded: list[str] = []
-    real = layer_codec.encode_packed
+    real = layer_codec_disk.encode_packed
 
     def counting(*args: Any, **kw: Any) -> Any:
         encoded.append(args[2])
         return real(*args, **kw)
 
-    layer_codec.encode_packed = counting  # type: ignore[assignment]
+    layer_codec.encode_packed = counting  # type: ignore[assignment]  # into memory
+    layer_codec_disk.encode_packed = counting  # type: ignore[assignment]  # into the file
     par = dlo.ParallelConfig(data_parallel_size=world)
     pipe, backend = load_pipeline(_factory(), Path(ckpt_dir), _cfg(host_budget_gb=0.0), par, "cpu")
     assert backend is not None

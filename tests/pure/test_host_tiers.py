@@ -87,6 +87,21 @@ def test_the_layer_plan_gives_disk_blocks_no_region_bytes() -> None:
     assert none.on_disk == frozenset() and none.from_file == []
 
 
+def test_the_tiers_count_encoded_copies_and_the_region_s_pages() -> None:
+    """``tiered`` chooses again with the bytes the budget really holds: an encoded copy's
+    (given by position) where known, every size rounded up to a page of the region."""
+    t = {f"blocks.{i}": [("w", "param", (64, 64), (64, 1), torch.float32)] for i in range(4)}
+    kw: dict[str, Any] = {"chunk_nbytes": 1 << 20, "num_slots": 2}
+    roomy = plan_layers([_stack(codec="ans")], t, host_budget_nbytes=36864, **kw)
+    assert roomy.on_disk == {0, 1}  # raw: two of the three 16 KiB streamed blocks fit
+    encoded = {i: 10_000 for i in range(1, 4)}  # three pages each in the region
+    assert roomy.tiered(encoded).on_disk == {0}  # all three fit in 36 KiB
+    # 30000 bytes hold three 10000-byte copies, but not their nine pages
+    tight = plan_layers([_stack(codec="ans")], t, host_budget_nbytes=30000, **kw)
+    assert tight.tiered(encoded).on_disk == {0, 1}
+    assert plan_layers([_stack()], t, **kw).tiered(encoded).on_disk == frozenset()  # no budget
+
+
 @pytest.mark.parametrize(
     ("stack", "what"),
     [
