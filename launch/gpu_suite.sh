@@ -3,7 +3,7 @@
 # on one GPU and under torchrun on all GPUs, and `dlo bench` on one GPU and on all GPUs.
 # The `dlo run` rows that exercise a transfer pass --resident-layers 0 (on a GPU the defaults
 # keep a model that fits resident, and nothing would stream); run_1gpu_defaults runs those.
-# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|lane|lanetests|lanefail|lanerun|lanecp|cetests|run|bench1|bench2|profile|ctas|ckpt|encdisk|auto|cesweep|sweep]...
+# Usage: launch/gpu_suite.sh OUTDIR [tests|failtests|nstests|runns|codec|compile2|pipeline2|cp|lane|lanetests|lanefail|lanerun|lanecp|cetests|run|bench1|bench2|profile|ctas|ckpt|encdisk|latecodec|auto|cesweep|sweep]...
 #        (default: tests failtests run bench1 bench2; more than one device call's limit)
 # Env: DLO_SUITE_PRESET (medium), DLO_SUITE_TOKENS (4096,16384), DLO_SUITE_METHODS (bench2's
 #      --methods; default all), DLO_SUITE_METHODS1 (bench1's), DLO_SUITE_CTAS (1 2 4 8),
@@ -165,6 +165,9 @@ for s in $steps; do
           --preset "$preset" --methods dlo-allgather --tokens 4096,16384 --nccl-max-ctas "$c" \
           --json "$out/ctas$c.json"
       done ;;
+    latecodec)  # issue 35: codec="auto" turning the codec on between forwards, by measurement
+      step latecodec_tests 300 python3 -m pytest -v -p no:cacheprovider -rs \
+        tests/gpu/test_late_codec_gpu.py ;;
     encdisk)  # issue 37 + 36: the disk tier read encoded, a LoRA fuse encoding blocks again
       step encdisk_tests 300 python3 -m pytest -v -p no:cacheprovider -rs \
         tests/gpu/test_disk_tier_gpu.py tests/gpu/test_adapters_gpu.py -k encoded

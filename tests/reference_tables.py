@@ -341,6 +341,9 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "pin_time_s": "of the enable: the pinning left after the last block was filled",
         "enable_peak_rss_nbytes": "the process's peak resident set size (VmHWM) read at the "
         "end of enable: a process-lifetime peak, not a delta",
+        "codec_late": "per DiT ring whose codec='auto' took 'none' at enable, where the codec "
+        "turned on by measurement stands: watching, encoding (in the background), on, off "
+        "(with why in the re-plan records) or closed ([Note: codec turned on by measurement])",
         "num_pinned_blocks": "ring blocks held in a device buffer of their own, loading nothing "
         "per forward: the blocks the policy keeps on the device (pinned at enable, so a re-plan "
         "may unpin them before a larger input) and those a re-plan pinned ([Note: re-plan "

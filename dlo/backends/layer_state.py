@@ -190,6 +190,11 @@ class LayerState:
                 b.layout.padded_nbytes for b in streamed if b.own is not None
             ),
             "policy": self._policy(),
+            "codec_late": {  # [Note: codec turned on by measurement]: per DiT ring
+                r.name: r.replanner.late.state
+                for r in (self.scheduler.rings if self.scheduler else [])
+                if r.replanner is not None and r.replanner.late is not None
+            },
         }
 
     def _policy(self) -> dict[str, Any] | None:

@@ -29,12 +29,16 @@ from dlo.plan.declarations import get_by_path
 from dlo.plan.discovery import resident_dit_paths_of
 from dlo.plan.topology import ResolvedOffloadPlan
 from dlo.platform.device import Platform
+from dlo.runtime.late_codec import LateCodec
 from dlo.runtime.replan import Replanner, ResidentBlockHook
 from dlo.runtime.ring import RingScheduler
 
 logger = logging.getLogger(__name__)
 
 REPLAN_HOOK = "dlo.replan"
+
+LATE_CODEC = "ans"
+"""The codec ``codec="auto"`` turns on by measurement."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,12 @@ class ReplanSetup:
     over the ring as a re-plan pins them (:meth:`~dlo.runtime.replan.Replanner.pin_initial`)."""
     keep_slots: bool = False
     """``num_slots`` was given: the slots are never resized."""
+    late_codec: str | None = None
+    """The codec a DiT ring may turn on by measurement (``codec="auto"`` resolved to
+    ``"none"``: see [Note: codec turned on by measurement] in
+    :mod:`dlo.runtime.late_codec`)."""
+    pin_late: bool = True
+    """Page-lock the copies it encodes (``pin_memory`` and no ``pin_budget_gb``)."""
 
 
 def replan_setup(
@@ -91,7 +101,16 @@ def replan_setup(
         dataclasses.replace(s, num_resident=0) if pinning and s.component_path in dits else s
         for s in plan.stacks
     )
-    state.replan = ReplanSetup(frozenset(dits), pins, keep)
+    late = requested.codec_for("dit") == "auto" and all(
+        s.codec == "none" for s in plan.stacks if s.component_path in dits
+    )
+    state.replan = ReplanSetup(
+        frozenset(dits),
+        pins,
+        keep,
+        late_codec=LATE_CODEC if late else None,
+        pin_late=requested.pin_memory and requested.pin_budget_gb is None,
+    )
     if pins and state.policy is not None:
         state.policy["explanation"] += (
             f"\n  the {len(pins)} kept DiT block(s) are pinned in the ring, spread over it (a "
@@ -123,6 +142,11 @@ def install_replanners(
             platform, scheduler, ring, drain=drain, keep_slots=setup.keep_slots, rank=rank
         )
         journal.record(f"re-plans of {path or 'the model'}", r.close)
+        if setup.late_codec is not None:
+            r.late = LateCodec(
+                platform, ring, setup.late_codec, r.records.append, pin=setup.pin_late, rank=rank
+            )
+            journal.record(f"late codec of {path or 'the model'}", r.late.close)
         for b in blocks:
             if b.resident and b.stack.component_path == path:
                 registry.register(b.module, REPLAN_HOOK, ResidentBlockHook(r, b.name))

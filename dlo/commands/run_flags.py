@@ -215,7 +215,8 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
         choices=CODECS,
         help="ans: the streamed blocks' host copies are stored losslessly compressed and "
         "decoded on the device (nvCOMP on CUDA): fewer bytes cross the link, same bits; auto: "
-        "the policy decides per stack (needs --block-compute-ms to take ans)",
+        "the policy decides per stack (at enable with --block-compute-ms; else a re-planned "
+        "DiT ring measured to wait on its copies turns ans on between forwards)",
     )
     r.add_argument(
         "--save-encoded",

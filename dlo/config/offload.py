@@ -207,8 +207,9 @@ class OffloadConfig:
     codec: str = "none"
     """Host copies of streamed blocks stored losslessly compressed: ``"none"``, ``"ans"``, or
     ``"auto"`` (the policy takes ``"ans"`` for a stack whose modeled copy per block is longer
-    than ``block_compute_ms``, and ``"none"`` when the compute time is not given)
-    (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
+    than ``block_compute_ms``; without it ``"none"`` at enable, and a re-planned DiT ring
+    measured to wait on its copies turns ``"ans"`` on between forwards: see [Note: codec
+    turned on by measurement]) (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
     bit; see [Note: block codecs]). Rank-local, AllGather and node-shared stacks with the
     region host backing (each rank encodes its own shards; the sharers of a node-shared copy
     1/L of its blocks each); per component through :attr:`layer_options`."""

@@ -58,6 +58,8 @@ def kept(knob: str, inp: PolicyInput) -> str:
 
 def replan_line(r: dict[str, Any]) -> str:
     """One re-plan record (``stats()["policy"]["replans"]``) as a line of ``--explain``."""
+    if r["action"].startswith("codec"):  # [Note: codec turned on by measurement]
+        return codec_line(r)
     return (
         f"dlo re-plan of {r['component'] or 'the model'} before forward {r['forward']} "
         f"({r['elements']} input elements): {r['action']}, {r['pinned']} of "
@@ -66,6 +68,24 @@ def replan_line(r: dict[str, Any]) -> str:
         f"{(r['movable_room_nbytes'] or 0) / GIB:.2f} GiB of a {r['limit_nbytes'] / GIB:.2f} GiB limit"
         + (f", {r['ms']:.1f} ms" if "ms" in r else "")
     )
+
+
+def codec_line(r: dict[str, Any]) -> str:
+    """A record of the codec turned on by measurement as a line of ``--explain``."""
+    head = (
+        f"dlo re-plan of {r['component'] or 'the model'} before forward {r['forward']}: "
+        f"{r['action']} (the last forward waited {r['exposed_wait_ms']:.1f} ms on copies of "
+        f"its {r['forward_ms']:.1f} ms)"
+    )
+    if "ratio" in r:
+        return (
+            f"{head}, {r['blocks']} blocks encoded in the background, "
+            f"{r['encoded_nbytes'] / GIB:.2f} GiB for {r['raw_nbytes'] / GIB:.2f} GiB "
+            f"(ratio {r['ratio']:.3f})"
+        )
+    if "why" in r:
+        return f"{head}: {r['why']}"
+    return f"{head}, {r.get('blocks', 0)} blocks ({r.get('raw_nbytes', 0) / GIB:.2f} GiB)"
 
 
 def replans_explained(policy: dict[str, Any] | None) -> str:

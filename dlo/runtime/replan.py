@@ -89,6 +89,9 @@ class Replanner:
         self.group = getattr(gathering[0], "group", None) if gathering else None
         self.seen = replan.Observed()
         self.records: list[dict[str, Any]] = []
+        self.late: Any = None
+        """The ring's :class:`~dlo.runtime.late_codec.LateCodec`, if its codec may be turned
+        on by measurement."""
         self.forwards = 0
         self.first: str | None = None
         self.last: str | None = None
@@ -136,7 +139,7 @@ class Replanner:
     def entering(self, args: tuple, kwargs: dict, name: str, key: Any = None) -> None:
         """Block ``name`` enters (``key``: its ring claim, if it streams); the first block of
         a forward re-plans."""
-        if self._off:
+        if self._off and self.late is None:
             return
         if self.first is None:
             self.first = name  # the first forward's first block
@@ -161,8 +164,12 @@ class Replanner:
                 sched.guard.release(me)
 
     def _at_first_block(self, args: tuple, kwargs: dict, name: str) -> None:
+        if self.late is not None:  # [Note: codec turned on by measurement]
+            self.late.forward_starts(self.forwards + 1)
         mem = self.platform.memory_now()
-        assert mem is not None
+        if self._off or mem is None:
+            self.forwards += 1
+            return
         elements = input_elements(args, kwargs)
         if self.forwards:
             peak = mem.peak if mem.peak != self._peak_base else None
@@ -189,6 +196,8 @@ class Replanner:
                 self.first, self.forwards, self._last_exit = None, 0, None
             return
         self._last_exit = name
+        if self.late is not None and name == self.last:
+            self.late.forward_ends()
         if self._start is None or (self.last is not None and name != self.last):
             return
         mem = self.platform.memory_now()

@@ -58,7 +58,7 @@ from torch import nn
 from dlo import faults
 from dlo.errors import BackendPoisonedError, ForwardRefused, InjectedFault, OffloadError
 from dlo.hooks.dispatch import ModelHook
-from dlo.host.shards import copy_back, placeholder, shard_view, written_tensors
+from dlo.host.shards import placeholder, shard_view, written_tensors
 from dlo.io.header_checks import CheckpointError
 from dlo.plan.host_tiers import READ_AHEAD_BUFFERS as READ_AHEAD
 from dlo.platform.device import Platform
@@ -344,14 +344,7 @@ class RingScheduler:
         """Copy the tensors ``block`` wrote in place back into its whole-block host shard;
         returns the names of written tensors that have no such shard to go to."""
         written = written_tensors(block.layout.tensors, block.tensors, block.versions)
-        if written and (
-            not block.host_writable
-            or block.layout.group_size > 1
-            or not isinstance(block.shard, torch.Tensor)
-        ):
-            return [spec.name for spec, _ in written]
-        copy_back(block.shard, written)
-        return []
+        return block.keep_writes(written) if written else []
 
     # ------------------------------------------------------------------ internals
     def _rebind(self, block: StreamedBlock, tensors: list[torch.Tensor]) -> None:

@@ -18,13 +18,15 @@ losing the write silently.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from dlo.plan.layout import BlockLayout
+from dlo.host.shards import copy_back
+from dlo.plan.layout import BlockLayout, TensorSpec
 from dlo.platform.timing import StreamTimer
 from dlo.runtime.chain import ExecutionOrder
 from dlo.runtime.slots import Slot
@@ -73,6 +75,33 @@ class StreamedBlock:
     """A pinned block's own device buffer, outside the pool ([Note: re-plan between
     forwards] in :mod:`dlo.plan.replan`); None while it streams."""
     own_views: list[torch.Tensor] = field(default_factory=list)
+    host_version: int = 0
+    """Bumped by every write into the host shard (a write kept, a LoRA fuse): an encoded copy
+    made before it is stale (see [Note: codec turned on by measurement] in
+    :mod:`dlo.runtime.late_codec`)."""
+    raw: tuple[Any, Transport] | None = None
+    """The raw host shard and transport of a block whose codec was turned on between
+    forwards (``shard`` and ``transport`` are then the encoded copy's)."""
+
+    def keep_writes(self, written: Sequence[tuple[TensorSpec, torch.Tensor]]) -> list[str]:
+        """Copy ``written`` (the tensors the block wrote in place) back into its whole-block
+        host shard; returns the names of those that have no such shard to go to."""
+        self.to_raw()  # its encoded copy (a codec turned on late) would miss the write
+        if (
+            not self.host_writable
+            or self.layout.group_size > 1
+            or not isinstance(self.shard, torch.Tensor)
+        ):
+            return [spec.name for spec, _ in written]
+        copy_back(self.shard, written)
+        self.host_version += 1
+        return []
+
+    def to_raw(self) -> None:
+        """Load from the raw host shard again (a write is about to land in it)."""
+        if self.raw is not None:
+            self.shard, self.transport = self.raw
+            self.raw = None
 
 
 @dataclass(eq=False)
