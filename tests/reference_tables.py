@@ -403,7 +403,11 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "`elements` (its first block's input elements), `pinned`, `streamed`, `num_slots`, "
         "`slot_nbytes`, `movable_room_nbytes` (what pinned blocks and slots could take), "
         "`limit_nbytes` (what the allocator may hold), `action` (`pin`, `unpin` or `slots`); "
-        "present where the policy decided at enable or a re-plan happened",
+        'and each step of the codec turned on by measurement (`codec="auto"`): `component`, '
+        "`forward`, `action` (`codec: encoding`, `codec: on` or `codec: off`), `forward_ms` and "
+        "`exposed_wait_ms` (the last steady forward measured), `blocks`, `raw_nbytes`, with "
+        "`encoded_nbytes` and `ratio` when on, `why` when off; present where the policy "
+        "decided at enable or a re-plan happened",
     },
     "module": {
         "enabled": "`is_enabled()`",

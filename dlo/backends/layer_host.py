@@ -147,7 +147,12 @@ class LayerHost:
         if plan.mapped or not any(b.index in plan.on_disk for b in coded):
             return plan
         blocks = [(b.index, b.name, b.layout, b.tensors, 0) for b in coded]
-        return plan.tiered(file_nbytes(self._codec(journal), blocks))
+        sizes = file_nbytes(self._codec(journal), blocks)
+        tiered = plan.tiered(sizes)
+        unserved = {b.index for b in coded} - set(sizes)  # no file can serve them from disk
+        if (tiered.on_disk - plan.on_disk) & unserved:
+            return plan  # the raw choice left them in memory: keep it
+        return tiered
 
     def _close_region(self) -> None:
         if self.region is not None:

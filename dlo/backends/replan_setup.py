@@ -52,12 +52,12 @@ class ReplanSetup:
     over the ring as a re-plan pins them (:meth:`~dlo.runtime.replan.Replanner.pin_initial`)."""
     keep_slots: bool = False
     """``num_slots`` was given: the slots are never resized."""
-    late_codec: str | None = None
-    """The codec a DiT ring may turn on by measurement (``codec="auto"`` resolved to
-    ``"none"``: see [Note: codec turned on by measurement] in
-    :mod:`dlo.runtime.late_codec`)."""
+    late_codec: frozenset[str] = frozenset()
+    """The DiTs whose rings may turn :data:`LATE_CODEC` on by measurement (``codec="auto"``
+    resolved to ``"none"`` for want of a compute time, no host or pin budget: see [Note:
+    codec turned on by measurement] in :mod:`dlo.runtime.late_codec`)."""
     pin_late: bool = True
-    """Page-lock the copies it encodes (``pin_memory`` and no ``pin_budget_gb``)."""
+    """Page-lock the copies it encodes (``pin_memory``)."""
 
 
 def replan_setup(
@@ -101,15 +101,24 @@ def replan_setup(
         dataclasses.replace(s, num_resident=0) if pinning and s.component_path in dits else s
         for s in plan.stacks
     )
-    late = requested.codec_for("dit") == "auto" and all(
-        s.codec == "none" for s in plan.stacks if s.component_path in dits
+    # the codec turned on by measurement: where enable could not decide ("auto" without a
+    # compute time), and no host or pin budget would be overrun by the encoded copies
+    late = (
+        requested.codec_for("dit") == "auto"
+        and requested.block_compute_ms is None
+        and requested.host_budget_gb is None
+        and requested.pin_budget_gb is None
     )
     state.replan = ReplanSetup(
         frozenset(dits),
         pins,
         keep,
-        late_codec=LATE_CODEC if late else None,
-        pin_late=requested.pin_memory and requested.pin_budget_gb is None,
+        late_codec=frozenset(
+            d
+            for d in dits
+            if late and all(s.codec == "none" for s in plan.stacks if s.component_path == d)
+        ),
+        pin_late=requested.pin_memory,
     )
     if pins and state.policy is not None:
         state.policy["explanation"] += (
@@ -142,9 +151,9 @@ def install_replanners(
             platform, scheduler, ring, drain=drain, keep_slots=setup.keep_slots, rank=rank
         )
         journal.record(f"re-plans of {path or 'the model'}", r.close)
-        if setup.late_codec is not None:
+        if path in setup.late_codec:
             r.late = LateCodec(
-                platform, ring, setup.late_codec, r.records.append, pin=setup.pin_late, rank=rank
+                platform, ring, LATE_CODEC, r.records.append, pin=setup.pin_late, rank=rank
             )
             journal.record(f"late codec of {path or 'the model'}", r.late.close)
         for b in blocks:

@@ -203,8 +203,8 @@ class Bench:
                 row["kept_whole"] = st["policy"].get("kept_whole", [])
                 records = st["policy"].get("replans", [])  # this enable's, so far
                 row["replans"] = len(records)
-                row["replan_log"] = [
-                    [r["forward"], r["action"], r["pinned"], r.get("ms")] for r in records
+                row["replan_log"] = [  # a codec record (codec="auto") pins nothing
+                    [r["forward"], r["action"], r.get("pinned"), r.get("ms")] for r in records
                 ]
             rows.append(row)
         return rows

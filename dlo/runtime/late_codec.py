@@ -5,34 +5,40 @@
 (``block_compute_ms``): before any forward ran, the policy cannot tell a transfer-bound ring
 (the codec saves about 0.3 of every copy) from a compute-bound one (the decode costs a few
 percent). So the forwards tell. A re-planned DiT ring (see [Note: re-plan between forwards]
-in :mod:`dlo.plan.replan`) whose config asked for ``"auto"`` and whose stacks took
-``"none"`` measures, for each forward, the device time from its first block's entry to its
-last block's exit and its blocks' exposed wait (the compute stream waiting for a copy); at
-the start of a forward, once two forwards were measured, a ring whose exposed wait was at
-least :data:`EXPOSED_SHARE` of the forward is *transfer-bound*, and its streamed blocks are
-encoded:
+in :mod:`dlo.plan.replan`) whose config asked for ``"auto"`` with no compute time and no
+host or pin budget (the encoded copies would come on top of either), and whose stacks took
+``"none"``, times its forwards on the device (:mod:`dlo.runtime.forward_timing`: each
+forward's span from its first block's entry to its last block's exit, and its blocks'
+exposed wait, the compute stream waiting for a copy, from events of that forward, read once
+complete, never dropped however far the host runs ahead). A ring whose last
+:data:`MEASURED_FORWARDS` steady forwards (not the first, none that began with a re-plan
+applying) each waited at least :data:`EXPOSED_SHARE` of the forward is *transfer-bound*, and
+its streamed blocks are encoded:
 
 1. in the background, on a thread and a stream of its own, one piece (a slice) at a time:
-   the device holds two pieces of temporaries, never a block, so the forwards keep their
-   room; the raw host copies stay as they are and keep serving the loads meanwhile. Only
-   where the host has room for the encoded copies (``MemAvailable``, at most the raw bytes).
+   the device holds two pieces of temporaries, never a block; the raw host copies stay as
+   they are and keep serving the loads meanwhile. Only where the host has room for the
+   encoded copies (``MemAvailable`` over the node's ranks, against the raw bytes).
 2. at the start of the first forward after the last block is encoded (between forwards,
    with the ring's claim: no block runs): the encoded pieces laid into a host region of
    their own (pinned), one decoder for them, and each block's shard and transport switched
    to the encoded copy and the decoding transport (the device synchronized once first: a
    load issued before the switch must not be freed on the decoder's stream). A block whose
-   host copy was written since its encode (a write kept into the host shard, a LoRA fuse:
-   its ``host_version`` moved) is not switched.
+   host copy was written since its encode began (a write kept into the host shard, a LoRA
+   fuse: its ``host_version`` moved) is not switched.
 
-Every output bit stays the same: the codec is lossless and the loads write the same bytes
-into the slots. The raw host copies stay (disable, ``state_dict`` and restores read them as
-before); a block written in place after the switch goes back to its raw copy and transport
-first (:meth:`StreamedBlock.to_raw <dlo.runtime.streamed.StreamedBlock.to_raw>`), so the
-write lands where the loads read. Rank-local blocks only (group size 1, the host region,
-loaded by a :class:`~dlo.runtime.transport.BlockTransport`): a gathered block's ranks would
-have to switch together. A failed encode leaves the ring raw (logged); no codec on the
-platform (no nvCOMP) leaves it raw from enable on. Each step is a re-plan record
-(``stats()["policy"]["replans"]``, ``--explain``).
+The re-planner takes no observation from a forward start after which the encode ran or at
+which the switch allocated (their device memory is no forward's), and re-plans from what it
+knew. Every output bit stays the same: the codec is lossless and the loads write the same
+bytes into the slots. The raw host copies stay (disable and restores read them as before;
+the host holds both, pinned); a block written in place after the switch goes back to its
+raw copy and transport first (:meth:`StreamedBlock.to_raw
+<dlo.runtime.streamed.StreamedBlock.to_raw>`), so the write lands where the loads read.
+Rank-local blocks only (group size 1, the host region, loaded by a
+:class:`~dlo.runtime.transport.BlockTransport`): a gathered block's ranks would have to switch
+together. A failure leaves the ring raw (logged), never fails a forward; no codec on the
+platform (no nvCOMP) leaves it raw. The encode thread is stopped at interpreter exit. Each
+step is a re-plan record (``stats()["policy"]["replans"]``, ``--explain``).
 """
 
 from __future__ import annotations
@@ -49,10 +55,12 @@ from dlo.codec.blocks import BlockDecoder, EncodedShard
 from dlo.codec.codecs import Codec, get_codec
 from dlo.codec.format import EncodedLayout, encode_pieces, write_pieces
 from dlo.host.region import HostRegion
+from dlo.journal import atomic
 from dlo.platform.device import Platform
-from dlo.platform.env import host_available_bytes
-from dlo.platform.timing import StreamTimer
+from dlo.platform.env import host_available_bytes, torchrun_env
 from dlo.runtime.decoding import Decoder
+from dlo.runtime.exit_stop import track, untrack
+from dlo.runtime.forward_timing import ForwardTimings
 from dlo.runtime.streamed import BlockRing, StreamedBlock
 from dlo.runtime.transport import BlockTransport
 
@@ -64,7 +72,9 @@ codec then saves more than its decode costs (compute-bound rings lose a few perc
 decode; medium preset, compiled, H200, 2026-12-05: 0.69x at 4096 tokens, +3.2% at 16384)."""
 
 MEASURED_FORWARDS = 2
-"""Forwards measured before a decision (the first is enable's cold one)."""
+"""Steady forwards measured transfer-bound in a row before the ring is encoded (the first
+forward is never measured: its last block is not known yet; a forward that began with a
+re-plan applying is not steady)."""
 
 
 def transfer_bound(forward_ms: float, exposed_ms: float) -> bool:
@@ -100,61 +110,64 @@ class LateCodec:
     ``closed``."""
     forward_ms: float = 0.0
     exposed_ms: float = 0.0
-    _span: StreamTimer | None = None
-    _measured: int = 0
-    _waited: float = 0.0
+    """The last steady forward measured (see :mod:`dlo.runtime.forward_timing`)."""
+    timings: ForwardTimings = field(init=False)
     _thread: threading.Thread | None = None
     _cancel: threading.Event = field(default_factory=threading.Event)
     _done: list[_Encoded] = field(default_factory=list)
     _error: BaseException | None = None
     _region: HostRegion | None = None
     _decoders: list[Decoder] = field(default_factory=list)
+    thread_name: str = "dlo-late-codec"
 
     def __post_init__(self) -> None:
-        self._span = StreamTimer(self.platform)
+        self.timings = ForwardTimings(self.platform, self.ring)
 
     # ------------------------------------------------------------------ the forwards
-    def forward_starts(self, forward: int) -> None:
+    def forward_starts(self, forward: int) -> bool:
         """The ring's first block is about to run forward ``forward`` (the ring's claim is
-        held): measure the last forward, decide, switch what is encoded."""
+        held): decide from the forwards measured, switch what is encoded. Returns whether the
+        device memory since the last forward start is the forwards' alone (no encode ran, no
+        switch now): the re-planner observes only those (see the Note)."""
         if self.state in ("off", "closed"):
-            return
+            return True
+        quiet = self.state != "encoding"
         try:
             if self.state == "encoding":
                 if self._thread is not None and not self._thread.is_alive():
-                    with torch.inference_mode(False):  # buffers written outside it later
+                    with torch.inference_mode(False), atomic():  # buffers written outside it
                         self._switch(forward)
             elif self.state == "watching":
-                self._measure()
-                if self._measured >= MEASURED_FORWARDS and transfer_bound(
-                    self.forward_ms, self.exposed_ms
-                ):
+                self.timings.collect()
+                if self._bound():
                     self._start(forward)
-            assert self._span is not None
-            self._span.begin(self.platform.current_stream())
+            self.timings.recording = self.state == "watching"
+            self.timings.begin()
         except Exception as e:  # never the forward's failure: every block back on its raw copy
+            self._cancel.set()
             self.platform.synchronize()
             for b in self.ring.blocks:
                 b.to_raw()
             self._free()
             self._off(forward, f"failed ({e!r})")
+        return quiet
 
     def forward_ends(self) -> None:
         """The ring's last block exited (on the compute stream)."""
-        if self._span is not None and self.state == "watching":
-            self._span.end(self.platform.current_stream())
+        self.timings.end()
 
-    def _measure(self) -> None:
-        """The last forward's device time and exposed wait, where its timing completed."""
-        assert self._span is not None
-        before, count = self._span.total_ms, self._span.count
-        self._span.harvest()
-        waited = sum(b.wait.total_ms for b in self.ring.blocks if b.wait is not None)
-        if self._span.count > count or not self.platform.has_streams:  # (no timers: zeros)
-            self._measured += 1
-            self.forward_ms = self._span.total_ms - before
-            self.exposed_ms = waited - self._waited
-        self._waited = waited
+    def replanned(self) -> None:
+        """A re-plan applied at this forward's start: it is no steady forward."""
+        self.timings.skip()
+
+    def _bound(self) -> bool:
+        """The last :data:`MEASURED_FORWARDS` steady forwards were all transfer-bound."""
+        steady = [s for s in self.timings.samples if not s.skip][-MEASURED_FORWARDS:]
+        if steady:
+            self.forward_ms, self.exposed_ms = steady[-1].forward_ms, steady[-1].exposed_ms
+        return len(steady) == MEASURED_FORWARDS and all(
+            transfer_bound(s.forward_ms, s.exposed_ms) for s in steady
+        )
 
     # ------------------------------------------------------------------ encoding
     def _eligible(self) -> list[StreamedBlock]:
@@ -175,6 +188,8 @@ class LateCodec:
         blocks = self._eligible()
         raw = sum(b.shard.numel() for b in blocks)
         available = host_available_bytes()
+        if available is not None:  # the node's ranks may each encode theirs at once
+            available //= max(1, torchrun_env().local_world_size)
         base = {"blocks": len(blocks), "raw_nbytes": raw}
         if not blocks or (available is not None and available < raw):
             why = "no block to encode" if not blocks else "the host has no room for them"
@@ -192,9 +207,10 @@ class LateCodec:
         self._thread = threading.Thread(
             target=self._encode_all,
             args=(work, codec, stream),
-            name="dlo-late-codec",
+            name=self.thread_name,
             daemon=True,
         )
+        track(self)  # stopped at interpreter exit, not killed inside a CUDA call
         self._thread.start()
 
     def _encode_all(self, work: list[tuple[StreamedBlock, int]], codec: Codec, stream: Any) -> None:
@@ -291,12 +307,19 @@ class LateCodec:
             self._region.close()
             self._region = None
 
+    def stop_thread(self, timeout_s: float | None = None) -> bool:
+        """Let the encode finish its block and stop; whether it has stopped."""
+        self._cancel.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
     def close(self) -> None:
         """Stop encoding, put every block back on its raw copy, free the encoded ones
         (disable)."""
-        self._cancel.set()
-        if self._thread is not None:
-            self._thread.join()
+        self.stop_thread()
+        untrack(self)
         self.platform.synchronize()  # no load reads an encoded copy freed below
         for b in self.ring.blocks:
             b.to_raw()

@@ -164,20 +164,24 @@ class Replanner:
                 sched.guard.release(me)
 
     def _at_first_block(self, args: tuple, kwargs: dict, name: str) -> None:
-        if self.late is not None:  # [Note: codec turned on by measurement]
-            self.late.forward_starts(self.forwards + 1)
+        # [Note: codec turned on by measurement]: its encode's and switch's device memory
+        # is no forward's evidence
+        quiet = self.late is None or self.late.forward_starts(self.forwards + 1)
         mem = self.platform.memory_now()
         if self._off or mem is None:
             self.forwards += 1
             return
         elements = input_elements(args, kwargs)
         if self.forwards:
-            peak = mem.peak if mem.peak != self._peak_base else None
-            # what the pool's rings pinned or sized since this forward ended is no work after it
-            moved = self._movable(self.scheduler.rings) - self._end_movable
-            seen = replan.observe(
-                self.seen, self._sample, peak, self._movable(), mem.allocated, moved=moved
-            )
+            seen = self.seen
+            if quiet:
+                peak = mem.peak if mem.peak != self._peak_base else None
+                # what the pool's rings pinned or sized since this forward ended is no work
+                # after it
+                moved = self._movable(self.scheduler.rings) - self._end_movable
+                seen = replan.observe(
+                    self.seen, self._sample, peak, self._movable(), mem.allocated, moved=moved
+                )
             self._replan(name, elements, mem, seen)
             mem = self.platform.memory_now() or mem
         self._sample = None
@@ -271,6 +275,8 @@ class Replanner:
         if not replan.unchanged(self.plan, new):
             record = self._record(elements, room, self.plan, new)
             t0 = time.perf_counter()
+            if self.late is not None:
+                self.late.replanned()
             self._apply(new)
             record["ms"] = (time.perf_counter() - t0) * 1e3  # to apply it: loads issued, not done
             (logger.info if self.rank == 0 else logger.debug)("%s", replan_line(record))

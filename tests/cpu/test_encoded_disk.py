@@ -232,3 +232,41 @@ def test_a_folder_that_cannot_take_the_file_is_named(
         _load(ckpt, host_budget_gb=0.0)
     assert not (ckpt.parent / ENCODED_FILE).exists()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+def test_re_tiering_never_leaves_a_block_no_file_serves_on_disk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chosen again by encoded bytes, the tiers could move a block no encoded checkpoint can
+    serve (no file entry: its file was not writable, or its tensors come from no checkpoint)
+    from memory to disk, where the enable would then fail: the raw choice is kept instead."""
+    import math
+    from types import SimpleNamespace
+
+    import dlo.backends.layer_host as layer_host
+    from dlo.plan.layers import plan_layers
+    from tests.pure.test_host_tiers import _stack
+
+    p = page_size()
+    dim = math.isqrt(p)  # blocks of 4 pages
+    t = {f"blocks.{i}": [("w", "param", (dim, dim), (dim, 1), torch.float32)] for i in range(4)}
+    plan = plan_layers(
+        [_stack(codec="ans")], t, host_budget_nbytes=4 * p, chunk_nbytes=1 << 20, num_slots=2
+    )
+    assert plan.on_disk == {0, 1, 2}  # block 0 resident; of the streamed ones 3 is kept
+    blocks = [
+        SimpleNamespace(
+            index=i,
+            name=b.name,
+            resident=b.resident,
+            layout=b.layout,
+            node_shared=False,
+            tensors=[],
+        )
+        for i, b in enumerate(plan.blocks)
+    ]
+    host = SimpleNamespace(blocks=blocks, _codec=lambda journal: None)
+    monkeypatch.setattr(layer_host, "file_nbytes", lambda codec, todo: {1: p, 2: p})
+    assert layer_host.LayerHost._tier_encoded(host, plan, None).on_disk == {0, 1, 2}  # type: ignore[arg-type]
+    monkeypatch.setattr(layer_host, "file_nbytes", lambda codec, todo: {1: p, 2: p, 3: p})
+    assert layer_host.LayerHost._tier_encoded(host, plan, None).on_disk == {0}  # type: ignore[arg-type]

@@ -46,8 +46,9 @@ def _late(b: Any) -> LateCodec:
 
 
 def _encoded_once(b: Any, model: torch.nn.Module, ref: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Two forwards (measured), the encode waited for, then forwards on the encoded copies."""
-    out = _run(model, 2)
+    """Four forwards (the second and third measured, the fourth starts the encode), the
+    encode waited for, then three forwards, the first of which switches."""
+    out = _run(model, 4)
     late = _late(b)
     assert late.state == "encoding" and late._thread is not None
     late._thread.join()
@@ -56,7 +57,8 @@ def _encoded_once(b: Any, model: torch.nn.Module, ref: list[torch.Tensor]) -> li
 
 def test_a_transfer_bound_ring_turns_the_codec_on_bitwise(bound: None) -> None:
     model = ToyDiT(5)
-    ref = _run(clone(model), 2) + _run(clone(model), 3)
+    resident = clone(model)
+    ref = _run(resident, 4) + _run(resident, 3)
     before = snapshot(model)
     want = {k: v.clone() for k, v in model.state_dict().items()}
     b = _enable(model)
@@ -73,9 +75,9 @@ def test_a_transfer_bound_ring_turns_the_codec_on_bitwise(bound: None) -> None:
     actions = [r["action"] for r in st["policy"]["replans"]]
     assert actions == ["codec: encoding", "codec: on"], actions
     on = st["policy"]["replans"][-1]
-    assert on["forward"] == 3 and 0 < on["ratio"] < 1 and on["blocks"] == len(ring.blocks)
+    assert on["forward"] == 5 and 0 < on["ratio"] < 1 and on["blocks"] == len(ring.blocks)
     assert "codec: on" in replans_explained(st["policy"])
-    sd = model.state_dict()  # read through the encoded copies
+    sd = model.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in want.items())
     b.disable()
     assert_same(before, model)
@@ -118,7 +120,7 @@ def test_a_write_after_the_switch_lands_in_the_raw_copy(
     model.blocks[2] = _Writes(16, 2)
     resident = clone(model)
     monkeypatch.setattr(_Writes, "writing", False)
-    ref = _run(resident, 2) + _run(resident, 3)
+    ref = _run(resident, 4) + _run(resident, 3)
     b = _enable(model)
     out = _encoded_once(b, model, ref)
     (ring,) = b._scheduler.rings
@@ -140,7 +142,7 @@ def test_a_block_written_during_its_encode_is_not_switched(
 ) -> None:
     model = ToyDiT(4)
     resident = clone(model)
-    ref = _run(resident, 2) + _run(resident, 3) + _run(resident, 1)
+    ref = _run(resident, 4) + _run(resident, 3) + _run(resident, 1)
     b = _enable(model)
     (ring,) = b._scheduler.rings
     stale = ring.blocks[1]
@@ -168,7 +170,7 @@ def test_an_encode_failure_leaves_the_ring_raw(
     monkeypatch.setattr(late_codec, "encode_pieces", fail)
     model = ToyDiT(4)
     resident = clone(model)
-    ref = _run(resident, 2) + _run(resident, 3) + _run(resident, 1)
+    ref = _run(resident, 4) + _run(resident, 3) + _run(resident, 1)
     b = _enable(model)
     out = _encoded_once(b, model, ref) + _run(model, 1)
     assert all(torch.equal(x, y) for x, y in zip(ref, out))
@@ -198,7 +200,7 @@ def test_disable_while_encoding_stops_the_encode_and_frees_everything(
     model = ToyDiT(5)
     before = snapshot(model)
     b = _enable(model)
-    _run(model, 2)
+    _run(model, 4)
     late = _late(b)
     assert started.wait(5) and late.state == "encoding"
     threading.Timer(0.2, release.set).start()
@@ -215,7 +217,7 @@ def test_no_host_room_keeps_the_codec_off(bound: None, monkeypatch: pytest.Monke
     monkeypatch.setattr(late_codec, "host_available_bytes", lambda: 1)
     model = ToyDiT(4)
     b = _enable(model)
-    _run(model, 3)
+    _run(model, 4)
     late = _late(b)
     assert late.state == "off" and late._thread is None
     (off,) = [r for r in late.record.__self__ if r["action"] == "codec: off"]  # type: ignore[attr-defined]
@@ -235,7 +237,8 @@ def test_a_fuse_after_the_switch_rewrites_the_raw_copies_bitwise(
     try:
         for p in (ref, pipe):
             p.load_lora_weights(loras[0], adapter_name="a0")
-        assert torch.equal(flux_call(pipe), flux_call(ref))  # two forwards: encoding starts
+        assert torch.equal(flux_call(pipe), flux_call(ref))  # forwards 1-2
+        assert torch.equal(flux_call(pipe), flux_call(ref))  # 3: measured; 4: encoding starts
         late = _late(backend)
         assert late._thread is not None
         late._thread.join()
@@ -249,3 +252,118 @@ def test_a_fuse_after_the_switch_rewrites_the_raw_copies_bitwise(
     finally:
         backend.disable()
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"block_compute_ms": 1e6}, {"pin_budget_gb": 1.0}, {"host_budget_gb": 1.0}],
+    ids=["compute-time-given", "pin-budget", "host-budget"],
+)
+def test_no_late_codec_where_enable_decided_or_a_budget_would_be_overrun(
+    bound: None, kw: dict[str, Any]
+) -> None:
+    """A compute time given (the policy modelled the ring and chose "none"), or a host or pin
+    budget (the encoded copies would come on top of it): the ring stays as enable made it."""
+    model = ToyDiT(4)
+    cfg = dlo.OffloadConfig(mode="layer", codec="auto", **kw)
+    b = dlo.enable_offload(model, cfg, device="cpu")
+    assert b is not None
+    try:
+        (ring,) = b._scheduler.rings
+        assert ring.replanner is not None and ring.replanner.late is None
+        assert b.stats()["codec_late"] == {}
+    finally:
+        b.disable()
+
+
+class _Clock:
+    now = 0.0
+    done = 0.0
+    """Device time completed so far."""
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.t = -1.0
+
+    def record(self, stream: Any) -> None:
+        self.t = _Clock.now
+
+    def query(self) -> bool:
+        return self.t <= _Clock.done
+
+    def elapsed_time(self, end: _Event) -> float:
+        return end.t - self.t
+
+
+class _Platform:
+    has_streams = True
+
+    def new_event(self, *, timing: bool = False) -> _Event:
+        return _Event()
+
+    def current_stream(self) -> None:
+        return None
+
+
+def test_forward_timings_wait_for_the_device_and_drop_nothing() -> None:
+    """The host runs forwards ahead of the device: each forward's span and waits are read
+    once its events completed, the same forward's together, in order; a re-planned forward
+    is marked; beyond MAX_PENDING forwards nothing more is recorded until some complete."""
+    from dlo.runtime.forward_timing import MAX_PENDING, ForwardTimings, Sample
+    from dlo.runtime.streamed import BlockRing
+
+    ring = BlockRing("dit", [])
+    t = ForwardTimings(_Platform(), ring)  # type: ignore[arg-type]
+
+    def forward(span: float, waits: list[float], skip: bool = False) -> None:
+        t.begin()
+        if skip:
+            t.skip()
+        start = _Clock.now
+        for w in waits:
+            t.wait_event(None)
+            _Clock.now += w
+            t.wait_event(None)
+        _Clock.now = start + span
+        t.end()
+
+    _Clock.now = _Clock.done = 0.0
+    forward(10.0, [2.0, 3.0])
+    forward(20.0, [1.0], skip=True)
+    t.collect()
+    assert t.samples == []  # the device has done nothing yet: nothing read, nothing dropped
+    _Clock.done = 10.0
+    t.collect()
+    assert t.samples == [Sample(10.0, 5.0, False)]
+    _Clock.done = 1e9
+    t.collect()
+    assert t.samples == [Sample(10.0, 5.0, False), Sample(20.0, 1.0, True)]
+    _Clock.done = _Clock.now
+    for _ in range(MAX_PENDING + 3):
+        forward(1.0, [0.5])
+    assert len(t._pending) == MAX_PENDING  # the rest went unmeasured
+    _Clock.done = 1e9
+    t.collect()
+    assert t.samples[2:] == [Sample(1.0, 0.5, False)] * MAX_PENDING
+
+
+@pytest.mark.parametrize(
+    ("samples", "bound_"),
+    [
+        ([(10.0, 5.0, False), (10.0, 5.0, False)], True),
+        ([(10.0, 5.0, False)], False),  # one forward is not enough
+        ([(10.0, 5.0, False), (10.0, 0.5, False)], False),  # the last one hid its copies
+        ([(10.0, 0.5, False), (10.0, 5.0, True), (10.0, 5.0, False)], False),  # a re-plan's
+        ([(10.0, 5.0, False), (10.0, 0.5, True), (10.0, 5.0, False)], True),
+    ],
+)
+def test_the_decision_takes_the_last_steady_forwards(
+    samples: list[tuple[float, float, bool]], bound_: bool
+) -> None:
+    from dlo.runtime.forward_timing import Sample
+    from dlo.runtime.streamed import BlockRing
+
+    late = LateCodec(_Platform(), BlockRing("dit", []), "ans", lambda r: None)  # type: ignore[arg-type]
+    late.timings.samples = [Sample(*s) for s in samples]
+    assert late._bound() is bound_

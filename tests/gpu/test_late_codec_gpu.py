@@ -64,14 +64,15 @@ def test_a_transfer_bound_ring_is_encoded_and_switched_bitwise(compiled: bool) -
     b = dlo.enable_offload(model, cfg, device=DEV)
     assert b is not None
     try:
+        xs = [_inputs(8, i) for i in range(n)]  # on the device: nothing below synchronizes
         out = []
         with torch.inference_mode():
-            for i in range(n):
-                out.append(model(_inputs(8, i)).cpu())
+            for x in xs:
+                out.append(model(x))
                 late = _late(b)
                 if late.state == "encoding" and late._thread is not None:
                     late._thread.join()  # the switch comes at the next forward
-        assert all(torch.equal(x, y) for x, y in zip(ref, out))
+        assert all(torch.equal(x, y.cpu()) for x, y in zip(ref, out))
         st = b.stats()
         records = [r for r in st["policy"]["replans"] if r["action"].startswith("codec")]
         assert st["codec_late"] == {"": "on"}, records
@@ -98,7 +99,10 @@ def test_a_ring_that_computes_enough_stays_raw() -> None:
         with torch.inference_mode():
             for i in range(6):
                 model(_inputs(16384, i))
+        torch.cuda.synchronize()
         late = _late(b)
+        late.timings.collect()
+        late._bound()  # reads the last steady forward's times
         assert late.state == "watching", late.record.__self__
         assert late.forward_ms > 0 and late.exposed_ms < 0.1 * late.forward_ms
     finally:

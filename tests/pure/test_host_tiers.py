@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from dlo.plan.host_tiers import choose_on_disk
 from dlo.plan.layers import ENCODED_AXIS, check_stacks, plan_layers
 from dlo.plan.topology import BlockStack
+from dlo.platform.env import page_size
 
 
 def test_nothing_on_disk_when_every_block_fits() -> None:
@@ -90,14 +92,16 @@ def test_the_layer_plan_gives_disk_blocks_no_region_bytes() -> None:
 def test_the_tiers_count_encoded_copies_and_the_region_s_pages() -> None:
     """``tiered`` chooses again with the bytes the budget really holds: an encoded copy's
     (given by position) where known, every size rounded up to a page of the region."""
-    t = {f"blocks.{i}": [("w", "param", (64, 64), (64, 1), torch.float32)] for i in range(4)}
+    p = page_size()
+    dim = math.isqrt(p)  # a block of 4 pages
+    t = {f"blocks.{i}": [("w", "param", (dim, dim), (dim, 1), torch.float32)] for i in range(4)}
     kw: dict[str, Any] = {"chunk_nbytes": 1 << 20, "num_slots": 2}
-    roomy = plan_layers([_stack(codec="ans")], t, host_budget_nbytes=36864, **kw)
-    assert roomy.on_disk == {0, 1}  # raw: two of the three 16 KiB streamed blocks fit
-    encoded = {i: 10_000 for i in range(1, 4)}  # three pages each in the region
-    assert roomy.tiered(encoded).on_disk == {0}  # all three fit in 36 KiB
-    # 30000 bytes hold three 10000-byte copies, but not their nine pages
-    tight = plan_layers([_stack(codec="ans")], t, host_budget_nbytes=30000, **kw)
+    roomy = plan_layers([_stack(codec="ans")], t, host_budget_nbytes=9 * p, **kw)
+    assert roomy.on_disk == {0, 1}  # raw: two of the three streamed 4-page blocks fit
+    encoded = {i: int(2.45 * p) for i in range(1, 4)}  # three pages each in the region
+    assert roomy.tiered(encoded).on_disk == {0}  # all three fit in 9 pages
+    # 7.4 pages hold three copies of 2.45 pages, but not their nine pages
+    tight = plan_layers([_stack(codec="ans")], t, host_budget_nbytes=int(7.4 * p), **kw)
     assert tight.tiered(encoded).on_disk == {0, 1}
     assert plan_layers([_stack()], t, **kw).tiered(encoded).on_disk == frozenset()  # no budget
 
