@@ -14,7 +14,7 @@ import torch
 from dlo.backends.layer_codec import Block, HostCodec
 from dlo.codec.blocks import encode_packed, pack_raw
 from dlo.codec.format import EncodedLayout, write_pieces
-from dlo.codec.offline import ENCODED_FILE, EncodedSpool, Origin
+from dlo.codec.offline import ENCODED_FILE, EncodedSpool, Origin, spool_reserve
 from dlo.codec.on_disk import EncodedOnDisk
 from dlo.errors import OffloadError
 from dlo.io.direct import DirectReads
@@ -123,7 +123,9 @@ def _encode_into(codec: HostCodec, path: Path, todo: Sequence[Block]) -> None:
         )
         spool: EncodedSpool | None = None
         try:
-            spool = EncodedSpool(path)
+            spool = EncodedSpool(
+                path, spool_reserve([b[2] for b in todo], codec.files.num_entries(path))
+            )
             codec.files.copy_into(spool, skip={b[1] for b in todo})
             for index, name, layout, tensors, _ in todo:
                 raw = pack_raw(layout, tensors, codec.bounces[0])

@@ -43,6 +43,7 @@ AllGather rank's slices depend on the group size and its rank, and are encoded a
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import json
@@ -61,8 +62,14 @@ from dlo.errors import OffloadError
 from dlo.io.buffers import bytes_of, flat_uint8
 from dlo.io.checkpoint import ENCODED_FILE, Checkpoint
 from dlo.io.checksums import METADATA_KEY as CHECKSUMS_KEY
-from dlo.io.checksums import digests, metadata_value
-from dlo.io.files import OWN_FILE_MODE, staged
+from dlo.io.checksums import PIECE_NBYTES, digests, metadata_value
+from dlo.io.files import (
+    OWN_FILE_MODE,
+    CheckpointWriteError,
+    anonymous_file,
+    link_into_place,
+    staged,
+)
 from dlo.io.header_checks import CheckpointError, loads_json
 from dlo.io.sources import derived_source, mapped_source
 from dlo.io.writer import header_bytes, write_file
@@ -186,15 +193,26 @@ def write_encoded(
 
 class EncodedSpool:
     """An encoded checkpoint written one block at a time (a model larger than the host's
-    memory): each block's encoded bytes go to an anonymous temporary file beside ``path``
-    as they come, hashed on the way; :meth:`finish` writes the header once every size is
-    known and copies the bytes after it, through a private file renamed into place (see
-    [Note: writing files] in :mod:`dlo.io.files`). Holds one block at a time."""
+    memory), holding one block at a time. Where the folder's filesystem has anonymous files
+    (``O_TMPFILE``), the blocks' encoded bytes go straight into the new file as they come,
+    after ``reserve_nbytes`` kept for the header (:func:`spool_reserve`), and :meth:`finish`
+    writes the header into that space and links the file into place: the disk holds the new
+    file once. Elsewhere, or where the header outgrew its space, they go to an anonymous
+    temporary file, and :meth:`finish` writes the header and copies them after it through a
+    private file renamed into place (see [Note: writing files] in :mod:`dlo.io.files`): the
+    disk holds them twice for a while. Nothing is left behind however the process ends."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, reserve_nbytes: int = 0) -> None:
         self.path = path
-        # never named: nothing is left behind, however the process ends
-        self._data = tempfile.TemporaryFile(dir=path.parent)  # noqa: SIM115 (closed by finish/close)
+        fd = anonymous_file(path.parent, OWN_FILE_MODE) if reserve_nbytes > 0 else None
+        self._reserve = -(-reserve_nbytes // 8) * 8 if fd is not None else 0
+        # never named until finish: nothing is left behind, however the process ends
+        self._data = (
+            open(fd, "w+b")  # noqa: SIM115 (closed by finish/close)
+            if fd is not None
+            else tempfile.TemporaryFile(dir=path.parent)  # noqa: SIM115
+        )
+        self._data.seek(self._reserve)
         self._names: list[tuple[str, int]] = []
         self._sums: dict[str, list[str]] = {}
         self._entries: dict[str, Any] = {}
@@ -223,17 +241,35 @@ class EncodedSpool:
             METADATA_KEY: _record(bitstream, self._entries),
             CHECKSUMS_KEY: metadata_value(self._sums),
         }
-        head = header_bytes([(n, torch.uint8, [k]) for n, k in self._names], metadata)
-
-        def chunks() -> Iterator[bytes]:
-            yield head
-            self._data.seek(0)
-            while chunk := self._data.read(_COPY_NBYTES):
-                yield chunk
-
+        tensors = [(n, torch.uint8, [k]) for n, k in self._names]
+        head = header_bytes(tensors, metadata)
         try:
+            if self._reserve and len(head) <= self._reserve:
+                self._data.seek(0)
+                self._data.write(header_bytes(tensors, metadata, self._reserve))
+                self._data.flush()
+                try:
+                    link_into_place(self._data.fileno(), self.path)
+                    return self.path
+                except OSError as e:  # no link through /proc here (some overlay filesystems)
+                    if e.errno not in _NO_LINK:
+                        raise
+                    why = f"it cannot be linked into place ({e.strerror or e})"
+            elif self._reserve:
+                why = f"its header outgrew the {self._reserve} bytes kept for it"
+            if self._reserve:
+                logger.warning("dlo: %s is copied once more: %s", self.path, why)
+
+            def chunks() -> Iterator[bytes]:
+                yield head
+                self._data.seek(self._reserve)
+                while chunk := self._data.read(_COPY_NBYTES):
+                    yield chunk
+
             with staged() as files:
                 files.write(self.path, chunks(), OWN_FILE_MODE)
+        except OSError as e:
+            raise CheckpointWriteError(f"cannot write {self.path}: {e.strerror or e}") from e
         finally:
             self.close()
         return self.path
@@ -242,7 +278,21 @@ class EncodedSpool:
         self._data.close()
 
 
+def spool_reserve(layouts: Sequence[BlockLayout], num_old: int) -> int:
+    """Bytes an :class:`EncodedSpool` keeps for its header: ``layouts``' entries and
+    ``num_old`` entries copied from the file it replaces, each bounded generously (names,
+    fingerprints, piece tables, checksums)."""
+    per_block = [
+        16384 + 96 * -(-b.shard_nbytes // PIECE_NBYTES) + 256 * (len(b.tensors) + b.num_chunks)
+        for b in layouts
+    ]
+    return 65536 + sum(per_block) + 65536 * num_old
+
+
 _COPY_NBYTES = 8 << 20
+
+_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EACCES, errno.ENOENT, errno.EOPNOTSUPP)
+"""Why an anonymous file may not be linked into its folder: it is copied instead."""
 
 
 class _EncodedFile:
@@ -366,6 +416,11 @@ class EncodedFiles:
         if f is None:
             return f"there is no readable {path}"
         return f.match(layout, origin, bitstream), f
+
+    def num_entries(self, path: Path) -> int:
+        """Blocks the encoded checkpoint at ``path`` holds (0: none readable there)."""
+        f = self._open(path)
+        return 0 if f is None else len(f.blocks)
 
     def copy_into(self, spool: EncodedSpool, skip: set[str]) -> None:
         """Every entry of the encoded checkpoint at ``spool.path`` not named in ``skip`` into

@@ -23,13 +23,14 @@ readers' threads beside the disk (one thread hashes about 2 GB/s).
 A block no encoded checkpoint serves yet (none written, or written for other bytes, layout
 or bitstream) is encoded once, at enable, into the encoded checkpoint beside its weights,
 with the blocks the budget keeps in memory (later enables read those too), which keeps the
-entries it had (:class:`~dlo.codec.offline.EncodedSpool`: one block in
-memory at a time, so a model larger than the host's memory is encoded where it runs; the
-file is rewritten once, under a ``flock`` on its directory, so the ranks of a node sharing
-the folder encode it once and the others read it; the lock does not reach across the nodes
-of a network filesystem, and where the filesystem has none each rank encodes, with a
-warning). The write needs free space for the new file twice over (the spool, then the
-file) beside the old one. Later enables read it. A block whose tensors are not all
+entries it had (:class:`~dlo.codec.offline.EncodedSpool`: one block in memory at a time, so a
+model larger than the host's memory is encoded where it runs; the file is written once, under
+a ``flock`` on its directory, so the ranks of a node sharing the folder encode it once and
+the others read it; the lock does not reach across the nodes of a network filesystem, and
+where the filesystem has none each rank encodes, with a warning). Where the folder takes
+anonymous files (``O_TMPFILE``) that can be linked into place, the disk holds the new file
+once beside the old one; elsewhere twice for a while (a spool, then the file: a Wan2.1-14B
+folder with 26 GB free could not take the 2 x 19.5 GB, H100, 2026-12-07). Later enables read it. A block whose tensors are not all
 in one checkpoint directory cannot be served, and is refused by name; so is a folder that
 cannot be written.
 The budget holds the kept blocks' encoded copies, so the tiers are chosen by their encoded

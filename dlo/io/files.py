@@ -213,6 +213,42 @@ def _create(path: Path, mode: int) -> tuple[Path, int]:
     raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
 
 
+def anonymous_file(directory: Path, mode: int) -> int | None:
+    """A new file in ``directory`` with no name yet (``O_TMPFILE``: nothing is left behind
+    however the process ends), open to read and write, with ``mode`` (less the umask); None
+    where the platform or the filesystem has no such files."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None:
+        return None
+    try:
+        return os.open(directory, flag | os.O_RDWR | _CLOEXEC, mode)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return None
+        raise
+
+
+def link_into_place(fd: int, path: Path) -> None:
+    """Give :func:`anonymous_file` ``fd`` the name ``path``, replacing any file there at once
+    (a temporary name beside it first, renamed over it)."""
+    with atomic():
+        for _ in range(100):
+            tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+            try:
+                os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
 @contextlib.contextmanager
 def locked_dir(directory: Path) -> Iterator[None]:
     """An exclusive lock on ``directory`` (``flock`` on its descriptor: nothing is created

@@ -72,11 +72,14 @@ def _write(
 
 
 def header_bytes(
-    tensors: Sequence[tuple[str, torch.dtype, list[int]]], metadata: dict[str, str]
+    tensors: Sequence[tuple[str, torch.dtype, list[int]]],
+    metadata: dict[str, str],
+    total_nbytes: int | None = None,
 ) -> bytes:
     """A safetensors file's first bytes, its header's length then its header, for
     ``(name, dtype, shape)`` stored one after the other in that order (the header padded to
-    8 bytes, as safetensors pads it)."""
+    8 bytes, as safetensors pads it; to ``total_nbytes`` in all where given, a multiple of 8 that
+    holds it: the space a file kept for it before its tensors)."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape in tensors:
@@ -88,7 +91,9 @@ def header_bytes(
         }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    n = total_nbytes
+    raw += b" " * (-len(raw) % 8 if n is None else n - 8 - len(raw))
+    assert n is None or (n % 8 == 0 and len(raw) == n - 8), "header too long"
     return struct.pack("<Q", len(raw)) + raw
 
 

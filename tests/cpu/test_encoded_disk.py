@@ -228,6 +228,7 @@ def test_a_folder_that_cannot_take_the_file_is_named(
         raise PermissionError(13, "Permission denied", str(ckpt.parent))
 
     monkeypatch.setattr(offline.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(offline, "anonymous_file", refuse)
     with pytest.raises(ValueError, match=r"could not be written .*Permission denied"):
         _load(ckpt, host_budget_gb=0.0)
     assert not (ckpt.parent / ENCODED_FILE).exists()
@@ -270,3 +271,52 @@ def test_re_tiering_never_leaves_a_block_no_file_serves_on_disk(
     assert layer_host.LayerHost._tier_encoded(host, plan, None).on_disk == {0, 1, 2}  # type: ignore[arg-type]
     monkeypatch.setattr(layer_host, "file_nbytes", lambda codec, todo: {1: p, 2: p, 3: p})
     assert layer_host.LayerHost._tier_encoded(host, plan, None).on_disk == {0}  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["header-in-its-space", "header-outgrew"])
+def test_the_encoded_file_is_written_once_where_the_folder_allows(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """Where the folder takes anonymous files, the encoded bytes go straight into the new
+    file after the space kept for its header, and the file is linked into place: no second
+    copy on the disk (a Wan2.1-14B folder with 26 GB free could not take two). Where the
+    header outgrows that space, the file is copied once more. Either file serves the next
+    enable, bitwise. (This sandbox cannot link through /proc: the link is stood in for.)"""
+    import struct
+
+    import dlo.backends.layer_codec_disk as layer_codec_disk
+    import dlo.codec.offline as offline
+
+    linked: list[Path] = []
+
+    def link(fd: int, path: Path) -> None:
+        with open(f"/proc/self/fd/{fd}", "rb") as src, open(path, "wb") as dst:
+            dst.write(src.read())
+        os.chmod(path, 0o600)
+        linked.append(path)
+
+    copies: list[Path] = []
+    real_staged = offline.staged
+
+    def staged() -> Any:
+        copies.append(ckpt)
+        return real_staged()
+
+    monkeypatch.setattr(offline, "link_into_place", link)
+    monkeypatch.setattr(offline, "staged", staged)
+    if not fits:
+        monkeypatch.setattr(layer_codec_disk, "spool_reserve", lambda layouts, old: 8)
+    ref = _ref()
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)  # writes the file
+    assert torch.equal(out, ref)
+    backend.disable()
+    path = ckpt.parent / ENCODED_FILE
+    assert (linked, copies) == (([path], []) if fits else ([], [ckpt]))
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        head = f.read(n)
+    assert head.rstrip(b" ").endswith(b"}") and (head.endswith(b" ") or not fits)
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)  # reads it
+    assert torch.equal(out, ref) and backend.stats()["num_disk_encoded_blocks"] > 0
+    backend.disable()
+    assert [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")] == []
