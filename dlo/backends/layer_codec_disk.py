@@ -14,8 +14,9 @@ import torch
 from dlo.backends.layer_codec import Block, HostCodec
 from dlo.codec.blocks import encode_packed, pack_raw
 from dlo.codec.format import EncodedLayout, write_pieces
-from dlo.codec.offline import ENCODED_FILE, EncodedSpool, Origin, spool_reserve
+from dlo.codec.offline import ENCODED_FILE, Origin
 from dlo.codec.on_disk import EncodedOnDisk
+from dlo.codec.spool import EncodedSpool, spool_reserve
 from dlo.errors import OffloadError
 from dlo.io.direct import DirectReads
 from dlo.io.files import CheckpointWriteError, locked_dir

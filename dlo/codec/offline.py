@@ -43,17 +43,15 @@ AllGather rank's slices depend on the group size and its rank, and are encoded a
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
 import logging
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -61,18 +59,12 @@ from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
 from dlo.io.buffers import bytes_of, flat_uint8
 from dlo.io.checkpoint import ENCODED_FILE, Checkpoint
-from dlo.io.checksums import METADATA_KEY as CHECKSUMS_KEY
-from dlo.io.checksums import PIECE_NBYTES, digests, metadata_value
 from dlo.io.files import (
     OWN_FILE_MODE,
-    CheckpointWriteError,
-    anonymous_file,
-    link_into_place,
-    staged,
 )
 from dlo.io.header_checks import CheckpointError, loads_json
 from dlo.io.sources import derived_source, mapped_source
-from dlo.io.writer import header_bytes, write_file
+from dlo.io.writer import write_file
 from dlo.plan.layout import BlockLayout, build_manifest
 from dlo.platform.env import cpu_share
 
@@ -191,110 +183,6 @@ def write_encoded(
     return path
 
 
-class EncodedSpool:
-    """An encoded checkpoint written one block at a time (a model larger than the host's
-    memory), holding one block at a time. Where the folder's filesystem has anonymous files
-    (``O_TMPFILE``), the blocks' encoded bytes go straight into the new file as they come,
-    after ``reserve_nbytes`` kept for the header (:func:`spool_reserve`), and :meth:`finish`
-    writes the header into that space and links the file into place: the disk holds the new
-    file once. Elsewhere, or where the header outgrew its space, they go to an anonymous
-    temporary file, and :meth:`finish` writes the header and copies them after it through a
-    private file renamed into place (see [Note: writing files] in :mod:`dlo.io.files`): the
-    disk holds them twice for a while. Nothing is left behind however the process ends."""
-
-    def __init__(self, path: Path, reserve_nbytes: int = 0) -> None:
-        self.path = path
-        fd = anonymous_file(path.parent, OWN_FILE_MODE) if reserve_nbytes > 0 else None
-        self._reserve = -(-reserve_nbytes // 8) * 8 if fd is not None else 0
-        # never named until finish: nothing is left behind, however the process ends
-        self._data = (
-            open(fd, "w+b")  # noqa: SIM115 (closed by finish/close)
-            if fd is not None
-            else tempfile.TemporaryFile(dir=path.parent)  # noqa: SIM115
-        )
-        self._data.seek(self._reserve)
-        self._names: list[tuple[str, int]] = []
-        self._sums: dict[str, list[str]] = {}
-        self._entries: dict[str, Any] = {}
-
-    def add(
-        self, layout: BlockLayout, origin: Origin, enc: EncodedLayout, data: torch.Tensor
-    ) -> None:
-        """Block ``layout``'s encoded bytes ``data`` (its piece table ``enc``)."""
-        assert data.numel() == enc.nbytes
-        self.add_entry(layout.name, _entry(layout, origin, enc), data)
-
-    def add_entry(self, name: str, entry: dict[str, Any], data: torch.Tensor) -> None:
-        """Block ``name``'s entry of the record and its encoded bytes ``data`` (copied from
-        another encoded checkpoint: :meth:`EncodedFiles.copy_into`)."""
-        buf = bytes_of(data)
-        assert name not in self._entries
-        self._sums[name] = digests(buf)
-        self._data.write(buf)
-        self._names.append((name, len(buf)))
-        self._entries[name] = entry
-
-    def finish(self, bitstream: str) -> Path:
-        """Write the file (see the class doc); the spool is closed."""
-        metadata = {
-            "format": "pt",
-            METADATA_KEY: _record(bitstream, self._entries),
-            CHECKSUMS_KEY: metadata_value(self._sums),
-        }
-        tensors = [(n, torch.uint8, [k]) for n, k in self._names]
-        head = header_bytes(tensors, metadata)
-        try:
-            if self._reserve and len(head) <= self._reserve:
-                self._data.seek(0)
-                self._data.write(header_bytes(tensors, metadata, self._reserve))
-                self._data.flush()
-                try:
-                    link_into_place(self._data.fileno(), self.path)
-                    return self.path
-                except OSError as e:  # no link through /proc here (some overlay filesystems)
-                    if e.errno not in _NO_LINK:
-                        raise
-                    why = f"it cannot be linked into place ({e.strerror or e})"
-            elif self._reserve:
-                why = f"its header outgrew the {self._reserve} bytes kept for it"
-            if self._reserve:
-                logger.warning("dlo: %s is copied once more: %s", self.path, why)
-
-            def chunks() -> Iterator[bytes]:
-                yield head
-                self._data.seek(self._reserve)
-                while chunk := self._data.read(_COPY_NBYTES):
-                    yield chunk
-
-            with staged() as files:
-                files.write(self.path, chunks(), OWN_FILE_MODE)
-        except OSError as e:
-            raise CheckpointWriteError(f"cannot write {self.path}: {e.strerror or e}") from e
-        finally:
-            self.close()
-        return self.path
-
-    def close(self) -> None:
-        self._data.close()
-
-
-def spool_reserve(layouts: Sequence[BlockLayout], num_old: int) -> int:
-    """Bytes an :class:`EncodedSpool` keeps for its header: ``layouts``' entries and
-    ``num_old`` entries copied from the file it replaces, each bounded generously (names,
-    fingerprints, piece tables, checksums)."""
-    per_block = [
-        16384 + 96 * -(-b.shard_nbytes // PIECE_NBYTES) + 256 * (len(b.tensors) + b.num_chunks)
-        for b in layouts
-    ]
-    return 65536 + sum(per_block) + 65536 * num_old
-
-
-_COPY_NBYTES = 8 << 20
-
-_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EACCES, errno.ENOENT, errno.EOPNOTSUPP)
-"""Why an anonymous file may not be linked into its folder: it is copied instead."""
-
-
 class _EncodedFile:
     """One encoded checkpoint, opened for reading (see the note)."""
 
@@ -377,6 +265,15 @@ def _piece(p: Any) -> Piece:
     return Piece(ro, rn, o, n, stored)
 
 
+class Spool(Protocol):
+    """Where :meth:`EncodedFiles.copy_into` copies entries (an
+    :class:`~dlo.codec.spool.EncodedSpool`)."""
+
+    path: Path
+
+    def add_entry(self, name: str, entry: dict[str, Any], data: torch.Tensor) -> None: ...
+
+
 class EncodedFiles:
     """The encoded checkpoints one enable reads: each opened once, closed by :meth:`close`."""
 
@@ -422,7 +319,7 @@ class EncodedFiles:
         f = self._open(path)
         return 0 if f is None else len(f.blocks)
 
-    def copy_into(self, spool: EncodedSpool, skip: set[str]) -> None:
+    def copy_into(self, spool: Spool, skip: set[str]) -> None:
         """Every entry of the encoded checkpoint at ``spool.path`` not named in ``skip`` into
         ``spool``, its bytes read verified, one block at a time (the file a spool replaces
         keeps what it served)."""

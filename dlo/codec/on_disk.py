@@ -23,7 +23,7 @@ readers' threads beside the disk (one thread hashes about 2 GB/s).
 A block no encoded checkpoint serves yet (none written, or written for other bytes, layout
 or bitstream) is encoded once, at enable, into the encoded checkpoint beside its weights,
 with the blocks the budget keeps in memory (later enables read those too), which keeps the
-entries it had (:class:`~dlo.codec.offline.EncodedSpool`: one block in memory at a time, so a
+entries it had (:class:`~dlo.codec.spool.EncodedSpool`: one block in memory at a time, so a
 model larger than the host's memory is encoded where it runs; the file is written once, under
 a ``flock`` on its directory, so the ranks of a node sharing the folder encode it once and
 the others read it; the lock does not reach across the nodes of a network filesystem, and

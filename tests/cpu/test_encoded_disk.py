@@ -222,7 +222,7 @@ def test_ranks_sharing_the_folder_encode_it_once(ckpt: Path) -> None:
 def test_a_folder_that_cannot_take_the_file_is_named(
     ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlo.codec.offline as offline
+    import dlo.codec.spool as offline
 
     def refuse(*args: Any, **kw: Any) -> Any:
         raise PermissionError(13, "Permission denied", str(ckpt.parent))
@@ -285,7 +285,7 @@ def test_the_encoded_file_is_written_once_where_the_folder_allows(
     import struct
 
     import dlo.backends.layer_codec_disk as layer_codec_disk
-    import dlo.codec.offline as offline
+    import dlo.codec.spool as offline
 
     linked: list[Path] = []
 
