@@ -70,6 +70,8 @@ class HostCodec:
         self.origins: dict[int, Origin] = {}
         """The checkpoint of each block of group size 1 whose tensors alias one (what
         :meth:`save` writes beside)."""
+        self.failed_writes: dict[Path, ValueError] = {}
+        """Encoded checkpoints that could not be written this enable (not tried again)."""
         self.retained: list[Checkpoint] = []
         """The encoded checkpoints serving blocks on disk (see
         :mod:`dlo.backends.layer_codec_disk`)."""

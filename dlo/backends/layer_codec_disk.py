@@ -70,8 +70,9 @@ def file_nbytes(codec: HostCodec, blocks: Sequence[Block]) -> dict[int, int]:
     beside its weights, by manifest position: what its host copy takes in the budget (see
     [Note: host budget tiers] in :mod:`dlo.plan.host_tiers`). The blocks the file lacks are
     encoded into it first (the enable that leaves any block on disk writes them all anyway);
-    a block no file can serve, or whose file could not be written (logged), is left out:
-    the tiers count its raw bytes."""
+    a block no file can serve, or whose file could not be written (logged, and not tried
+    again this enable: :attr:`HostCodec.failed_writes`), is left out: the tiers count its
+    raw bytes."""
     out: dict[int, int] = {}
     missing: dict[Path, list[Block]] = {}
     for block in blocks:
@@ -87,7 +88,8 @@ def file_nbytes(codec: HostCodec, blocks: Sequence[Block]) -> dict[int, int]:
     for path, todo in missing.items():
         try:
             _encode_into(codec, path, todo)
-        except ValueError as e:  # a read-only folder: the disk blocks' serve names it
+        except ValueError as e:  # a read-only folder, a full disk: the disk blocks' serve
+            codec.failed_writes[path] = e  # names it where the file lacks any (not written twice)
             logger.warning(
                 "dlo: the host budget counts raw bytes for %d block(s): %s", len(todo), e
             )
@@ -108,6 +110,8 @@ def _encode_into(codec: HostCodec, path: Path, todo: Sequence[Block]) -> None:
     """Encode ``todo`` into the encoded checkpoint at ``path``, which keeps the blocks it
     held: one block in memory at a time, the file rewritten once (under a lock on its
     directory: ranks sharing the folder encode it once, the others read it)."""
+    if path in codec.failed_writes:  # tried this enable already
+        raise codec.failed_writes[path]
     with locked_dir(path.parent):
         codec.files.forget(path)  # another rank may have written it meanwhile
         todo = [

@@ -320,3 +320,34 @@ def test_the_encoded_file_is_written_once_where_the_folder_allows(
     assert torch.equal(out, ref) and backend.stats()["num_disk_encoded_blocks"] > 0
     backend.disable()
     assert [p.name for p in ckpt.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_disk_filling_up_while_encoding_names_the_file_and_leaves_nothing(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folder's disk fills while the enable encodes into it (as a Wan2.1-14B folder's
+    did on an H100): the enable fails naming the file and the reason, no file and no
+    temporary file is left, nothing is held, and the model is as it was."""
+    import errno
+
+    import dlo.codec.spool as spool
+
+    real = spool.EncodedSpool.add_entry
+    calls: list[str] = []
+
+    def full(self: Any, name: str, entry: Any, data: torch.Tensor) -> None:
+        calls.append(name)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, name, entry, data)
+
+    monkeypatch.setattr(spool.EncodedSpool, "add_entry", full)
+    before = set(ckpt.parent.iterdir())
+    with pytest.raises(ValueError, match=r"dlo-encoded.safetensors.*No space left on device"):
+        _load(ckpt, host_budget_gb=0.0)
+    assert set(ckpt.parent.iterdir()) == before  # no file, no temporary file
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    monkeypatch.setattr(spool.EncodedSpool, "add_entry", real)
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)  # room again: written, bitwise
+    assert torch.equal(out, _ref())
+    backend.disable()
