@@ -151,9 +151,11 @@ def _encode_into(codec: HostCodec, path: Path, todo: Sequence[Block]) -> None:
                 "--save-encoded, without a budget), or set codec='none'"
             ) from e
         finally:
-            if spool is not None:
-                spool.close()
-            codec.release_bounces()
+            try:
+                if spool is not None:
+                    spool.close()
+            finally:
+                codec.release_bounces()
 
 
 def _serve(codec: HostCodec, block: Block, reads: DirectReads, journal: Journal) -> EncodedOnDisk:

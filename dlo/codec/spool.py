@@ -3,7 +3,7 @@ than the host's memory): see [Note: encoded blocks on disk] in :mod:`dlo.codec.o
 
 from __future__ import annotations
 
-import errno
+import contextlib
 import logging
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -20,6 +20,7 @@ from dlo.io.checksums import PIECE_NBYTES, digests, metadata_value
 from dlo.io.files import (
     OWN_FILE_MODE,
     CheckpointWriteError,
+    NotLinkable,
     anonymous_file,
     link_into_place,
     staged,
@@ -90,9 +91,7 @@ class EncodedSpool:
                 try:
                     link_into_place(self._data.fileno(), self.path)
                     return self.path
-                except OSError as e:  # no link through /proc here (some overlay filesystems)
-                    if e.errno not in _NO_LINK:
-                        raise
+                except NotLinkable as e:  # the folder names no anonymous file
                     why = f"it cannot be linked into place ({e.strerror or e})"
             elif self._reserve:
                 why = f"its header outgrew the {self._reserve} bytes kept for it"
@@ -114,7 +113,8 @@ class EncodedSpool:
         return self.path
 
     def close(self) -> None:
-        self._data.close()
+        with contextlib.suppress(OSError):  # a buffered tail a full disk refused: discarded
+            self._data.close()
 
 
 def spool_reserve(layouts: Sequence[BlockLayout], num_old: int) -> int:
@@ -125,10 +125,11 @@ def spool_reserve(layouts: Sequence[BlockLayout], num_old: int) -> int:
         16384 + 96 * -(-b.shard_nbytes // PIECE_NBYTES) + 256 * (len(b.tensors) + b.num_chunks)
         for b in layouts
     ]
-    return 65536 + sum(per_block) + 65536 * num_old
+    total = 65536 + sum(per_block) + 65536 * num_old
+    return total if total <= MAX_RESERVE else 0  # beyond: written through the copy path
 
 
 _COPY_NBYTES = 8 << 20
 
-_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EACCES, errno.ENOENT, errno.EOPNOTSUPP)
-"""Why an anonymous file may not be linked into its folder: it is copied instead."""
+MAX_RESERVE = 100_000_000
+"""The largest header the safetensors library reads."""

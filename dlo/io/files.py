@@ -228,25 +228,58 @@ def anonymous_file(directory: Path, mode: int) -> int | None:
         raise
 
 
+class NotLinkable(OSError):
+    """An anonymous file cannot be given a name in that folder (see :func:`link_into_place`)."""
+
+
+_NO_LINK = (errno.EXDEV, errno.EPERM, errno.EACCES, errno.ENOENT, errno.EOPNOTSUPP)
+
+
 def link_into_place(fd: int, path: Path) -> None:
-    """Give :func:`anonymous_file` ``fd`` the name ``path``, replacing any file there at once
-    (a temporary name beside it first, renamed over it)."""
-    with atomic():
-        for _ in range(100):
-            tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    """Give :func:`anonymous_file` ``fd`` the name ``path`` (``linkat`` through
+    ``/proc/self/fd``): straight where no file is there, else under a temporary name beside
+    it, renamed over it at once.
+
+    Raises:
+        NotLinkable: the folder or the platform gives anonymous files no name.
+    """
+    src = f"/proc/self/fd/{fd}"
+    dfd = os.open(path.parent, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _CLOEXEC)
+    try:
+
+        def link(name: str) -> None:
             try:
-                os.link(f"/proc/self/fd/{fd}", tmp, follow_symlinks=True)
-                break
+                os.link(src, name, dst_dir_fd=dfd, follow_symlinks=True)  # linkat: follows
             except FileExistsError:
-                continue
-        else:
-            raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+                raise
+            except OSError as e:
+                if e.errno in _NO_LINK:
+                    raise NotLinkable(e.errno, e.strerror, str(path)) from e
+                raise
+
+        with atomic():
+            try:
+                link(path.name)
+                return
+            except FileExistsError:
+                pass
+            for _ in range(100):
+                tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
+                try:
+                    link(tmp)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
+            try:
+                os.replace(tmp, path.name, src_dir_fd=dfd, dst_dir_fd=dfd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+                raise
+    finally:
+        os.close(dfd)
 
 
 @contextlib.contextmanager

@@ -26,6 +26,10 @@ MAX_PENDING = 8
 is that far behind: nothing is dropped, nothing more is recorded)."""
 
 
+MAX_SAMPLES = 16
+"""The latest forwards kept (a ring that stays compute-bound keeps being timed)."""
+
+
 @dataclass(frozen=True)
 class Sample:
     """One forward's device times."""
@@ -69,7 +73,7 @@ class ForwardTimings:
 
     def __init__(self, platform: Platform, ring: BlockRing) -> None:
         self.platform = platform
-        self.samples: list[Sample] = []
+        self.samples: deque[Sample] = deque(maxlen=MAX_SAMPLES)
         self.recording = True
         self._pending: deque[_Forward] = deque()
         self._current: _Forward | None = None
@@ -88,6 +92,10 @@ class ForwardTimings:
         if not self.recording or len(self._pending) >= MAX_PENDING:
             return
         self._current = _Forward(self._event() if self.platform.has_streams else None)
+
+    def abort(self) -> None:
+        """The forward being timed raised: no sample (its waits may be half recorded)."""
+        self._current = None
 
     def skip(self) -> None:
         """The forward being timed is no steady one (a re-plan applied at its start)."""

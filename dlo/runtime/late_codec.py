@@ -29,7 +29,8 @@ its streamed blocks are encoded:
 
 The re-planner takes no observation from a forward start after which the encode ran or at
 which the switch allocated (their device memory is no forward's), and re-plans from what it
-knew. Every output bit stays the same: the codec is lossless and the loads write the same
+knew; the encode holds no device memory while the re-planner reads and plans it
+(:attr:`LateCodec.device_lock`: it waits at most one piece's encode). Every output bit stays the same: the codec is lossless and the loads write the same
 bytes into the slots. The raw host copies stay (disable and restores read them as before;
 the host holds both, pinned); a block written in place after the switch goes back to its
 raw copy and transport first (:meth:`StreamedBlock.to_raw
@@ -119,6 +120,9 @@ class LateCodec:
     _region: HostRegion | None = None
     _decoders: list[Decoder] = field(default_factory=list)
     thread_name: str = "dlo-late-codec"
+    device_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by the encode while a piece is on the device, and by the re-planner while it
+    reads and plans the device memory: what it reads is the forwards' alone."""
 
     def __post_init__(self) -> None:
         self.timings = ForwardTimings(self.platform, self.ring)
@@ -141,6 +145,7 @@ class LateCodec:
                 self.timings.collect()
                 if self._bound():
                     self._start(forward)
+                    quiet = False  # its first piece may be on the device already
             self.timings.recording = self.state == "watching"
             self.timings.begin()
         except Exception as e:  # never the forward's failure: every block back on its raw copy
@@ -220,7 +225,8 @@ class LateCodec:
         def encode(chunk: torch.Tensor) -> torch.Tensor:  # one slice on the device at a time
             if device is None:
                 return codec.encode(chunk)
-            return codec.encode(chunk.to(device)).cpu()
+            with self.device_lock:  # freed before the re-planner reads the device
+                return codec.encode(chunk.to(device)).cpu()
 
         try:
             with pf.stream(stream):

@@ -164,6 +164,13 @@ class Replanner:
                 sched.guard.release(me)
 
     def _at_first_block(self, args: tuple, kwargs: dict, name: str) -> None:
+        if self.late is None:
+            self._plan_forward(args, kwargs, name)
+            return
+        with self.late.device_lock:  # the late codec's encode holds no device memory now
+            self._plan_forward(args, kwargs, name)
+
+    def _plan_forward(self, args: tuple, kwargs: dict, name: str) -> None:
         # [Note: codec turned on by measurement]: its encode's and switch's device memory
         # is no forward's evidence
         quiet = self.late is None or self.late.forward_starts(self.forwards + 1)
@@ -195,6 +202,8 @@ class Replanner:
         yet). A forward that raised gives no sample, and a first one that raised teaches
         nothing: the next forward is the first again."""
         if failed:
+            if self.late is not None:
+                self.late.timings.abort()
             self._start, self._sample = None, None
             if self.last is None:
                 self.first, self.forwards, self._last_exit = None, 0, None

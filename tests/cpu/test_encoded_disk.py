@@ -275,43 +275,36 @@ def test_re_tiering_never_leaves_a_block_no_file_serves_on_disk(
 
 @pytest.mark.parametrize("fits", [True, False], ids=["header-in-its-space", "header-outgrew"])
 def test_the_encoded_file_is_written_once_where_the_folder_allows(
-    ckpt: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, fits: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Where the folder takes anonymous files, the encoded bytes go straight into the new
-    file after the space kept for its header, and the file is linked into place: no second
-    copy on the disk (a Wan2.1-14B folder with 26 GB free could not take two). Where the
-    header outgrows that space, the file is copied once more. Either file serves the next
-    enable, bitwise. (This sandbox cannot link through /proc: the link is stood in for.)"""
+    file after the space kept for its header, and the file is linked into place (``linkat``
+    through /proc): no second copy on the disk (a Wan2.1-14B folder with 26 GB free could not
+    take two). Where the header outgrows that space, the file is copied once more. Either
+    file serves the next enable, bitwise."""
     import struct
 
     import dlo.backends.layer_codec_disk as layer_codec_disk
-    import dlo.codec.spool as offline
-
-    linked: list[Path] = []
-
-    def link(fd: int, path: Path) -> None:
-        with open(f"/proc/self/fd/{fd}", "rb") as src, open(path, "wb") as dst:
-            dst.write(src.read())
-        os.chmod(path, 0o600)
-        linked.append(path)
+    import dlo.codec.spool as spool
 
     copies: list[Path] = []
-    real_staged = offline.staged
+    real_staged = spool.staged
 
     def staged() -> Any:
         copies.append(ckpt)
         return real_staged()
 
-    monkeypatch.setattr(offline, "link_into_place", link)
-    monkeypatch.setattr(offline, "staged", staged)
+    monkeypatch.setattr(spool, "staged", staged)
     if not fits:
         monkeypatch.setattr(layer_codec_disk, "spool_reserve", lambda layouts, old: 8)
     ref = _ref()
-    _, backend, out = _load(ckpt, host_budget_gb=0.0)  # writes the file
+    with caplog.at_level("WARNING", logger="dlo.codec.spool"):
+        _, backend, out = _load(ckpt, host_budget_gb=0.0)  # writes the file
     assert torch.equal(out, ref)
     backend.disable()
     path = ckpt.parent / ENCODED_FILE
-    assert (linked, copies) == (([path], []) if fits else ([], [ckpt]))
+    assert copies == ([] if fits else [ckpt]), caplog.text  # linked, or copied once more
+    assert ("copied once more" in caplog.text) != fits
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         head = f.read(n)

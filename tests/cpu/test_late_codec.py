@@ -332,20 +332,20 @@ def test_forward_timings_wait_for_the_device_and_drop_nothing() -> None:
     forward(10.0, [2.0, 3.0])
     forward(20.0, [1.0], skip=True)
     t.collect()
-    assert t.samples == []  # the device has done nothing yet: nothing read, nothing dropped
+    assert list(t.samples) == []  # the device has done nothing yet: nothing read or dropped
     _Clock.done = 10.0
     t.collect()
-    assert t.samples == [Sample(10.0, 5.0, False)]
+    assert list(t.samples) == [Sample(10.0, 5.0, False)]
     _Clock.done = 1e9
     t.collect()
-    assert t.samples == [Sample(10.0, 5.0, False), Sample(20.0, 1.0, True)]
+    assert list(t.samples) == [Sample(10.0, 5.0, False), Sample(20.0, 1.0, True)]
     _Clock.done = _Clock.now
     for _ in range(MAX_PENDING + 3):
         forward(1.0, [0.5])
     assert len(t._pending) == MAX_PENDING  # the rest went unmeasured
     _Clock.done = 1e9
     t.collect()
-    assert t.samples[2:] == [Sample(1.0, 0.5, False)] * MAX_PENDING
+    assert list(t.samples)[2:] == [Sample(1.0, 0.5, False)] * MAX_PENDING
 
 
 @pytest.mark.parametrize(
@@ -365,5 +365,5 @@ def test_the_decision_takes_the_last_steady_forwards(
     from dlo.runtime.streamed import BlockRing
 
     late = LateCodec(_Platform(), BlockRing("dit", []), "ans", lambda r: None)  # type: ignore[arg-type]
-    late.timings.samples = [Sample(*s) for s in samples]
+    late.timings.samples.extend(Sample(*s) for s in samples)
     assert late._bound() is bound_
