@@ -42,9 +42,7 @@ def serve_on_disk(
         ValueError: a block's tensors are not all in one checkpoint directory (no encoded
             checkpoint can serve it), or the file cannot be written (named).
     """
-    missing: dict[Path, list[Block]] = {}
-    for block in blocks:
-        index, name, layout, tensors, _ = block
+    for index, name, layout, tensors, _ in blocks:
         origin = codec.origin(index, layout, tensors)
         if origin is None or origin.directory is None:
             raise ValueError(
@@ -53,13 +51,10 @@ def serve_on_disk(
                 "are not all in one checkpoint directory: load the model with "
                 "dlo.load_pipeline (not copy=True, no dtype cast), or set codec='none'"
             )
-        if not isinstance(_served(codec, layout, origin), EncodedLayout):
-            missing.setdefault(origin.directory / ENCODED_FILE, []).append(block)
-    for block in kept:  # written beside the disk blocks, where those are written
-        origin = codec.origin(block[0], block[2], block[3])
-        path = origin.directory / ENCODED_FILE if origin and origin.directory else None
-        if path in missing and not isinstance(_served(codec, block[2], origin), EncodedLayout):
-            missing[path].append(block)
+    missing = _missing(codec, blocks)
+    for path, todo in _missing(codec, kept).items():  # beside the disk blocks, where written
+        if path in missing:
+            missing[path].extend(todo)
     for path, todo in missing.items():
         _encode_into(codec, path, todo)
     return [_serve(codec, b, reads, journal) for b in blocks]
@@ -73,19 +68,7 @@ def file_nbytes(codec: HostCodec, blocks: Sequence[Block]) -> dict[int, int]:
     a block no file can serve, or whose file could not be written (logged, and not tried
     again this enable: :attr:`HostCodec.failed_writes`), is left out: the tiers count its
     raw bytes."""
-    out: dict[int, int] = {}
-    missing: dict[Path, list[Block]] = {}
-    for block in blocks:
-        index, _, layout, tensors, _ = block
-        origin = codec.origin(index, layout, tensors)
-        if origin is None or origin.directory is None:
-            continue
-        served = _served(codec, layout, origin)
-        if isinstance(served, EncodedLayout):
-            out[index] = served.nbytes
-        else:
-            missing.setdefault(origin.directory / ENCODED_FILE, []).append(block)
-    for path, todo in missing.items():
+    for path, todo in _missing(codec, blocks).items():
         try:
             _encode_into(codec, path, todo)
         except ValueError as e:  # a read-only folder, a full disk: the disk blocks' serve
@@ -93,12 +76,26 @@ def file_nbytes(codec: HostCodec, blocks: Sequence[Block]) -> dict[int, int]:
             logger.warning(
                 "dlo: the host budget counts raw bytes for %d block(s): %s", len(todo), e
             )
-            continue
-        for index, _, layout, _, _ in todo:
-            served = _served(codec, layout, codec.origins[index])
-            if isinstance(served, EncodedLayout):
-                out[index] = served.nbytes
+    out: dict[int, int] = {}
+    for index, _, layout, tensors, _ in blocks:
+        served = _served(codec, layout, codec.origin(index, layout, tensors))
+        if isinstance(served, EncodedLayout):
+            out[index] = served.nbytes
     return out
+
+
+def _missing(codec: HostCodec, blocks: Sequence[Block]) -> dict[Path, list[Block]]:
+    """``blocks`` the encoded checkpoint beside their weights does not serve yet, by that
+    file (a block whose tensors are not all in one checkpoint directory is left out)."""
+    missing: dict[Path, list[Block]] = {}
+    for block in blocks:
+        index, _, layout, tensors, _ = block
+        origin = codec.origin(index, layout, tensors)
+        if origin is None or origin.directory is None:
+            continue
+        if not isinstance(_served(codec, layout, origin), EncodedLayout):
+            missing.setdefault(origin.directory / ENCODED_FILE, []).append(block)
+    return missing
 
 
 def _served(codec: HostCodec, layout: BlockLayout, origin: Origin | None) -> EncodedLayout | str:

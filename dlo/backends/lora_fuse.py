@@ -202,8 +202,7 @@ class BlockFuse:
             else:
                 copy_back(layer.host_view(), list(zip(owner.layout.tensors, owner.tensors)))
                 if isinstance(owner, StreamedBlock):  # an encoded copy made late is stale
-                    owner.to_raw()
-                    owner.host_version += 1
+                    owner.host_written()
             if isinstance(owner, LayerBlock) or owner.own is not None:
                 for t, kept in zip(owner.tensors, self.before):  # PEFT may rebind .data
                     if t.data.data_ptr() != kept.data_ptr():

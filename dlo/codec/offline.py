@@ -59,9 +59,7 @@ from dlo.codec.format import EncodedLayout, Piece, check_layout
 from dlo.errors import OffloadError
 from dlo.io.buffers import bytes_of, flat_uint8
 from dlo.io.checkpoint import ENCODED_FILE, Checkpoint
-from dlo.io.files import (
-    OWN_FILE_MODE,
-)
+from dlo.io.files import OWN_FILE_MODE
 from dlo.io.header_checks import CheckpointError, loads_json
 from dlo.io.sources import derived_source, mapped_source
 from dlo.io.writer import write_file

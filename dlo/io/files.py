@@ -205,12 +205,18 @@ def staged() -> Iterator[Staged]:
 
 
 def _create(path: Path, mode: int) -> tuple[Path, int]:
-    for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    for name in _temporary_names(path):
+        tmp = path.with_name(name)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
         with contextlib.suppress(FileExistsError):
             return tmp, os.open(tmp, flags, mode)
     raise FileExistsError(errno.EEXIST, "no free temporary name beside it", str(path))
+
+
+def _temporary_names(path: Path) -> Iterator[str]:
+    """Hidden names beside ``path`` to try for a file renamed over it later (100 of them)."""
+    for _ in range(100):
+        yield f".{path.name}.{secrets.token_hex(6)}.tmp"
 
 
 def anonymous_file(directory: Path, mode: int) -> int | None:
@@ -263,8 +269,7 @@ def link_into_place(fd: int, path: Path) -> None:
                 return
             except FileExistsError:
                 pass
-            for _ in range(100):
-                tmp = f".{path.name}.{secrets.token_hex(6)}.tmp"
+            for tmp in _temporary_names(path):
                 try:
                     link(tmp)
                     break

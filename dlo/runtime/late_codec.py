@@ -118,7 +118,6 @@ class LateCodec:
     _done: list[_Encoded] = field(default_factory=list)
     _error: BaseException | None = None
     _region: HostRegion | None = None
-    _decoders: list[Decoder] = field(default_factory=list)
     thread_name: str = "dlo-late-codec"
     device_lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the encode while a piece is on the device, and by the re-planner while it
@@ -150,10 +149,7 @@ class LateCodec:
             self.timings.begin()
         except Exception as e:  # never the forward's failure: every block back on its raw copy
             self._cancel.set()
-            self.platform.synchronize()
-            for b in self.ring.blocks:
-                b.to_raw()
-            self._free()
+            self._revert()
             self._off(forward, f"failed ({e!r})")
         return quiet
 
@@ -263,7 +259,6 @@ class LateCodec:
             decoder = Decoder.for_shards(
                 pf, self.name, [(e.layout, e.block.layout.num_chunks) for e in done], rank=self.rank
             )
-            self._decoders.append(decoder)
             stream = pf.new_stream()
             whole = BlockDecoder(pf, get_codec(pf, self.name, stream), stream)
         except Exception as err:  # nothing switched yet
@@ -307,8 +302,14 @@ class LateCodec:
             }
         )
 
+    def _revert(self) -> None:
+        """Every block back on its raw copy and transport, the encoded copies freed."""
+        self.platform.synchronize()  # no load reads an encoded copy freed below
+        for b in self.ring.blocks:
+            b.to_raw()
+        self._free()
+
     def _free(self) -> None:
-        self._decoders.clear()
         if self._region is not None:
             self._region.close()
             self._region = None
@@ -326,9 +327,6 @@ class LateCodec:
         (disable)."""
         self.stop_thread()
         untrack(self)
-        self.platform.synchronize()  # no load reads an encoded copy freed below
-        for b in self.ring.blocks:
-            b.to_raw()
+        self._revert()
         self._done.clear()
-        self._free()
         self.state = "closed"

@@ -94,8 +94,14 @@ class StreamedBlock:
         ):
             return [spec.name for spec, _ in written]
         copy_back(self.shard, written)
-        self.host_version += 1
+        self.host_written()
         return []
+
+    def host_written(self) -> None:
+        """Its raw host shard was just written: loads read it from now on, and an encoded
+        copy made before is stale (``host_version``)."""
+        self.to_raw()
+        self.host_version += 1
 
     def to_raw(self) -> None:
         """Load from the raw host shard again (a write is about to land in it)."""
