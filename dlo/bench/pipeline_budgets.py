@@ -234,11 +234,15 @@ class Bench:
         the backend's)."""
         backend = None
         enable_s: float | None = None
+        _clean(self.platform)  # what an earlier method left would shrink the room enable sees
+        held = self.platform.memory_allocated()
+        pins: int | None = None
         t0 = time.perf_counter()
         try:
             backend = enable_offload(pipe, cfg, device=self.device)
             assert backend is not None  # a layer config always has one
             enable_s = time.perf_counter() - t0
+            pins = backend.stats().get("num_pinned_blocks")
             stats = backend.stats if setup is None else setup(pipe, backend)
             new = self.rows_of(method, budget, pipe, stats, counts)
         except FAILURES as e:  # a budget refused, or enable ran out under the cap
@@ -248,7 +252,7 @@ class Bench:
                 backend.disable()
             _clean(self.platform)
         for r in new:
-            r.update(enable_s=enable_s, **extra)
+            r.update(enable_s=enable_s, held_at_enable_nbytes=held, pinned_at_enable=pins, **extra)
         return new
 
 

@@ -57,8 +57,13 @@ def test_cached_rows_bitwise_and_skipped_blocks_not_loaded(folder: Path, tmp_pat
         assert dlo["num_loads"] <= res["block_runs"] + steps
         assert dlo["num_wasted_loads"] <= steps
         assert 0 <= dlo["denoise_wasted_nbytes"] <= dlo["denoise_h2d_nbytes"] <= dlo["h2d_nbytes"]
+        assert dlo["held_at_enable_nbytes"] >= 0 and dlo["pinned_at_enable"] is not None
+    # dlo before group offloading: nothing a failed group row left is on the device at enable
+    methods = [r["method"] for r in rows]
+    assert methods.index("dlo") < methods.index("diffusers-group")
     table = table_path.read_text()
-    assert "dlo with the cache, 32x32" in table and "diffusers group offloading" in table
+    assert "dlo with the cache, call 2 (64x64)" in table and "diffusers group offloading" in table
+    assert "at enable:" in table
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)  # dlo's host memory given back
 
 

@@ -548,7 +548,7 @@ def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
     monkeypatch: pytest.MonkeyPatch, exact: None
 ) -> None:
     """enable pins the policy's kept count where a re-plan would pin them (spread over the
-    ring, block 0 streamed first), so the first re-plan that pins more keeps every pin and
+    ring, block 0 pinned first), so the first re-plan that pins more keeps every pin and
     loads only the new ones (H200, 2026-12-06: leading pins at enable made the first re-plan
     reload 13 of 26 pins, a 181 ms stall in the first step)."""
     fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
@@ -563,8 +563,7 @@ def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
 
     with _enabled(model, cfg, fake) as backend:
         at_enable = pinned(backend)
-        streamed = set(range(16)) - at_enable
-        assert 0 < len(at_enable) < 8 and 0 in streamed
+        assert 0 < len(at_enable) < 8 and 0 in at_enable  # it runs in every forward
         # spread: no two streamed blocks further apart than the pins allow
         assert max(at_enable) > 16 // 2 and min(at_enable) < 16 // 2
         _run(model, ref, x(2, seed=0))
@@ -574,4 +573,4 @@ def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
         assert at_enable < after, (at_enable, after)
         new_pins = len(after) - len(at_enable)
         assert _stats(backend)[3] - loads == new_pins + (16 - len(after))
-        assert replan.streaming_order([replan.Block(str(i), 1) for i in range(16)])[0] == 0
+        assert replan.streaming_order([replan.Block(str(i), 1) for i in range(16)])[-1] == 0

@@ -22,6 +22,18 @@ def test_spread_order_prefixes_are_even() -> None:
     assert replan.spread_order(0) == [] and replan.spread_order(1) == [0]
 
 
+def test_streaming_order_spreads_and_streams_the_first_block_of_each_size_last() -> None:
+    """The ring's first block runs in every forward, a step cache's skipped ones included:
+    it is the last of its size to stream; the others spread as :func:`spread_order`."""
+    blocks = [Block(f"b{i}", 100) for i in range(8)]
+    assert replan.streaming_order(blocks) == [1, 5, 3, 7, 2, 6, 4, 0]
+    order = replan.streaming_order(FLUX)  # single.0 (19) last of the singles, double.0 last
+    assert order[:38][-1] == 19 and order[-1] == 0 and sorted(order) == list(range(57))
+    assert replan.streaming_order([Block("only", 1)]) == [0]
+    plan = replan.choose(blocks, 600, num_slots=2, floor_slot_nbytes=0)  # 4 pins + 2 slots
+    assert plan.pinned == {"b0", "b2", "b4", "b6"}
+
+
 def test_choose_streams_the_smallest_blocks_spread_out_and_the_slots_shrink() -> None:
     total = sum(b.nbytes for b in FLUX)
     everything = replan.choose(FLUX, total, num_slots=2, floor_slot_nbytes=0)
