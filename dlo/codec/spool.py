@@ -24,6 +24,7 @@ from dlo.io.files import (
     anonymous_file,
     link_into_place,
     staged,
+    sync_and_drop,
 )
 from dlo.io.writer import header_bytes
 from dlo.plan.layout import BlockLayout
@@ -36,11 +37,12 @@ class EncodedSpool:
     memory), holding one block at a time. Where the folder's filesystem has anonymous files
     (``O_TMPFILE``), the blocks' encoded bytes go straight into the new file as they come,
     after ``reserve_nbytes`` kept for the header (:func:`spool_reserve`), and :meth:`finish`
-    writes the header into that space and links the file into place: the disk holds the new
-    file once. Elsewhere, or where the header outgrew its space, they go to an anonymous
-    temporary file, and :meth:`finish` writes the header and copies them after it through a
-    private file renamed into place (see [Note: writing files] in :mod:`dlo.io.files`): the
-    disk holds them twice for a while. Nothing is left behind however the process ends."""
+    writes the header into that space, syncs the file (:func:`sync_and_drop`) and links it
+    into place: the disk holds the new file once. Elsewhere, or where the header outgrew its
+    space, they go to an anonymous temporary file, and :meth:`finish` writes the header and
+    copies them after it through a private file synced and renamed into place (see [Note:
+    writing files] in :mod:`dlo.io.files`): the disk holds them twice for a while. Nothing
+    is left behind however the process ends."""
 
     def __init__(self, path: Path, reserve_nbytes: int = 0) -> None:
         self.path = path
@@ -88,6 +90,7 @@ class EncodedSpool:
                 self._data.seek(0)
                 self._data.write(header_bytes(tensors, metadata, self._reserve))
                 self._data.flush()
+                sync_and_drop(self._data.fileno(), self.path)
                 try:
                     link_into_place(self._data.fileno(), self.path)
                     return self.path

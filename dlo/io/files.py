@@ -18,7 +18,22 @@ so a reader sees the old file or the whole new one:
   end: an interrupted save leaves the folder as it was, not new shards beside old ones.
 
 A kill (SIGKILL, the OOM killer) can still leave a temporary file, never a half-written
-target; no reader opens it (no ``*.safetensors`` name). Nothing is synced to the disk.
+target; no reader opens it (no ``*.safetensors`` name).
+
+Every file's bytes are synced to the disk (``fdatasync``) before it is renamed or linked
+into place, and then dropped from the page cache (``POSIX_FADV_DONTNEED``):
+:func:`sync_and_drop`. The disk tier reads the files dlo writes (an encoded checkpoint, a
+saved checkpoint's shards) around the page cache (``O_DIRECT``, see [Note: reads around the
+page cache] in :mod:`dlo.io.direct`), and Linux writes a range's dirty pages back before an
+``O_DIRECT`` read of it: the first forwards after an enable that wrote Wan2.1-14B's 19.5 GB
+encoded file read it at 0.95 GB/s against 1.34 GB/s from the raw checkpoint, contending with
+its writeback (H100, 8 GiB budget, 2026-12-07), while the page cache held the 19.5 GB beside
+the host budget (a read of the new file right after, such as an enable's of the blocks
+its budget keeps, now comes from the disk). Synced before the rename, a crash leaves the old file or the whole new
+one, never the new name over bytes not on the disk yet. A filesystem that cannot sync
+(``EINVAL``, ``ENOTSUP``) writes unsynced (logged at debug); an I/O error of the sync
+(``EIO``, ``ENOSPC``) fails the write as any other. The directory is not synced: a crash
+may lose the rename itself (the old file, or none), never leave a wrong one.
 
 [Note: own files]
 dlo's encoded checkpoint (:mod:`dlo.codec.offline`) is an optional cache whose fingerprint
@@ -161,6 +176,8 @@ class Staged:
             with open(fd, "wb") as f:
                 for chunk in chunks:
                     f.write(chunk)
+                f.flush()
+                sync_and_drop(f.fileno(), path)
         except OSError as e:
             raise CheckpointWriteError(f"cannot write {path}: {e.strerror or e}") from e
 
@@ -202,6 +219,29 @@ def staged() -> Iterator[Staged]:
         files.commit()
     finally:
         files.discard()  # nothing left after a commit
+
+
+def sync_and_drop(fd: int, path: Path) -> None:
+    """Sync written file ``fd`` (to be named ``path``) to the disk and drop its pages from
+    the page cache, before it is renamed or linked into place (see [Note: writing files]);
+    a filesystem that cannot sync is logged at debug and left unsynced.
+
+    Raises:
+        OSError: the sync failed (``EIO``, ``ENOSPC``): the bytes may not be on the disk.
+    """
+    try:
+        getattr(os, "fdatasync", os.fsync)(fd)
+    except OSError as e:
+        if e.errno not in _NO_SYNC:
+            raise
+        logger.debug("dlo: %s cannot be synced (%s): written unsynced", path, e.strerror or e)
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):  # advice: dirty pages stay cached, no more
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+_NO_SYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP}
+"""What ``fdatasync`` answers on a filesystem that does not sync (a pipe's, some FUSE ones)."""
 
 
 def _create(path: Path, mode: int) -> tuple[Path, int]:

@@ -344,3 +344,92 @@ def test_a_disk_filling_up_while_encoding_names_the_file_and_leaves_nothing(
     _, backend, out = _load(ckpt, host_budget_gb=0.0)  # room again: written, bitwise
     assert torch.equal(out, _ref())
     backend.disable()
+
+
+def _watch_syncs(monkeypatch: pytest.MonkeyPatch, path: Path) -> list[tuple[str, int, bool]]:
+    """Record each ``fdatasync`` and each whole-file ``POSIX_FADV_DONTNEED`` as ``(call,
+    inode of the descriptor, whether path existed then)``, in order; both still run."""
+    calls: list[tuple[str, int, bool]] = []
+    real_sync, real_advise = os.fdatasync, os.posix_fadvise
+
+    def sync(fd: int) -> None:
+        calls.append(("sync", os.fstat(fd).st_ino, path.exists()))
+        real_sync(fd)
+
+    def advise(fd: int, offset: int, nbytes: int, advice: int) -> None:
+        if (offset, nbytes, advice) == (0, 0, os.POSIX_FADV_DONTNEED):
+            calls.append(("drop", os.fstat(fd).st_ino, path.exists()))
+        real_advise(fd, offset, nbytes, advice)
+
+    monkeypatch.setattr(os, "fdatasync", sync)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    return calls
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["linked", "copied"])
+def test_the_encoded_file_is_synced_and_dropped_before_it_is_in_place(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """The encoded file's bytes are synced to the disk, then dropped from the page cache,
+    before it has its name (linked, or copied and renamed): the forwards that follow read it
+    with O_DIRECT, which waits for a range's dirty pages to be written back (0.95 GB/s
+    against the raw checkpoint's 1.34 GB/s on an H100 after the enable that wrote Wan2.1-14B's
+    file unsynced), and a crash leaves no name over bytes not on the disk."""
+    import dlo.backends.layer_codec_disk as layer_codec_disk
+
+    if not fits:
+        monkeypatch.setattr(layer_codec_disk, "spool_reserve", lambda layouts, old: 8)
+    path = ckpt.parent / ENCODED_FILE
+    calls = _watch_syncs(monkeypatch, path)
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)  # writes the file
+    assert torch.equal(out, _ref()) and backend.stats()["num_disk_encoded_blocks"] > 0
+    backend.disable()
+    ino = path.stat().st_ino
+    assert [c for c in calls if c[1] == ino] == [("sync", ino, False), ("drop", ino, False)]
+
+
+@pytest.mark.parametrize("fits", [True, False], ids=["linked", "copied"])
+def test_an_io_error_syncing_the_encoded_file_names_it_and_leaves_nothing(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """A sync that fails with EIO (the bytes may not be on the disk) fails the write as a
+    full disk does: the enable fails naming the file and the reason, no file and no
+    temporary file is left, nothing is held; the next enable writes it."""
+    import errno
+
+    import dlo.backends.layer_codec_disk as layer_codec_disk
+
+    if not fits:
+        monkeypatch.setattr(layer_codec_disk, "spool_reserve", lambda layouts, old: 8)
+
+    def sync(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fdatasync", sync)
+    before = set(ckpt.parent.iterdir())
+    with pytest.raises(ValueError, match=r"dlo-encoded.safetensors.*Input/output error"):
+        _load(ckpt, host_budget_gb=0.0)
+    assert set(ckpt.parent.iterdir()) == before  # no file, no temporary file
+    assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
+    monkeypatch.undo()
+    _, backend, out = _load(ckpt, host_budget_gb=0.0)
+    assert torch.equal(out, _ref())
+    backend.disable()
+
+
+def test_a_filesystem_that_cannot_sync_still_takes_the_encoded_file(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A filesystem whose ``fdatasync`` answers EINVAL (it does not sync) takes the file
+    unsynced, logged at debug: it serves the forward bitwise."""
+    import errno
+
+    def sync(fd: int) -> None:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(os, "fdatasync", sync)
+    with caplog.at_level("DEBUG", logger="dlo.io.files"):
+        _, backend, out = _load(ckpt, host_budget_gb=0.0)
+    assert torch.equal(out, _ref()) and backend.stats()["num_disk_encoded_blocks"] > 0
+    backend.disable()
+    assert f"{ckpt.parent / ENCODED_FILE} cannot be synced (Invalid argument)" in caplog.text

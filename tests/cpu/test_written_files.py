@@ -27,6 +27,7 @@ from dlo.cli import main
 from dlo.codec.offline import ENCODED_FILE
 from dlo.host.region import LEDGER
 from dlo.io.checkpoint import Checkpoint, CheckpointError
+from dlo.io.files import CheckpointWriteError
 from dlo.io.writer import save_checkpoint, write_file
 from dlo.models import build_pipeline
 from dlo.pipelines.layouts import FOLDERS
@@ -426,3 +427,50 @@ def test_a_read_only_folder_is_one_clear_error_and_keeps_the_report(
     if command == "run-save-encoded":
         assert "dlo run: preset=tiny" in after  # the report
     assert _listing(folder) == ["model.safetensors"]
+
+
+def test_saved_files_are_synced_before_they_are_renamed_and_a_failed_sync_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file of a sharded save (its shards and index: the disk tier reads the shards
+    with O_DIRECT, which waits for their dirty pages) is synced to the disk and dropped from
+    the page cache while its name does not exist yet. A sync that fails with EIO fails the
+    save naming the file, and leaves the folder as it was (an older checkpoint whole)."""
+    pipe = build_pipeline("tiny", dtype=DTYPE)
+    out = tmp_path / "s"
+    calls: list[tuple[str, int]] = []
+    real_sync, real_advise = os.fdatasync, os.posix_fadvise
+
+    def sync(fd: int) -> None:
+        calls.append(("sync", os.fstat(fd).st_ino))
+        real_sync(fd)
+
+    def advise(fd: int, offset: int, nbytes: int, advice: int) -> None:
+        if (offset, nbytes, advice) == (0, 0, os.POSIX_FADV_DONTNEED):
+            calls.append(("drop", os.fstat(fd).st_ino))
+        real_advise(fd, offset, nbytes, advice)
+
+    def renamed(src: Any, dst: Any, **kw: Any) -> None:
+        calls.append(("rename", os.stat(src).st_ino))
+        real_replace(src, dst, **kw)
+
+    real_replace = os.replace
+    monkeypatch.setattr(os, "fdatasync", sync)
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    monkeypatch.setattr(os, "replace", renamed)
+    index = save_checkpoint(pipe, out, max_shard_nbytes=SHARD_NBYTES)
+    names = _listing(out)
+    assert len(names) == 4 and _same_tensors(index, pipe)
+    for name in names:
+        ino = (out / name).stat().st_ino
+        assert [c for c, i in calls if i == ino] == ["sync", "drop", "rename"], (name, calls)
+    saved = {n: (out / n).read_bytes() for n in names}
+
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    first = re.escape(str(out / names[0]))
+    with pytest.raises(CheckpointWriteError, match=f"cannot write {first}: Input/output error"):
+        save_checkpoint(build_pipeline("tiny", dtype=DTYPE), out, max_shard_nbytes=SHARD_NBYTES)
+    assert {n: (out / n).read_bytes() for n in _listing(out)} == saved
