@@ -26,8 +26,8 @@ into place, and then dropped from the page cache (``POSIX_FADV_DONTNEED``):
 saved checkpoint's shards) around the page cache (``O_DIRECT``, see [Note: reads around the
 page cache] in :mod:`dlo.io.direct`), and Linux writes a range's dirty pages back before an
 ``O_DIRECT`` read of it: the first forwards after an enable that wrote Wan2.1-14B's 19.5 GB
-encoded file read it at 0.95 GB/s against 1.34 GB/s from the raw checkpoint, contending with
-its writeback (H100, 8 GiB budget, 2026-12-07), while the page cache held the 19.5 GB beside
+encoded file read it at 0.95 GB/s against 1.34 GB/s from the raw checkpoint, likely
+contending with its writeback (H100, 8 GiB budget, 2026-12-07), while the page cache held the 19.5 GB beside
 the host budget (a read of the new file right after, such as an enable's of the blocks
 its budget keeps, now comes from the disk). Synced before the rename, a crash leaves the old file or the whole new
 one, never the new name over bytes not on the disk yet. A filesystem that cannot sync
