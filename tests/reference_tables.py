@@ -341,7 +341,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "pin_time_s": "of the enable: the pinning left after the last block was filled",
         "enable_peak_rss_nbytes": "the process's peak resident set size (VmHWM) read at the "
         "end of enable: a process-lifetime peak, not a delta",
-        "codec_late": "per DiT ring whose codec='auto' took 'none' at enable, where the codec "
+        "codec_late": "per DiT ring whose codec='auto' (given, or unset on a GPU) took 'none' "
+        "at enable, where the codec "
         "turned on by measurement stands: watching, encoding (in the background), on, off "
         "(with why in the re-plan records) or closed ([Note: codec turned on by measurement])",
         "num_pinned_blocks": "ring blocks held in a device buffer of their own, loading nothing "
@@ -364,7 +365,8 @@ STATS_MEANINGS: dict[str, dict[str, str]] = {
         "`None` without a group or a measurement",
         "policy.stacks.<stack>.reason": "why that transfer (one line)",
         "policy.stacks.<stack>.codec": "the codec of that stack (`none` or `ans`)",
-        "policy.stacks.<stack>.codec_reason": "why that codec (`explicit` when not `auto`)",
+        "policy.stacks.<stack>.codec_reason": "why that codec (`explicit` when given other "
+        "than `auto`, `unset: ...` when unset on a CPU device)",
         "policy.num_slots": "slots chosen (or kept)",
         "policy.resident_layers": "resident leading blocks per eligible DiT",
         "policy.slot_nbytes": "bytes of one slot",

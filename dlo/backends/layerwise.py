@@ -203,8 +203,8 @@ class LayerwiseBackend(OffloadBackend):
 
     def _install_steps(self, pipeline: Any, journal: Journal) -> None:
         t0 = time.perf_counter()
-        cfg = for_device(self.config, self.platform.device.type)  # unset: per device
-        par, state = self.parallel, self._state
+        par, state, dev = self.parallel, self._state, self.platform.device.type
+        cfg = for_device(self.config, dev)  # unset: per device
         plan = resolve_offload_plan(pipeline, cfg, par)
         world = self.world = self._world_for(plan)
         if world.distributed:
@@ -216,7 +216,7 @@ class LayerwiseBackend(OffloadBackend):
                 f"components (warnings: {list(plan.warnings) or 'none'})",
                 rank=world.rank,
             )
-        agree_requests(self.config, plan, world, self.platform.device.type)  # same "auto"s
+        agree_requests(self.config, plan, world, dev)  # same "auto"s
         sizing_error: Exception | None = None  # read once; reaches peers in readiness/vote
         try:
             entries = {
@@ -232,7 +232,7 @@ class LayerwiseBackend(OffloadBackend):
             cfg, plan, state.policy = resolve_automatic(
                 pipeline, plan, self.config, par, self.platform, world, *sized
             )
-        self.plan = plan = replan_setup(pipeline, plan, self.config, state)
+        self.plan = plan = replan_setup(pipeline, plan, self.config, state, dev)
         gathers, exchanges = plan.gathers, plan.exchanges
         if exchanges and not world.distributed:
             raise OffloadError(

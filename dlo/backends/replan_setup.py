@@ -22,6 +22,7 @@ from typing import Any
 
 from dlo.backends.layer_block import LayerBlock
 from dlo.config.offload import OffloadConfig
+from dlo.config.unset import for_device
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.journal import Journal
@@ -53,19 +54,25 @@ class ReplanSetup:
     keep_slots: bool = False
     """``num_slots`` was given: the slots are never resized."""
     late_codec: frozenset[str] = frozenset()
-    """The DiTs whose rings may turn :data:`LATE_CODEC` on by measurement (``codec="auto"``
-    resolved to ``"none"`` for want of a compute time, no host or pin budget: see [Note:
-    codec turned on by measurement] in :mod:`dlo.runtime.late_codec`)."""
+    """The DiTs whose rings may turn :data:`LATE_CODEC` on by measurement (``codec="auto"``,
+    given or unset on a GPU, resolved to ``"none"`` for want of a compute time, no host or
+    pin budget: see [Note: codec turned on by measurement] in :mod:`dlo.runtime.late_codec`);
+    never with an explicit ``"none"`` or an unset codec on a CPU device."""
     pin_late: bool = True
     """Page-lock the copies it encodes (``pin_memory``)."""
 
 
 def replan_setup(
-    pipeline: Any, plan: ResolvedOffloadPlan, requested: OffloadConfig, state: Any
+    pipeline: Any,
+    plan: ResolvedOffloadPlan,
+    requested: OffloadConfig,
+    state: Any,
+    device_type: str,
 ) -> ResolvedOffloadPlan:
     """``plan`` with the re-planned DiTs' resident blocks made pins (their stacks keep no
     resident block); what enable re-plans goes to ``state.replan`` (a
-    :class:`~dlo.backends.layer_state.LayerState`). ``requested`` is the user's config."""
+    :class:`~dlo.backends.layer_state.LayerState`). ``requested`` is the user's config, its
+    unset codec resolved for ``device_type`` ([Note: automatic by default])."""
     state.replan = ReplanSetup()
     if requested.mode != "layer" or requested.resident_layers_for("dit") not in (None, "auto"):
         return plan
@@ -101,10 +108,11 @@ def replan_setup(
         dataclasses.replace(s, num_resident=0) if pinning and s.component_path in dits else s
         for s in plan.stacks
     )
-    # the codec turned on by measurement: where enable could not decide ("auto" without a
-    # compute time), and no host or pin budget would be overrun by the encoded copies
+    # the codec turned on by measurement: where enable could not decide ("auto", given or
+    # unset on a GPU, without a compute time), and no host or pin budget would be overrun by
+    # the encoded copies
     late = (
-        requested.codec_for("dit") == "auto"
+        for_device(requested, device_type).codec_for("dit") == "auto"
         and requested.block_compute_ms is None
         and requested.host_budget_gb is None
         and requested.pin_budget_gb is None

@@ -199,7 +199,9 @@ def _budget_rows(
         try:
             backend = enable_offload(model, cfg, device=platform.device)
             platform.synchronize()
-            new = timed(model, backend, method, setup_s=time.perf_counter() - t0, codec=cfg.codec)
+            new = timed(
+                model, backend, method, setup_s=time.perf_counter() - t0, codec=cfg.codec or "unset"
+            )
             st = backend.stats() if backend is not None else {}
             split = {k: st.get(k, 0) for k in ("num_resident_blocks", "num_streamed_blocks")}
             return tag(new, method, num_slots=st.get("num_slots", 0), **split, **extra)

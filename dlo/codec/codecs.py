@@ -151,6 +151,18 @@ def import_nvcomp() -> Any:
     return nvcomp
 
 
+def codec_available(platform: Platform) -> bool:
+    """Whether this process can encode and decode blocks on ``platform``: the reference codec
+    always (no device streams), nvCOMP's where it is installed."""
+    if not platform.has_streams:
+        return True
+    try:
+        import_nvcomp()
+    except OffloadError:
+        return False
+    return True
+
+
 def get_codec(platform: Platform, name: str, stream: Any) -> Codec:
     """The codec this process uses for ``name`` (not ``"none"``), decoding on ``stream``."""
     if name != "ans":  # "none" encodes nothing; "auto" is decided by the policy first

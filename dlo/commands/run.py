@@ -33,7 +33,7 @@ from dlo.commands.args import (
 from dlo.commands.run_flags import PIPELINE_ONLY, config_of, parallel_of, save_encoded_if_asked
 from dlo.config.offload import OffloadConfig
 from dlo.config.unset import for_device, unset_fields
-from dlo.plan.policy_explain import disk_explained, replans_explained
+from dlo.plan.policy_explain import disk_explained, late_codecs, replans_explained
 from dlo.platform.progress import progress_bar
 
 
@@ -225,6 +225,7 @@ def run(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> int:
         "codec": stats.get("codec", "none"),
         "codec_ratio": stats.get("codec_ratio", 1.0),
         "encoded_read_blocks": stats.get("encoded_read_blocks", 0),
+        "codec_late": stats.get("codec_late", {}),
         "exposed_wait_ms": stats.get("exposed_wait_ms", 0.0),
         "peak_rss_nbytes": run_rss,
         "parity": parity,
@@ -276,8 +277,9 @@ def _explain(cfg: OffloadConfig, backend: Any) -> str:
 
     return (
         f"dlo policy: nothing automatic: transfer={shown.transfer!r}, "
-        f"num_slots={value('num_slots')}, resident_layers={value('resident_layers')} (pass "
-        "'auto', or --device-budget-gb with them unset, to let dlo measure and decide)" + gather
+        f"num_slots={value('num_slots')}, resident_layers={value('resident_layers')}, "
+        f"codec={value('codec')} (pass 'auto', or --device-budget-gb with them unset, to let "
+        "dlo measure and decide)" + gather
     )
 
 
@@ -304,7 +306,7 @@ def _header(
     }
     if args.compile:
         fields["compile"] = str(args.compile)
-    if cfg.codec != "none":
+    if cfg.codec not in (None, "none"):  # given (unset: the device's default, as the slots)
         fields["codec"] = cfg.codec
     return fields
 
@@ -330,6 +332,7 @@ def _summary(reports: list[dict[str, Any]], header: dict[str, str]) -> str:
             f"codec={r0['codec']} (ratio {r0['codec_ratio']:.3f}, "
             f"{r0['encoded_read_blocks']} block(s) read encoded)"
         )
+    settled += late_codecs(r0.get("codec_late", {}))
     lines = [f"dlo run: settled {' '.join(settled)}"] if settled else []
     lines += [
         "| rank | step ms (median) | first step ms | HBM peak GiB | slots GiB | host GiB "

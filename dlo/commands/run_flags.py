@@ -211,12 +211,13 @@ def add_arguments(r: argparse.ArgumentParser) -> None:
     )
     r.add_argument(
         "--codec",
-        default="none",
+        default=None,
         choices=CODECS,
         help="ans: the streamed blocks' host copies are stored losslessly compressed and "
         "decoded on the device (nvCOMP on CUDA): fewer bytes cross the link, same bits; auto: "
         "the policy decides per stack (at enable with --block-compute-ms; else a re-planned "
-        "DiT ring measured to wait on its copies turns ans on between forwards)",
+        "DiT ring measured to wait on its copies turns ans on between forwards); none: never "
+        "(default: auto on a GPU, none on a CPU device)",
     )
     r.add_argument(
         "--save-encoded",

@@ -54,7 +54,7 @@ from dlo.commands.run_flags import (
     save_encoded_if_asked,
 )
 from dlo.config.parallel import ParallelConfig
-from dlo.plan.policy_explain import disk_explained, replans_explained
+from dlo.plan.policy_explain import disk_explained, late_codecs, replans_explained
 from dlo.platform.env import process_peak_rss_bytes, process_start_time, torchrun_env
 from dlo.platform.progress import progress_bar
 
@@ -209,7 +209,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
         header = (
             f"dlo run: pipeline={args.pipeline} ({index.pipeline_class}) mode={cfg.mode} "
             f"transfer={transfer} steps={args.steps} ranks={world.size}"
-            + (f" codec={cfg.codec}" if cfg.codec != "none" else "")
+            + (f" codec={cfg.codec}" if cfg.codec not in (None, "none") else "")
             + (f" output={args.output}" if args.output else "")
         )
         print(header, file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -304,6 +304,7 @@ def run_pipeline(args: argparse.Namespace, parser_defaults: dict[str, Any]) -> i
             "codec": stats.get("codec", "none"),
             "codec_ratio": stats.get("codec_ratio", 1.0),
             "encoded_read_blocks": stats.get("encoded_read_blocks", 0),
+            "codec_late": stats.get("codec_late", {}),
             "num_slots": stats.get("num_slots", 0),
             "num_resident_blocks": stats.get("num_resident_blocks", 0),
             "num_streamed_blocks": stats.get("num_streamed_blocks", 0),
@@ -354,6 +355,7 @@ def summary(reports: list[dict[str, Any]], transfer: str) -> str:
             f"codec={r0['codec']} (ratio {r0['codec_ratio']:.3f}, "
             f"{r0['encoded_read_blocks']} block(s) read encoded)"
         )
+    settled += late_codecs(r0.get("codec_late", {}))
     lines = [f"dlo run: settled {' '.join(settled)}"] if settled else []
     lines += [
         "| rank | seed | step ms (median) | first step ms | cold start s | load s | "

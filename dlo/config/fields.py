@@ -79,6 +79,11 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, choices))}")
 
 
+def _gib_nbytes(gib: float | None) -> int | None:
+    """``gib`` GiB in bytes (None stays None)."""
+    return int(gib * GIB) if gib is not None else None
+
+
 def _check_positive_number(
     name: str, value: Any, *, maximum: float = 1e7, zero: bool = False
 ) -> None:

@@ -45,12 +45,13 @@ def legacy_kwargs(flags: Mapping[str, Any]) -> dict[str, Any]:
                 raise ValueError(
                     f"{name}={f[name]!r} requires enable_distributed_layerwise_offload=True"
                 )
-    # the flags keep their historical meaning: every block streamed through 2 slots unless
-    # the DLO tuning says otherwise (the automatic defaults are the compact config's)
+    # the flags keep their historical meaning: every block streamed raw through 2 slots
+    # unless the DLO tuning says otherwise (the automatic defaults are the compact config's)
     common = dict(
         pin_memory=f["pin_cpu_memory"],
         resident_layers=f["dlo_resident_layers"],
         num_slots=f["dlo_num_slots"],
+        codec="none",
     )
     if f["enable_distributed_layerwise_offload"]:
         return dict(

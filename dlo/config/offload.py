@@ -35,7 +35,6 @@ from dlo.config.fields import (
     COMPONENTS,
     GATHER_ENGINES,
     GATHER_SYNCS,
-    GIB,
     HOST_BACKINGS,
     MAX_CHUNK_MB,
     MAX_SLOTS,
@@ -49,6 +48,7 @@ from dlo.config.fields import (
     _check_int,
     _check_int_or_auto,
     _check_positive_number,
+    _gib_nbytes,
 )
 from dlo.config.legacy import LEGACY_FLAG_DEFAULTS, check_legacy_agrees, legacy_kwargs
 from dlo.config.parallel import ParallelConfig
@@ -204,15 +204,16 @@ class OffloadConfig:
     whose page cache the ranks of a node share, through a few pinned staging buffers; see
     [Note: mapped host backing]). ``"mapped"`` is refused at enable for an AllGather stack
     or a model whose blocks do not come from a checkpoint."""
-    codec: str = "none"
-    """Host copies of streamed blocks stored losslessly compressed: ``"none"``, ``"ans"``, or
-    ``"auto"`` (the policy takes ``"ans"`` for a stack whose modeled copy per block is longer
-    than ``block_compute_ms``; without it ``"none"`` at enable, and a re-planned DiT ring
-    measured to wait on its copies turns ``"ans"`` on between forwards: see [Note: codec
-    turned on by measurement]) (nvCOMP's ANS on CUDA; fewer bytes cross the link and the device decodes them, bit for
-    bit; see [Note: block codecs]). Rank-local, AllGather and node-shared stacks with the
-    region host backing (each rank encodes its own shards; the sharers of a node-shared copy
-    1/L of its blocks each); per component through :attr:`layer_options`."""
+    codec: str | None = None
+    """Host copies of streamed blocks stored losslessly compressed (nvCOMP's ANS on CUDA:
+    fewer bytes cross the link, decoded on the device bit for bit; [Note: block codecs]):
+    ``"none"``, ``"ans"``, or ``"auto"`` (``"ans"`` for a stack whose modeled copy per block
+    outlasts ``block_compute_ms``; without it ``"none"`` at enable, then a re-planned DiT
+    ring measured to wait on its copies turns it on between forwards: [Note: codec turned on
+    by measurement]; ``"none"`` without a codec on the platform). None (unset): ``"auto"`` on
+    a GPU, ``"none"`` on a CPU device. Rank-local, AllGather and node-shared stacks with the
+    region host backing (each rank encodes its own shards, a node-shared copy's sharers 1/L
+    of its blocks each); per component through :attr:`layer_options`."""
 
     def __post_init__(self) -> None:
         _check_choice("mode", self.mode, MODES)
@@ -251,7 +252,8 @@ class OffloadConfig:
         _check_choice("gather_engine", self.gather_engine, GATHER_ENGINES)
         _check_choice("gather_sync", self.gather_sync, GATHER_SYNCS)
         _check_choice("host_backing", self.host_backing, HOST_BACKINGS)
-        _check_choice("codec", self.codec, CODECS)
+        if self.codec is not None:
+            _check_choice("codec", self.codec, CODECS)
         self._validate_layer_options()
         if self.mode == "module":
             layer_only = {
@@ -263,9 +265,9 @@ class OffloadConfig:
                 "block_compute_ms": None,
                 "host_backing": "region",
                 "host_budget_gb": None,
-                "codec": "none",
+                "codec": None,
             }
-            old = {"resident_layers": 0, "num_slots": 2}  # the defaults before unset ones
+            old = {"resident_layers": 0, "num_slots": 2, "codec": "none"}  # the old defaults
             for name, default in layer_only.items():
                 if getattr(self, name) not in (default, old.get(name, default)):
                     raise ValueError(
@@ -344,8 +346,8 @@ class OffloadConfig:
         o = self.layer_options.get(component)
         return o.weight_transfer if o is not None and o.weight_transfer else self.transfer
 
-    def codec_for(self, component: str) -> str:
-        """Effective codec of a component kind's host blocks."""
+    def codec_for(self, component: str) -> str | None:
+        """Effective codec of a component kind's host blocks, or None (unset)."""
         o = self.layer_options.get(component)
         return o.codec if o is not None and o.codec else self.codec
 
@@ -444,7 +446,3 @@ class OffloadConfig:
         if legacy:
             check_legacy_agrees(cfg, legacy, lambda: cls.from_flags(**legacy))
         return cfg
-
-
-def _gib_nbytes(gib: float | None) -> int | None:
-    return int(gib * GIB) if gib is not None else None

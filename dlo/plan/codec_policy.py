@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dlo.plan.policy_explain import kept
 from dlo.plan.policy_model import (
     CODEC_TRANSFER_BOUND,
     PolicyInput,
@@ -28,11 +29,13 @@ def choose_codec(s: StackSpec, c: StackChoice, inp: PolicyInput) -> StackChoice:
         else 0.0
     )
     if s.codec != "auto":
-        codec, why = s.codec, "explicit"
+        codec, why = s.codec, kept("codec", inp)
     elif inp.host_backing == "mapped":
         codec, why = "none", "auto: the mapped backing streams the checkpoint's own bytes"
     elif inp.host_budget:
         codec, why = "none", "auto: host_budget_gb streams the file's own bytes"
+    elif not m.codec_available:
+        codec, why = "none", "auto: no codec on this platform (nvCOMP is not installed)"
     elif s.component != "dit" or t_c is None:
         codec, why = "none", "auto: no compute time for this stack (block_compute_ms: DiT)"
     elif t_c * 1e3 < CODEC_TRANSFER_BOUND * h2d_ms and gather_ms < h2d_ms:

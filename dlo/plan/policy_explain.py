@@ -88,6 +88,13 @@ def codec_line(r: dict[str, Any]) -> str:
     return f"{head}, {r.get('blocks', 0)} blocks ({r.get('raw_nbytes', 0) / GIB:.2f} GiB)"
 
 
+def late_codecs(states: dict[str, str]) -> list[str]:
+    """The rings whose codec was turned on by measurement (``stats()["codec_late"]``: ring ->
+    state), as the words of a ``dlo run: settled`` line (none where no ring's is on)."""
+    on = [name or "the model" for name, state in sorted(states.items()) if state == "on"]
+    return [f"codec=ans by measurement ({', '.join(on)})"] if on else []
+
+
 def replans_explained(policy: dict[str, Any] | None) -> str:
     """Every re-plan of a run, a line each (``--explain`` after the run)."""
     records = (policy or {}).get("replans") or []

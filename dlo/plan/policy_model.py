@@ -50,6 +50,8 @@ class Measurements:
     """Free bytes in the shared-memory folder of the fullest node (None: unknown)."""
     num_ranks: int = 1
     """How many ranks measured (the minimum is over all of them)."""
+    codec_available: bool = True
+    """Every rank has a block codec (nvCOMP on CUDA): ``codec="auto"`` may take ``"ans"``."""
 
 
 DECODE_STAGING_BUFFERS = 2
@@ -99,8 +101,9 @@ class PolicyInput:
     num_slots: int | str = 2
     """An int is kept; ``"auto"`` is decided (see [Note: policy model])."""
     defaults: frozenset[str] = frozenset()
-    """The knobs (``"num_slots"``, ``"resident_layers"``) the user left unset (resolved for
-    the device at enable): the explanation says so instead of calling them explicit."""
+    """The knobs (``"num_slots"``, ``"resident_layers"``, ``"codec"``) the user left unset
+    (resolved for the device at enable): the explanation says so instead of calling them
+    explicit."""
     alone: bool = False
     """Decided by this rank alone (its stacks exchange nothing at enable and only unset
     defaults are automatic: [Note: automatic by default]); else the group-wide numbers."""

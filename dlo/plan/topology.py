@@ -92,7 +92,8 @@ class BlockStack:
     share_size: int = 1
     """Node-shared only: size of that axis's group (the ranks on one node share)."""
     codec: str = "none"
-    """Codec of the stack's host blocks (see [Note: block codecs] in :mod:`dlo.codec.codecs`)."""
+    """Codec of the stack's host blocks (see [Note: block codecs] in :mod:`dlo.codec.codecs`);
+    ``"none"`` for an unset codec until enable resolves it for the device."""
     optional: bool = False
     """An encoder stack found from the encoder's own ``_no_split_modules`` while the policy
     decides residency (``components`` unset, ``resident_layers="auto"``): the policy keeps
@@ -278,6 +279,9 @@ def _finish(
         axis, size = ("local", 1)
         if transfer != "rank-local":
             axis, size = config.weight_group(par, stack.component)
+        # an unset codec (None) is resolved for the device at enable ([Note: automatic by
+        # default] in dlo.config.unset): none until then, as the resident count
+        codec = config.codec_for(stack.component) if config.mode == "layer" else None
         built = BlockStack(
             component=stack.component,
             component_path=stack.component_path,
@@ -285,7 +289,7 @@ def _finish(
             block_paths=tuple(p for p, _ in stack.blocks),
             transfer=transfer,
             num_resident=num_resident,
-            codec=config.codec_for(stack.component) if config.mode == "layer" else "none",
+            codec=codec or "none",
             optional=stack.optional,
             found_by=stack.source,
             **transfer_groups(transfer, axis, size),

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dlo.codec.codecs import codec_available
 from dlo.config.fields import MIB
 from dlo.errors import OffloadError
 from dlo.host.region import HostRegion
@@ -184,6 +185,8 @@ class RankMeasurement:
     """Non-block weight bytes this rank holds (its local shard under HSDP)."""
     non_block_to_place_nbytes: int = 0
     """Of which not yet on the device."""
+    codec_available: bool = True
+    """This process has a block codec (:func:`dlo.codec.codecs.codec_available`)."""
 
 
 def measure_rank(
@@ -215,6 +218,7 @@ def measure_rank(
         m.held_device_nbytes = None if held is None else max(0, held - leaving_nbytes)
         m.shared_memory_nbytes = shared_memory_free_nbytes()
         m.host = host_name()
+        m.codec_available = codec_available(platform)
         m.h2d_bps = h2d_bandwidth(platform, nbytes, pinned=pinned)
     except Exception as e:
         m.ok, m.error = False, f"{type(e).__name__}: {e}"
@@ -269,6 +273,7 @@ def combine(records: Sequence[RankMeasurement]) -> Measurements:
         held_device_nbytes=max(held) if len(held) == len(records) else None,
         shared_memory_nbytes=min(shm) if len(shm) == len(records) else None,
         num_ranks=len(records),
+        codec_available=all(r.codec_available for r in records),
     )
 
 

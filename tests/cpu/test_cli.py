@@ -469,6 +469,20 @@ def test_components_flag_sets_the_config_field(
     assert config_of(*_run_flags(*flags)).components == components
 
 
+@pytest.mark.parametrize(
+    ("flags", "codec"),
+    [([], None), (["--codec", "none"], "none"), (["--codec", "auto"], "auto")],
+)
+def test_codec_flag_is_unset_by_default(flags: list[str], codec: str | None) -> None:
+    """No --codec leaves the codec to the device ([Note: automatic by default]: auto on a
+    GPU, none on a CPU device); a value given, none included, is kept."""
+    from dlo.commands.run_flags import config_of
+
+    args, defaults = _run_flags(*flags)
+    assert defaults["codec"] is None
+    assert config_of(args, defaults).codec == codec
+
+
 def test_hsdp_flags_must_multiply_to_the_world_size_and_say_so() -> None:
     from dlo.commands.run_flags import parallel_of
 

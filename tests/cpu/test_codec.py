@@ -420,3 +420,30 @@ def test_encode_and_restore_go_through_one_pinned_bounce_buffer(
     assert_same(before, model)
     assert (LEDGER.host_nbytes, LEDGER.pinned_nbytes) == (0, 0)
     assert sorted(pf.pinned) == sorted(pf.unpinned)
+
+
+def test_the_platforms_codec_is_measured_with_the_policys_numbers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reference codec is always there; nvCOMP on CUDA only where it is installed, and
+    each rank publishes which at enable (``codec="auto"`` takes "none" without it)."""
+    from dlo.codec import codecs
+    from dlo.errors import OffloadError
+    from dlo.runtime import measure
+
+    class _Cuda:
+        has_streams = True
+
+    def missing() -> Any:
+        raise OffloadError("nvCOMP is not installed")
+
+    assert codecs.codec_available(CpuPlatform())
+    monkeypatch.setattr(codecs, "import_nvcomp", missing)
+    assert not codecs.codec_available(_Cuda())  # type: ignore[arg-type]
+    monkeypatch.setattr(codecs, "import_nvcomp", lambda: object())
+    assert codecs.codec_available(_Cuda())  # type: ignore[arg-type]
+    mine = measure.measure_rank(CpuPlatform(), rank=0, nbytes=1 << 20, pinned=False, groups={})
+    assert mine.ok and mine.codec_available
+    monkeypatch.setattr(measure, "codec_available", lambda platform: False)
+    mine = measure.measure_rank(CpuPlatform(), rank=0, nbytes=1 << 20, pinned=False, groups={})
+    assert mine.ok and not mine.codec_available

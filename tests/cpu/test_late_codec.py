@@ -15,10 +15,12 @@ import pytest
 import torch
 
 import dlo
+import dlo.config.unset as unset
 import dlo.runtime.late_codec as late_codec
 from dlo.commands.pipeline_calls import resident_reference
 from dlo.host.region import LEDGER
 from dlo.plan.policy_explain import replans_explained
+from dlo.platform.device import CpuPlatform
 from dlo.runtime.late_codec import LateCodec
 from tests.cpu.test_adapters_streaming import flux_call, folder, loras
 from tests.cpu.test_codec import _run
@@ -33,7 +35,7 @@ def bound(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(late_codec, "transfer_bound", lambda forward_ms, exposed_ms: True)
 
 
-def _enable(model: torch.nn.Module, codec: str = "auto") -> Any:
+def _enable(model: torch.nn.Module, codec: str | None = "auto") -> Any:
     b = dlo.enable_offload(model, dlo.OffloadConfig(mode="layer", codec=codec), device="cpu")
     assert b is not None
     return b
@@ -102,6 +104,37 @@ def test_an_explicit_codec_is_never_changed(bound: None) -> None:
     _run(model, 4)
     assert b.stats()["decoded_nbytes"] == 0
     b.disable()
+
+
+def test_an_unset_codec_is_measured_on_a_gpu_never_on_a_cpu_device(
+    bound: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: automatic by default]: an unset codec is "none" on a CPU device (no late codec),
+    "auto" on a GPU (faked: its defaults on the CPU platform), where the ring is encoded and
+    switched as with an explicit "auto"; an explicit "none" is never measured there."""
+    model = ToyDiT(5)
+    resident = clone(model)
+    ref = _run(resident, 4) + _run(resident, 3)
+    b = _enable(model, codec=None)
+    assert _ring_late(b) is None and b.stats()["codec_late"] == {}
+    b.disable()
+    monkeypatch.setattr(unset, "device_values", lambda _: dict.fromkeys(unset.UNSET_FIELDS, "auto"))
+    monkeypatch.setattr(CpuPlatform, "free_memory", lambda self: 0)  # no block kept: all stream
+    b = _enable(model, codec="none")
+    assert _ring_late(b) is None
+    b.disable()
+    b = _enable(model, codec=None)
+    assert b.stats()["codec"] == "none"  # enable could not tell: no compute time given
+    out = _encoded_once(b, model, ref)
+    assert all(torch.equal(x, y) for x, y in zip(ref, out))
+    assert b.stats()["codec_late"] == {"": "on"} and b.stats()["decoded_nbytes"] > 0
+    b.disable()
+
+
+def _ring_late(b: Any) -> Any:
+    (ring,) = b._scheduler.rings
+    assert ring.replanner is not None  # re-planned: the late codec's only precondition left
+    return ring.replanner.late
 
 
 class _Writes(ToyBlock):

@@ -393,7 +393,13 @@ def test_run_explain_in_process(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_run_explain_without_automatic_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--steps", "1", "--device", "cpu", "--explain"]) == 0
-    assert "nothing automatic" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "nothing automatic" in out
+    assert "codec=none (unset: a CPU device's default)" in out  # [Note: automatic by default]
+    assert " codec=" not in out.splitlines()[0]  # the header: given values only
+    assert main(["run", "--steps", "1", "--device", "cpu", "--explain", "--codec", "none"]) == 0
+    out = capsys.readouterr().out
+    assert "nothing automatic" in out and "codec=none (pass" in out  # given: no "unset"
 
 
 @pytest.mark.parametrize("given", ["0", "1"])

@@ -22,6 +22,11 @@ BUDGET_GB = 3.5
 """Enable keeps a fifth of it for activations and streams about 7 blocks; a re-plan keeps
 its margin (256 MiB) and reserve (5%) and pins some of them."""
 
+DEFAULTS: dict[str, Any] = {"device_budget_gb": BUDGET_GB, "codec": "none"}
+"""The automatic defaults under the budget, but the codec: these tests are the re-plans'
+(an unset codec is "auto" on a GPU since 2026-12-07, and the 256-row forwards wait on their
+copies, so it would turn on between forwards: tests/gpu/test_late_codec_gpu.py)."""
+
 
 def _model(seed: int = 0) -> ToyDiT:
     torch.manual_seed(seed)
@@ -61,7 +66,7 @@ def test_budgeted_defaults_pin_unpin_and_stay_bitwise(compile_blocks: bool) -> N
     if compile_blocks:
         for b in model.blocks:
             b.compile(dynamic=False)
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(device_budget_gb=BUDGET_GB), device=DEV)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(**DEFAULTS), device=DEV)
     try:
         st = _stats(backend)
         kept = st["num_pinned_blocks"]  # the policy's kept blocks: pins in the ring
@@ -99,7 +104,7 @@ def test_a_larger_forward_unpins_what_enable_kept_instead_of_failing() -> None:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     model = _model()
-    backend = dlo.enable_offload(model, dlo.OffloadConfig(device_budget_gb=BUDGET_GB), device=DEV)
+    backend = dlo.enable_offload(model, dlo.OffloadConfig(**DEFAULTS), device=DEV)
     try:
         kept = _stats(backend)["num_pinned_blocks"]
         pinned = []

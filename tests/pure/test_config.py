@@ -394,6 +394,8 @@ def test_layer_options_must_be_selected_by_components() -> None:
         ("weight_axis", "local"),
         ("block_compute_ms", 5.0),
         ("transfer", "node-shared"),
+        ("codec", "ans"),
+        ("codec", "auto"),
     ],
 )
 def test_mode_module_refuses_layer_only_fields(name: str, value: Any) -> None:
@@ -404,6 +406,14 @@ def test_mode_module_refuses_layer_only_fields(name: str, value: Any) -> None:
 def test_mode_module_accepts_shared_fields() -> None:
     cfg = OffloadConfig(mode="module", pin_memory=False, collective_timeout_s=5.0)
     assert cfg.strategy == "module" and cfg.pin_memory is False
+
+
+def test_mode_module_accepts_the_layer_fields_unset_or_at_their_old_defaults() -> None:
+    """The fields unset by default ([Note: automatic by default]) may also be given at the
+    value they had before, which a module swap ignores as it did then."""
+    assert OffloadConfig(mode="module").codec is None
+    old = OffloadConfig(mode="module", resident_layers=0, num_slots=2, codec="none")
+    assert (old.resident_layers, old.num_slots, old.codec) == (0, 2, "none")
 
 
 @pytest.mark.parametrize(
@@ -881,6 +891,7 @@ def test_from_dict_round_trips_every_field() -> None:
         weight_axis="data",
         collective_timeout_s=7.0,
         verify_block_sequence=False,
+        codec="auto",
     )
     data = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
     data["layer_options"] = {k: dataclasses.asdict(v) for k, v in cfg.layer_options.items()}
@@ -1025,6 +1036,17 @@ def test_hsdp_sizes_alone_give_the_data_parallel_size() -> None:
         ParallelConfig(data_parallel_size=2, hsdp_replicate_size=2, hsdp_shard_size=2)
 
 
+@pytest.mark.parametrize("codec", [None, "none", "auto", "ans"])
+def test_from_dict_keeps_the_codec_unset_or_as_given(codec: str | None) -> None:
+    """An unset codec stays unset through from_dict and repr (the device decides at enable);
+    a value given, "none" included, is kept."""
+    data = {"mode": "layer"} if codec is None else {"mode": "layer", "codec": codec}
+    cfg = OffloadConfig.from_dict(data)
+    assert cfg.codec == codec and cfg.codec_for("dit") == codec
+    assert f"codec={codec!r}" in repr(cfg)
+    assert OffloadConfig.from_dict(json.loads(json.dumps(data))) == cfg
+
+
 def test_from_dict_does_not_mutate_input() -> None:
     data: dict[str, Any] = {"mode": "layer", "components": ["dit"]}
     OffloadConfig.from_dict(data)
@@ -1048,6 +1070,8 @@ def test_from_dict_legacy_only(legacy: dict[str, Any], expected: tuple[str, str]
     cfg = OffloadConfig.from_dict(legacy)
     assert (cfg.mode, cfg.transfer) == expected
     assert cfg == OffloadConfig.from_flags(**legacy)
+    # the flags keep their historical meaning on a GPU too: no codec, never measured
+    assert cfg.codec == "none" and for_device(cfg, "cuda").codec == "none"
 
 
 def test_from_dict_legacy_only_validates_like_from_flags() -> None:
@@ -1227,34 +1251,38 @@ def test_counts_beyond_any_model_are_refused_naming_the_field(name: str, bound: 
 @pytest.mark.parametrize(
     "given, device, want",
     [
-        ({}, "cuda", ("auto", "auto")),  # a GPU: the policy decides
-        ({}, "cpu", (0, 2)),  # a CPU device: every block streams through 2 slots
-        ({"device_budget_gb": 1.0}, "cpu", ("auto", 2)),  # the budget sizes resident blocks
-        ({"device_budget_gb": 1.0, "resident_layers": 0}, "cuda", (0, "auto")),  # kept
-        ({"resident_layers": 3}, "cuda", (3, "auto")),  # a value given is kept
-        ({"num_slots": 4}, "cuda", ("auto", 4)),
-        ({"resident_layers": "auto", "num_slots": "auto"}, "cpu", ("auto", "auto")),
-        ({"resident_layers": 0, "num_slots": 2}, "cuda", (0, 2)),
-        ({"components": ("encoder",)}, "cuda", (0, "auto")),  # no DiT: no resident blocks
-        ({"layer_options": {"dit": {"resident_layers": 2}}}, "cuda", ("auto", "auto")),
+        ({}, "cuda", ("auto", "auto", "auto")),  # a GPU: the policy decides
+        ({}, "cpu", (0, 2, "none")),  # a CPU device: every block streams raw through 2 slots
+        ({"device_budget_gb": 1.0}, "cpu", ("auto", 2, "none")),  # the budget sizes residency
+        ({"device_budget_gb": 1.0, "resident_layers": 0}, "cuda", (0, "auto", "auto")),  # kept
+        ({"resident_layers": 3}, "cuda", (3, "auto", "auto")),  # a value given is kept
+        ({"num_slots": 4}, "cuda", ("auto", 4, "auto")),
+        ({"resident_layers": "auto", "num_slots": "auto"}, "cpu", ("auto", "auto", "none")),
+        ({"resident_layers": 0, "num_slots": 2}, "cuda", (0, 2, "auto")),
+        ({"components": ("encoder",)}, "cuda", (0, "auto", "auto")),  # no DiT: none resident
+        ({"layer_options": {"dit": {"resident_layers": 2}}}, "cuda", ("auto", "auto", "auto")),
+        ({"codec": "none"}, "cuda", ("auto", "auto", "none")),  # never encoded on a GPU
+        ({"codec": "auto"}, "cpu", (0, 2, "auto")),  # measured on a CPU device too
+        ({"codec": "ans"}, "cuda", ("auto", "auto", "ans")),
+        ({"layer_options": {"dit": {"codec": "none"}}}, "cuda", ("auto", "auto", "auto")),
     ],
 )
-def test_unset_residency_and_slots_resolve_per_device(
-    given: dict[str, Any], device: str, want: tuple[Any, Any]
+def test_unset_residency_slots_and_codec_resolve_per_device(
+    given: dict[str, Any], device: str, want: tuple[Any, Any, Any]
 ) -> None:
     """[Note: automatic by default]: unset values become "auto" on a GPU and the streaming
     defaults on a CPU device; values given are never changed."""
     cfg = OffloadConfig(**given)
     got = for_device(cfg, device)
-    assert (got.resident_layers, got.num_slots) == want
-    assert got.resident_layers_for("dit") == given.get("layer_options", {}).get("dit", {}).get(
-        "resident_layers", got.resident_layers
-    )  # a per-component value wins over the filled one
-    assert unset_fields(cfg) == {n for n in ("resident_layers", "num_slots") if n not in given} - (
-        {"resident_layers"} if "layer_options" in given else set()
-    )
-    assert (cfg.resident_layers, cfg.num_slots) == (
-        given.get("resident_layers"),
-        given.get("num_slots"),
+    assert (got.resident_layers, got.num_slots, got.codec) == want
+    dit = given.get("layer_options", {}).get("dit", {})
+    assert got.resident_layers_for("dit") == dit.get("resident_layers", got.resident_layers)
+    assert got.codec_for("dit") == dit.get("codec", got.codec)  # a per-component value wins
+    assert got.codec_for("encoder") == got.codec
+    per_component = {n for n in ("resident_layers", "codec") if n in dit}
+    fields = ("resident_layers", "num_slots", "codec")
+    assert unset_fields(cfg) == {n for n in fields if n not in given} - per_component
+    assert (cfg.resident_layers, cfg.num_slots, cfg.codec) == tuple(
+        given.get(n) for n in fields
     )  # the config itself is unchanged
     assert for_device(OffloadConfig(mode="module"), device) == OffloadConfig(mode="module")

@@ -696,6 +696,32 @@ def test_an_explicit_codec_is_kept() -> None:
     stack = dataclasses.replace(_stack(transfer="rank-local", group_size=1), codec="ans")
     c = decide(_input(stack, block_compute_s=1.0)).stacks[0]
     assert (c.codec, c.codec_reason) == ("ans", "explicit")
+    # an unset codec resolved for a CPU device ([Note: automatic by default]) says so
+    stack = dataclasses.replace(stack, codec="none")
+    d = decide(_input(stack, block_compute_s=1e-4, defaults=frozenset({"codec"})))
+    reason = "unset: a CPU device's default; codec='auto' decides it"
+    assert (d.stacks[0].codec, d.stacks[0].codec_reason) == ("none", reason)
+    assert f"codec none ({reason})" in d.explanation
+
+
+def test_auto_codec_takes_none_where_a_rank_has_no_codec() -> None:
+    """On a GPU without nvCOMP (on any rank) "auto", given or the GPU's default, is "none"
+    at enable: "ans" there would fail the enable."""
+    from dlo.runtime.measure import RankMeasurement, combine
+
+    stack = dataclasses.replace(_stack(transfer="rank-local", group_size=1), codec="auto")
+    inp = _input(stack, block_compute_s=0.5e-3)  # the copy outlasts the compute
+    assert decide(inp).stacks[0].codec == "ans"
+    inp = dataclasses.replace(
+        inp, measured=dataclasses.replace(inp.measured, codec_available=False)
+    )
+    c = decide(inp).stacks[0]
+    assert (c.codec, c.codec_reason) == (
+        "none",
+        "auto: no codec on this platform (nvCOMP is not installed)",
+    )
+    recs = [RankMeasurement(0, h2d_bps=H), RankMeasurement(1, h2d_bps=H, codec_available=False)]
+    assert combine(recs[:1]).codec_available and not combine(recs).codec_available
 
 
 def test_the_decode_staging_buffers_are_in_the_device_model() -> None:
@@ -795,3 +821,13 @@ def test_an_explicit_resident_count_is_kept_under_a_budget_and_must_fit(r: int) 
     assert d.resident_layers == r and d.stacks[0].num_resident == r
     with pytest.raises(ValueError, match=r"device_budget_gb=1\.0 cannot hold .* a budget of"):
         decide(_input(stack(r + 1), free=80 * GIB, resident_layers=r + 1, device_budget_gb=1.0))
+
+
+def test_the_rings_whose_codec_was_turned_on_are_settled() -> None:
+    """``dlo run``'s settled line names the rings whose codec a measurement turned on."""
+    from dlo.plan.policy_explain import late_codecs
+
+    assert late_codecs({}) == [] and late_codecs({"": "watching", "t": "off"}) == []
+    assert late_codecs({"transformer": "on", "": "on", "t2": "encoding"}) == [
+        "codec=ans by measurement (the model, transformer)"
+    ]
