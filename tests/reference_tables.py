@@ -167,7 +167,7 @@ def _cli_default(action: argparse.Action) -> str:
     if action.nargs == 0:
         return "on" if action.default else "off"
     if action.default is None:
-        return "none"
+        return "unset"
     return "`" + str(action.default).replace("|", "\\|") + "`"
 
 

@@ -54,7 +54,7 @@ import torch
 from dlo.config.fields import COMPONENTS, GIB
 from dlo.config.offload import LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.config.unset import for_device, given_only, unset_fields
+from dlo.config.unset import for_device, given_only, is_automatic, unset_fields
 from dlo.errors import OffloadError
 from dlo.hooks.foreign import is_dtensor
 from dlo.journal import Journal, atomic
@@ -91,17 +91,6 @@ def cap_to_budget(
 
 def _nothing() -> None:
     return None
-
-
-def is_automatic(cfg: OffloadConfig) -> bool:
-    """Whether ``cfg`` leaves anything for the policy to decide."""
-    return (
-        any(cfg.transfer_for(k) == "auto" for k in COMPONENTS)
-        or cfg.resident_layers_for("dit") == "auto"
-        or cfg.num_slots == "auto"
-        or cfg.device_budget_gb is not None
-        or any(cfg.codec_for(k) == "auto" for k in COMPONENTS)
-    )
 
 
 def requested_settings(cfg: OffloadConfig) -> tuple[tuple[str, Any], ...]:

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from dlo import faults
-from dlo.backends.auto import agree_requests, cap_to_budget, is_automatic, resolve_automatic
+from dlo.backends.auto import agree_requests, cap_to_budget, resolve_automatic
 from dlo.backends.base import OffloadBackend, claim_components
 from dlo.backends.layer_block import LayerBlock
 from dlo.backends.layer_host import LayerHost
@@ -69,7 +69,7 @@ from dlo.backends.model_hooks import check_not_released
 from dlo.backends.replan_setup import replan_setup
 from dlo.config.offload import OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.config.unset import for_device
+from dlo.config.unset import for_device, is_automatic
 from dlo.errors import BackendPoisonedError, OffloadError
 from dlo.host.fingerprint import exchanged_prints
 from dlo.host.region import HostRegion

@@ -22,7 +22,7 @@ from typing import Any
 
 from dlo.backends.layer_block import LayerBlock
 from dlo.config.offload import OffloadConfig
-from dlo.config.unset import for_device
+from dlo.config.unset import codec_by_measurement
 from dlo.hooks.foreign import foreign_offloader
 from dlo.hooks.registry import HookRegistry
 from dlo.journal import Journal
@@ -112,7 +112,7 @@ def replan_setup(
     # unset on a GPU, without a compute time), and no host or pin budget would be overrun by
     # the encoded copies
     late = (
-        for_device(requested, device_type).codec_for("dit") == "auto"
+        codec_by_measurement(requested, device_type)
         and requested.block_compute_ms is None
         and requested.host_budget_gb is None
         and requested.pin_budget_gb is None

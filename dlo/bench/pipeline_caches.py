@@ -330,9 +330,9 @@ def markdown(report: dict[str, Any]) -> str:
         )
     compute = _denoise(rows, "resident", report["threshold"])
     group = _denoise(rows, "diffusers-group", report["threshold"])
-    dlo = [r for r in rows if r["method"] == "dlo" and "failed" not in r]
+    dlo = [r for r in rows if r["method"] == "dlo"]  # call i is the i-th row
     for i, r in enumerate(dlo):
-        if i >= len(compute):
+        if "failed" in r or i >= len(compute):
             continue
         ran = r["denoise_h2d_nbytes"] - r["denoise_wasted_nbytes"]  # the blocks that ran
         transfer = ran / (report["h2d_pinned_GBps"] * GB) * 1e3

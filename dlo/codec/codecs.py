@@ -22,6 +22,7 @@ the first step does not pay it.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import Any, Protocol
 
@@ -29,6 +30,8 @@ import torch
 
 from dlo.errors import OffloadError
 from dlo.platform.device import Platform
+
+logger = logging.getLogger(__name__)
 
 
 class Codec(Protocol):
@@ -153,12 +156,15 @@ def import_nvcomp() -> Any:
 
 def codec_available(platform: Platform) -> bool:
     """Whether this process can encode and decode blocks on ``platform``: the reference codec
-    always (no device streams), nvCOMP's where it is installed."""
+    always (no device streams), nvCOMP's where it is installed and imports (a broken install,
+    whatever its import raises, is no codec: the default never fails an enable for want of an
+    optional package)."""
     if not platform.has_streams:
         return True
     try:
         import_nvcomp()
-    except OffloadError:
+    except Exception as e:  # an ImportError (OffloadError), or a broken library's OSError
+        logger.debug("dlo: no device codec: %r", e)
         return False
     return True
 

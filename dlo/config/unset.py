@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlo.config.fields import COMPONENTS
 from dlo.config.offload import OffloadConfig
 
 UNSET_FIELDS = ("resident_layers", "num_slots", "codec")
@@ -72,11 +73,38 @@ def for_device(cfg: OffloadConfig, device_type: str) -> OffloadConfig:
     """``cfg`` with its unset fields resolved for ``device_type`` (:func:`device_values`);
     with a ``device_budget_gb`` an unset ``resident_layers`` is ``"auto"`` on any device (the
     budget sizes it). ``resident_layers`` is 0 where the config selects no DiT (resident
-    blocks are DiT blocks). Values given, ``"auto"`` included, are kept."""
+    blocks are DiT blocks). An unset codec is ``"auto"`` at enable only where the policy runs
+    anyway or has ``block_compute_ms`` to decide with; elsewhere enable's answer could only be
+    ``"none"``, and a config whose other fields are all given must not run the policy for it
+    (it would probe, and decide the transfer of a stack the user set: a node-shared stack
+    with a host budget was made rank-local instead of refused); the late codec still follows
+    it (:func:`codec_by_measurement`). Values given, ``"auto"`` included, are kept."""
     values = device_values(device_type)
     if cfg.device_budget_gb is not None:
         values["resident_layers"] = "auto"
+    only_codec = not is_automatic(_filled(cfg, {**values, "codec": "none"}))
+    if values["codec"] == "auto" and cfg.block_compute_ms is None and only_codec:
+        values["codec"] = "none"
     return _filled(cfg, values)
+
+
+def codec_by_measurement(requested: OffloadConfig, device_type: str) -> bool:
+    """Whether a DiT's codec may be turned on by measurement between forwards ([Note: codec
+    turned on by measurement] in :mod:`dlo.runtime.late_codec`): asked as ``"auto"``, or left
+    unset on a GPU; never an explicit other value, nor unset on a CPU device."""
+    codec = requested.codec_for("dit")
+    return codec == "auto" or (codec is None and device_values(device_type)["codec"] == "auto")
+
+
+def is_automatic(cfg: OffloadConfig) -> bool:
+    """Whether ``cfg`` (its unset fields resolved) leaves anything for the policy to decide."""
+    return (
+        any(cfg.transfer_for(k) == "auto" for k in COMPONENTS)
+        or cfg.resident_layers_for("dit") == "auto"
+        or cfg.num_slots == "auto"
+        or cfg.device_budget_gb is not None
+        or any(cfg.codec_for(k) == "auto" for k in COMPONENTS)
+    )
 
 
 def given_only(cfg: OffloadConfig) -> OffloadConfig:

@@ -267,20 +267,21 @@ def spread_order(n: int) -> list[int]:
 
 def streaming_order(blocks: Sequence[Block]) -> list[int]:
     """The indices of ``blocks`` in the order :func:`choose` streams them: smallest first,
-    spread evenly over the ring's order among blocks of one size, the first of each size
-    last (the ring's first block runs in every forward, a step cache's skipped ones
-    included, and its copy has no pinned block of the same forward to hide behind). The
-    plans of one ring are therefore nested: one that streams fewer blocks pins every block
-    another pins."""
+    spread evenly over the ring's order among blocks of one size, the ring's first block
+    after every other (it runs in every forward, a step cache's skipped ones included, and
+    its copy has no pinned block of the same forward to hide behind). The plans of one ring
+    are therefore nested: one that streams fewer blocks pins every block another pins."""
     by_size: dict[int, list[int]] = {}
     for i, b in enumerate(blocks):
-        by_size.setdefault(b.nbytes, []).append(i)
-    return [
+        if i:
+            by_size.setdefault(b.nbytes, []).append(i)
+    order = [
         group[j]
         for size in sorted(by_size)
         for group in [by_size[size]]
-        for j in [1 + k for k in spread_order(len(group) - 1)] + [0]
+        for j in spread_order(len(group))
     ]
+    return [*order, 0] if blocks else order
 
 
 def choose(

@@ -440,6 +440,12 @@ def test_the_platforms_codec_is_measured_with_the_policys_numbers(
     assert codecs.codec_available(CpuPlatform())
     monkeypatch.setattr(codecs, "import_nvcomp", missing)
     assert not codecs.codec_available(_Cuda())  # type: ignore[arg-type]
+
+    def broken() -> Any:  # installed, but its library fails to load: no codec, no failure
+        raise OSError("libnvcomp.so.6: cannot open shared object file")
+
+    monkeypatch.setattr(codecs, "import_nvcomp", broken)
+    assert not codecs.codec_available(_Cuda())  # type: ignore[arg-type]
     monkeypatch.setattr(codecs, "import_nvcomp", lambda: object())
     assert codecs.codec_available(_Cuda())  # type: ignore[arg-type]
     mine = measure.measure_rank(CpuPlatform(), rank=0, nbytes=1 << 20, pinned=False, groups={})

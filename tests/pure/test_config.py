@@ -17,7 +17,7 @@ import dlo
 from dlo.config.fields import COMPONENTS, MODES, PIN_FAILURE_POLICIES, TRANSFERS, WEIGHT_AXES
 from dlo.config.offload import LEGACY_FLAG_DEFAULTS, LayerOptions, OffloadConfig
 from dlo.config.parallel import ParallelConfig
-from dlo.config.unset import for_device, unset_fields
+from dlo.config.unset import codec_by_measurement, for_device, unset_fields
 
 
 @contextlib.contextmanager
@@ -1258,7 +1258,11 @@ def test_counts_beyond_any_model_are_refused_naming_the_field(name: str, bound: 
         ({"resident_layers": 3}, "cuda", (3, "auto", "auto")),  # a value given is kept
         ({"num_slots": 4}, "cuda", ("auto", 4, "auto")),
         ({"resident_layers": "auto", "num_slots": "auto"}, "cpu", ("auto", "auto", "none")),
-        ({"resident_layers": 0, "num_slots": 2}, "cuda", (0, 2, "auto")),
+        # nothing else left to the policy: enable's codec could only be "none", and the
+        # policy must not run for it (the late codec still may: codec_by_measurement)
+        ({"resident_layers": 0, "num_slots": 2}, "cuda", (0, 2, "none")),
+        ({"resident_layers": 0, "num_slots": 2, "block_compute_ms": 3.0}, "cuda", (0, 2, "auto")),
+        ({"resident_layers": 0, "num_slots": 2, "transfer": "auto"}, "cuda", (0, 2, "auto")),
         ({"components": ("encoder",)}, "cuda", (0, "auto", "auto")),  # no DiT: none resident
         ({"layer_options": {"dit": {"resident_layers": 2}}}, "cuda", ("auto", "auto", "auto")),
         ({"codec": "none"}, "cuda", ("auto", "auto", "none")),  # never encoded on a GPU
@@ -1286,3 +1290,23 @@ def test_unset_residency_slots_and_codec_resolve_per_device(
         given.get(n) for n in fields
     )  # the config itself is unchanged
     assert for_device(OffloadConfig(mode="module"), device) == OffloadConfig(mode="module")
+
+
+@pytest.mark.parametrize(
+    "given, device, want",
+    [
+        ({}, "cuda", True),
+        ({"resident_layers": 0, "num_slots": 2}, "cuda", True),  # enable's codec: "none"
+        ({}, "cpu", False),
+        ({"codec": "auto"}, "cpu", True),
+        ({"codec": "none"}, "cuda", False),
+        ({"codec": "ans"}, "cuda", False),
+        ({"layer_options": {"dit": {"codec": "none"}}}, "cuda", False),
+    ],
+)
+def test_the_codec_turned_on_by_measurement_follows_an_unset_or_auto_codec(
+    given: dict[str, Any], device: str, want: bool
+) -> None:
+    """An unset codec on a GPU leaves the codec to measurement even where enable resolves
+    it to "none" without running the policy; an explicit value, "none" above all, never."""
+    assert codec_by_measurement(OffloadConfig(**given), device) is want

@@ -27,8 +27,11 @@ def test_streaming_order_spreads_and_streams_the_first_block_of_each_size_last()
     it is the last of its size to stream; the others spread as :func:`spread_order`."""
     blocks = [Block(f"b{i}", 100) for i in range(8)]
     assert replan.streaming_order(blocks) == [1, 5, 3, 7, 2, 6, 4, 0]
-    order = replan.streaming_order(FLUX)  # single.0 (19) last of the singles, double.0 last
-    assert order[:38][-1] == 19 and order[-1] == 0 and sorted(order) == list(range(57))
+    order = replan.streaming_order(FLUX)  # the singles first (single.0 too), double.0 last
+    assert order[0] == 19 and order[-1] == 0 and sorted(order) == list(range(57))
+    assert {FLUX[i].name.split(".")[0] for i in order[:38]} == {"single"}
+    small_first = [Block("big", 300), *(Block(f"s{i}", 100) for i in range(3))]
+    assert replan.streaming_order(small_first) == [1, 3, 2, 0]  # block 0 last, however small
     assert replan.streaming_order([Block("only", 1)]) == [0]
     plan = replan.choose(blocks, 600, num_slots=2, floor_slot_nbytes=0)  # 4 pins + 2 slots
     assert plan.pinned == {"b0", "b2", "b4", "b6"}
