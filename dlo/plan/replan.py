@@ -38,9 +38,9 @@ absorbs fragmentation. Blocks are pinned while the room holds them; the blocks t
 are chosen smallest first (so the slots are as small as they can be), spread evenly over
 the ring's order among blocks of one size (a streamed block's copy then overlaps the
 compute of the pinned blocks before it), the ring's first block last: it runs in every
-forward, also where a step cache skips the rest, and its copy has only the previous
-forward's tail to hide behind (it streamed first before 2026-12-07: a Wan2.1-14B step that
-FirstBlockCache cut to its first block took 14.4 ms against 10.7 ms resident, H100). Before
+forward, also where a step cache skips the rest, its copy has only the previous forward's
+tail to hide behind, and streamed it keeps one of the slots the others stream through (it
+streamed first before 2026-12-07). Before
 a forward larger than any seen, pinned blocks are unpinned until it fits, and where
 streaming every block does not fit either, they stream through one slot (no prefetch) until
 the room comes back. A forward that cannot fit

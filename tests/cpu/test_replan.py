@@ -574,3 +574,30 @@ def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
         new_pins = len(after) - len(at_enable)
         assert _stats(backend)[3] - loads == new_pins + (16 - len(after))
         assert replan.streaming_order([replan.Block(str(i), 1) for i in range(16)])[-1] == 0
+
+
+def test_a_forward_that_runs_only_the_first_block_loads_nothing(
+    monkeypatch: pytest.MonkeyPatch, exact: None
+) -> None:
+    """A step cache's skipped step runs the ring's first block and skips the rest: with that
+    block pinned first, such a forward loads nothing but prefetches it then wastes (before
+    2026-12-07 the first block streamed first: loaded once here, then kept in a slot)."""
+    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
+    model = ToyDiT(16)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    cfg = dlo.OffloadConfig(device_budget_gb=6 * BLOCK / 0.8 / 2**30)
+    with _enabled(model, cfg, fake) as backend:
+        for seed in range(2):  # a full forward, then the re-plan's
+            _run(model, ref, x(2, seed=seed))
+        ring = backend._state.scheduler.rings[0]
+        streamed = [b for b in ring.blocks if b.own is None]
+        assert streamed and ring.blocks[0].own is not None
+        model.skip = ref.skip = set(range(1, 16))  # the cache's decision: skip the rest
+        before = backend.stats()
+        for seed in range(2, 6):
+            _run(model, ref, x(2, seed=seed))
+        after = backend.stats()
+        loads = after["num_loads"] - before["num_loads"]
+        wasted = after["num_wasted_loads"] - before["num_wasted_loads"]
+        assert loads == wasted <= 4, (loads, wasted)  # only prefetches the skip made useless
