@@ -82,8 +82,11 @@ def for_device(cfg: OffloadConfig, device_type: str) -> OffloadConfig:
     values = device_values(device_type)
     if cfg.device_budget_gb is not None:
         values["resident_layers"] = "auto"
-    only_codec = not is_automatic(_filled(cfg, {**values, "codec": "none"}))
-    if values["codec"] == "auto" and cfg.block_compute_ms is None and only_codec:
+    if (
+        values["codec"] == "auto"
+        and cfg.block_compute_ms is None
+        and not is_automatic(_filled(cfg, {**values, "codec": "none"}))  # only the codec is
+    ):
         values["codec"] = "none"
     return _filled(cfg, values)
 

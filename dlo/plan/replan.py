@@ -40,11 +40,10 @@ the ring's order among blocks of one size (a streamed block's copy then overlaps
 compute of the pinned blocks before it), the ring's first block last: it runs in every
 forward, also where a step cache skips the rest, its copy has only the previous forward's
 tail to hide behind, and streamed it keeps one of the slots the others stream through (it
-streamed first before 2026-12-07). Before
-a forward larger than any seen, pinned blocks are unpinned until it fits, and where
-streaming every block does not fit either, they stream through one slot (no prefetch) until
-the room comes back. A forward that cannot fit
-even so is refused before its first block runs (:class:`Refusal`), but only on a growth
+streamed first before 2026-12-07). Before a forward larger than any seen, pinned blocks are
+unpinned until it fits, and where streaming every block does not fit either, they stream
+through one slot (no prefetch) until the room comes back. A forward that cannot fit even so
+is refused before its first block runs (:class:`Refusal`), but only on a growth
 measured exactly (a bound is not evidence that it cannot fit).
 
 What no measurement covers yet is kept free too, ``INPUT_RESERVE`` of the limit on top of

@@ -544,6 +544,18 @@ def test_where_pins_cannot_work_the_policys_blocks_stay_resident(
         _run(model, ref, x(2, seed=1))
 
 
+def _sixteen_blocks_six_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[FakeMemory, ToyDiT, ToyDiT, dlo.OffloadConfig]:
+    """16 blocks, a budget whose usable room is 6 blocks (slots included) at enable, and a
+    measured room of 8 blocks."""
+    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
+    model = ToyDiT(16)
+    ref = clone(model)
+    fake.watch(list(model.blocks))
+    return fake, model, ref, dlo.OffloadConfig(device_budget_gb=6 * BLOCK / 0.8 / 2**30)
+
+
 def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
     monkeypatch: pytest.MonkeyPatch, exact: None
 ) -> None:
@@ -551,11 +563,7 @@ def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
     ring, block 0 pinned first), so the first re-plan that pins more keeps every pin and
     loads only the new ones (H200, 2026-12-06: leading pins at enable made the first re-plan
     reload 13 of 26 pins, a 181 ms stall in the first step)."""
-    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
-    model = ToyDiT(16)
-    ref = clone(model)
-    fake.watch(list(model.blocks))
-    cfg = dlo.OffloadConfig(device_budget_gb=6 * BLOCK / 0.8 / 2**30)
+    fake, model, ref, cfg = _sixteen_blocks_six_kept(monkeypatch)
 
     def pinned(backend: Any) -> set[int]:
         ring = backend._state.scheduler.rings[0]
@@ -582,11 +590,7 @@ def test_a_forward_that_runs_only_the_first_block_loads_nothing(
     """A step cache's skipped step runs the ring's first block and skips the rest: with that
     block pinned first, such a forward loads nothing but prefetches it then wastes (before
     2026-12-07 the first block streamed first: loaded once here, then kept in a slot)."""
-    fake = _fake(monkeypatch, _limit(2, 8 * BLOCK))
-    model = ToyDiT(16)
-    ref = clone(model)
-    fake.watch(list(model.blocks))
-    cfg = dlo.OffloadConfig(device_budget_gb=6 * BLOCK / 0.8 / 2**30)
+    fake, model, ref, cfg = _sixteen_blocks_six_kept(monkeypatch)
     with _enabled(model, cfg, fake) as backend:
         for seed in range(2):  # a full forward, then the re-plan's
             _run(model, ref, x(2, seed=seed))
