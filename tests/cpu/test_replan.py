@@ -544,7 +544,7 @@ def test_where_pins_cannot_work_the_policys_blocks_stay_resident(
         _run(model, ref, x(2, seed=1))
 
 
-def _sixteen_blocks_six_kept(
+def _sixteen_blocks_tight_room(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[FakeMemory, ToyDiT, ToyDiT, dlo.OffloadConfig]:
     """16 blocks, a budget whose usable room is 6 blocks (slots included) at enable, and a
@@ -563,7 +563,7 @@ def test_pins_are_spread_from_enable_and_a_growing_replan_loads_only_new_ones(
     ring, block 0 pinned first), so the first re-plan that pins more keeps every pin and
     loads only the new ones (H200, 2026-12-06: leading pins at enable made the first re-plan
     reload 13 of 26 pins, a 181 ms stall in the first step)."""
-    fake, model, ref, cfg = _sixteen_blocks_six_kept(monkeypatch)
+    fake, model, ref, cfg = _sixteen_blocks_tight_room(monkeypatch)
 
     def pinned(backend: Any) -> set[int]:
         ring = backend._state.scheduler.rings[0]
@@ -590,7 +590,7 @@ def test_a_forward_that_runs_only_the_first_block_loads_nothing(
     """A step cache's skipped step runs the ring's first block and skips the rest: with that
     block pinned first, such a forward loads nothing but prefetches it then wastes (before
     2026-12-07 the first block streamed first: loaded once here, then kept in a slot)."""
-    fake, model, ref, cfg = _sixteen_blocks_six_kept(monkeypatch)
+    fake, model, ref, cfg = _sixteen_blocks_tight_room(monkeypatch)
     with _enabled(model, cfg, fake) as backend:
         for seed in range(2):  # a full forward, then the re-plan's
             _run(model, ref, x(2, seed=seed))
